@@ -1,0 +1,33 @@
+// Helpers shared by the CUDA handlers of every primitive.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "ffi_common.h"
+
+namespace jaxdet {
+
+inline ffi::Error cuda_error(const char* op, cudaError_t status) {
+  return ffi::Error::Internal(std::string(op) + ": CUDA error " + cudaGetErrorName(status) + ": " +
+                              cudaGetErrorString(status));
+}
+
+inline ffi::Error last_launch_error(const char* op) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) return cuda_error(op, status);
+  return ffi::Error::Success();
+}
+
+// Multiprocessor count of the current device: grids are sized from it (never the results).
+inline int current_sm_count() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 108;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 108;
+  return std::max(sms, 1);
+}
+
+}  // namespace jaxdet

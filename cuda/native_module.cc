@@ -1,0 +1,52 @@
+// The nanobind module jaxdet._native: hands each XLA FFI handler to Python as a capsule, keyed by
+// the platform it runs on. jaxdet/_ffi.py registers them with XLA on import.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+// CPU handlers (cuda/*_cpu.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
+
+#if defined(JAXDET_WITH_CUDA)
+// CUDA handlers (cuda/*_cuda.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
+#endif
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "jaxdet native XLA FFI handlers";
+  m.attr("with_cuda") =
+#if defined(JAXDET_WITH_CUDA)
+      true;
+#else
+      false;
+#endif
+  m.def("cpu_targets", []() {
+    nb::dict d;
+    d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cpu);
+    d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cpu);
+    return d;
+  });
+  m.def("cuda_targets", []() {
+    nb::dict d;
+#if defined(JAXDET_WITH_CUDA)
+    d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cuda);
+    d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cuda);
+#endif
+    return d;
+  });
+}

@@ -1,0 +1,53 @@
+"""Argument checks shared by the primitives: clear errors before any kernel runs."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KEY_HELP = (
+    "make one with jaxdet.random.key(seed), derive more with jaxdet.random.split / fold_in, or convert "
+    "a jax.random key with jaxdet.random.from_jax_key(key)"
+)
+
+
+def is_traced(value) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def check_philox_key(key, name: str = "key"):
+    """Return `key` as a uint32[2] array, or raise naming `name` and how to make a Philox key."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"{name} is a jax.random key ({dtype}); jaxdet uses its own uint32[2] Philox keys: {KEY_HELP}."
+        )
+    if dtype is None or not hasattr(key, "shape"):
+        raise TypeError(f"{name} must be a uint32[2] Philox key array, got {type(key).__name__}; {KEY_HELP}.")
+    if np.dtype(dtype) != np.uint32 or tuple(key.shape) != (2,):
+        raise TypeError(
+            f"{name} must be a uint32[2] Philox key, got {np.dtype(dtype).name}{list(key.shape)}; {KEY_HELP}."
+        )
+    return jnp.asarray(key)
+
+
+def check_static_int(value, name: str, *, minimum: int | None = None) -> int:
+    if is_traced(value):
+        raise TypeError(f"{name} must be a static Python int (it decides the compiled kernel's attributes), got a traced value")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_static_float(value, name: str) -> float:
+    if is_traced(value):
+        raise TypeError(f"{name} must be a static Python float, got a traced value")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    return float(value)

@@ -1,0 +1,77 @@
+"""Loading the native extension, registering its XLA FFI targets, and defining primitives.
+
+Every jaxdet primitive is a `jax.extend.core.Primitive` whose abstract evaluation, per-platform
+lowering and batching rule are declared next to each other in the primitive's own module. The
+lowering names one FFI target; on CUDA, a build without CUDA kernels raises instead of quietly
+running something else.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
+
+from jaxdet import _native
+
+CPU_TARGETS = dict(_native.cpu_targets())
+CUDA_TARGETS = dict(_native.cuda_targets())
+WITH_CUDA = bool(_native.with_cuda)
+
+for _name, _capsule in CPU_TARGETS.items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+for _name, _capsule in CUDA_TARGETS.items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+class CudaNotBuiltError(RuntimeError):
+    """A jaxdet primitive was lowered for a GPU, but this build has no CUDA kernels."""
+
+
+def _missing_cuda_lowering(target: str):
+    def lowering(ctx, *args, **params):
+        raise CudaNotBuiltError(
+            f"{target}: this jaxdet build has no CUDA kernels (it was built without nvcc), so it cannot "
+            "run on a GPU. Reinstall with the CUDA toolkit on PATH (JAXDET_CUDA=ON makes a missing "
+            "nvcc a build error), or place the computation on the CPU with jax.default_device."
+        )
+
+    return lowering
+
+
+def define_primitive(name: str, target: str, abstract_eval, attributes, batching_rule=None, **lowering_kwargs):
+    """A primitive that lowers to the FFI target `target` on cpu and cuda.
+
+    `attributes(**params)` maps the primitive's parameters to the FFI call's attributes.
+    `lowering_kwargs` go to `jax.ffi.ffi_lowering` (e.g. operand_output_aliases).
+    """
+    prim = jex_core.Primitive(name)
+    prim.def_abstract_eval(abstract_eval)
+
+    @functools.partial(jax.jit, static_argnames=("params",))
+    def _jitted(*args, params):
+        return prim.bind(*args, **dict(params))
+
+    # Eager calls run through jit of the primitive, so eager and jit are the same compiled kernel.
+    prim.def_impl(lambda *args, **params: _jitted(*args, params=tuple(sorted(params.items()))))
+
+    ffi_rule = jax.ffi.ffi_lowering(target, **lowering_kwargs)
+
+    def lowering(ctx, *args, **params):
+        return ffi_rule(ctx, *args, **attributes(**params))
+
+    mlir.register_lowering(prim, lowering, platform="cpu")
+    if target in CUDA_TARGETS:
+        mlir.register_lowering(prim, lowering, platform="cuda")
+    else:
+        mlir.register_lowering(prim, _missing_cuda_lowering(target), platform="cuda")
+    if batching_rule is not None:
+        batching.primitive_batchers[prim] = batching_rule
+    return prim
+
+
+def not_mapped(dim) -> bool:
+    """True for an operand that a batching rule receives unbatched (None in jax >= 0.10)."""
+    return dim is None or dim is getattr(batching, "not_mapped", None)
