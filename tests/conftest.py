@@ -1,0 +1,33 @@
+"""Shared test fixtures. Tests marked `gpu` run only where JAX sees a GPU and jaxdet has CUDA kernels
+(`pytest -m gpu` on a GPU machine); everything else runs on the CPU backend."""
+
+import jax
+import pytest
+
+import jaxdet
+
+
+def gpu_available() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available() and jaxdet.WITH_CUDA:
+        return
+    reason = "needs an NVIDIA GPU and a CUDA build of jaxdet"
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def cpu():
+    return jax.devices("cpu")[0]
+
+
+@pytest.fixture
+def gpu():
+    return jax.devices("gpu")[0]
