@@ -47,37 +47,66 @@ void DropoutGroup(const typename Storage::Bits* x, typename Storage::Bits* y, in
   }
 }
 
+// broadcast_dims: each element finds its mask index through the layout; consecutive elements
+// usually share a Philox block, so the last block is kept.
+template <typename Storage>
+void DropoutGroupStrided(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t n,
+                         const MaskLayout& layout, uint64_t offset, uint32_t k0, uint32_t k1,
+                         uint32_t drop_threshold, float scale) {
+  uint64_t cached_block = ~uint64_t{0};
+  Philox4 r{};
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t g = mask_index(i, layout) + offset;
+    if (g / 4 != cached_block) {
+      cached_block = g / 4;
+      r = dropout_block(cached_block, k0, k1);
+    }
+    y[i] = dropout_element<Storage>(x[i], dropout_keep(philox_word(r, static_cast<int>(g % 4)), drop_threshold),
+                                    scale);
+  }
+}
+
 template <typename Storage>
 void DropoutAll(const void* x, void* y, int64_t groups, int64_t per_group, const uint32_t* key,
-                uint64_t offset, uint32_t drop_threshold, float scale) {
+                const MaskLayout* layout, uint64_t offset, uint32_t drop_threshold, float scale) {
   using Bits = typename Storage::Bits;
   const Bits* src = static_cast<const Bits*>(x);
   Bits* dst = static_cast<Bits*>(y);
   for (int64_t g = 0; g < groups; ++g) {
-    DropoutGroup<Storage>(src + g * per_group, dst + g * per_group, per_group, offset, key[2 * g],
-                          key[2 * g + 1], drop_threshold, scale);
+    if (layout) {
+      DropoutGroupStrided<Storage>(src + g * per_group, dst + g * per_group, per_group, *layout, offset,
+                                   key[2 * g], key[2 * g + 1], drop_threshold, scale);
+    } else {
+      DropoutGroup<Storage>(src + g * per_group, dst + g * per_group, per_group, offset, key[2 * g],
+                            key[2 * g + 1], drop_threshold, scale);
+    }
   }
 }
 
 ffi::Error DropoutCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys, ffi::Result<ffi::AnyBuffer> y,
-                      uint32_t drop_threshold, int64_t offset, float scale) {
+                      uint32_t drop_threshold, int64_t offset, float scale,
+                      ffi::Span<const int64_t> mask_strides) {
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t groups = key_group_count(keys);
   if (auto err = check_key_groups(n, groups, "jaxdet_dropout"); !err.success()) return err;
   if (offset < 0) return ffi::Error::InvalidArgument("jaxdet_dropout: offset must be >= 0");
+  MaskLayout layout;
+  if (auto err = make_mask_layout(x.dimensions(), mask_strides, layout); !err.success()) return err;
+  const MaskLayout* strided = (mask_strides.size() == 0) ? nullptr : &layout;
   const int64_t per_group = n / groups;
   const uint32_t* key = keys.typed_data();
+  IeeeSubnormalsScope ieee;
   switch (x.element_type()) {
     case ffi::F32:
-      DropoutAll<F32Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, offset,
+      DropoutAll<F32Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, strided, offset,
                              drop_threshold, scale);
       break;
     case ffi::BF16:
-      DropoutAll<BF16Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, offset,
+      DropoutAll<BF16Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, strided, offset,
                               drop_threshold, scale);
       break;
     case ffi::F16:
-      DropoutAll<F16Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, offset,
+      DropoutAll<F16Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, strided, offset,
                              drop_threshold, scale);
       break;
     default:
@@ -101,6 +130,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cpu, DropoutCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<uint32_t>("drop_threshold")
                                   .Attr<int64_t>("offset")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<ffi::Span<const int64_t>>("mask_strides"));
 
 }  // namespace jaxdet

@@ -86,6 +86,27 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// broadcast_dims: one element per thread, mask index through the layout. Neighbouring threads
+// usually hash the same block (a little redundant work on a path that is not bandwidth-critical).
+template <typename Storage>
+__global__ void __launch_bounds__(kThreads)
+    DropoutStridedKernel(const typename Storage::Bits* __restrict__ x, typename Storage::Bits* __restrict__ y,
+                         int64_t per_group, int64_t groups, const uint32_t* __restrict__ keys,
+                         const MaskLayout layout, uint64_t offset, uint32_t drop_threshold, float scale) {
+  for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
+    const uint32_t k0 = keys[2 * g], k1 = keys[2 * g + 1];
+    const typename Storage::Bits* src = x + g * per_group;
+    typename Storage::Bits* dst = y + g * per_group;
+    for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < per_group;
+         i += int64_t{gridDim.x} * kThreads) {
+      const uint64_t index = mask_index(i, layout) + offset;
+      const Philox4 r = dropout_block(index / 4, k0, k1);
+      const uint32_t word = philox_word(r, static_cast<int>(index % 4));
+      dst[i] = dropout_element<Storage>(src[i], dropout_keep(word, drop_threshold), scale);
+    }
+  }
+}
+
 dim3 GridFor(int64_t items_per_group, int64_t groups) {
   const int64_t wanted = (items_per_group + kThreads - 1) / kThreads;
   const int64_t cap = int64_t{current_sm_count()} * 8;
@@ -109,8 +130,15 @@ ffi::Error PhiloxCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> counters, ffi::
 
 template <typename Storage>
 void LaunchDropout(cudaStream_t stream, const void* x, void* y, int64_t per_group, int64_t groups,
-                   const uint32_t* keys, uint64_t offset, uint32_t drop_threshold, float scale) {
+                   const uint32_t* keys, const MaskLayout& layout, uint64_t offset, uint32_t drop_threshold,
+                   float scale) {
   using Bits = typename Storage::Bits;
+  if (layout.rank > 0) {
+    DropoutStridedKernel<Storage><<<GridFor(per_group, groups), kThreads, 0, stream>>>(
+        static_cast<const Bits*>(x), static_cast<Bits*>(y), per_group, groups, keys, layout, offset,
+        drop_threshold, scale);
+    return;
+  }
   constexpr int kVec = Chunk<Storage>::kVec;
   const int64_t chunks = (static_cast<int64_t>(offset % kVec) + per_group + kVec - 1) / kVec;
   DropoutKernel<Storage><<<GridFor(chunks, groups), kThreads, 0, stream>>>(
@@ -119,26 +147,29 @@ void LaunchDropout(cudaStream_t stream, const void* x, void* y, int64_t per_grou
 }
 
 ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
-                       ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold, int64_t offset, float scale) {
+                       ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold, int64_t offset, float scale,
+                       ffi::Span<const int64_t> mask_strides) {
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t groups = key_group_count(keys);
   if (auto err = check_key_groups(n, groups, "jaxdet_dropout"); !err.success()) return err;
   if (offset < 0) return ffi::Error::InvalidArgument("jaxdet_dropout: offset must be >= 0");
+  MaskLayout layout;
+  if (auto err = make_mask_layout(x.dimensions(), mask_strides, layout); !err.success()) return err;
   if (n == 0) return ffi::Error::Success();
   const int64_t per_group = n / groups;
   const uint64_t off = static_cast<uint64_t>(offset);
   switch (x.element_type()) {
     case ffi::F32:
       LaunchDropout<F32Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                keys.typed_data(), off, drop_threshold, scale);
+                                keys.typed_data(), layout, off, drop_threshold, scale);
       break;
     case ffi::BF16:
       LaunchDropout<BF16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                 keys.typed_data(), off, drop_threshold, scale);
+                                 keys.typed_data(), layout, off, drop_threshold, scale);
       break;
     case ffi::F16:
       LaunchDropout<F16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                keys.typed_data(), off, drop_threshold, scale);
+                                keys.typed_data(), layout, off, drop_threshold, scale);
       break;
     default:
       return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
@@ -163,6 +194,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cuda, DropoutCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<uint32_t>("drop_threshold")
                                   .Attr<int64_t>("offset")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<ffi::Span<const int64_t>>("mask_strides"));
 
 }  // namespace jaxdet

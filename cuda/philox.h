@@ -72,6 +72,31 @@ JAXDET_HD Philox4 dropout_block(uint64_t block_index, uint32_t k0, uint32_t k1) 
 // the host, in Python). An integer compare keeps the decision exact and identical on every backend.
 JAXDET_HD bool dropout_keep(uint32_t word, uint32_t drop_threshold) { return word >= drop_threshold; }
 
+// broadcast_dims: an element's mask index is its row-major index in the shape with the broadcast
+// dimensions set to 1. The Python side collapses x's per-key dimensions into alternating runs of
+// (size, mask stride), a broadcast run having stride 0, so the index is a dot product.
+constexpr int kMaxMaskRank = 16;
+
+struct MaskLayout {
+  int rank;
+  int64_t dims[kMaxMaskRank];
+  int64_t strides[kMaxMaskRank];
+};
+
+JAXDET_HD uint64_t mask_index(int64_t element, const MaskLayout& layout) {
+  uint64_t index = 0;
+  for (int d = layout.rank - 1; d >= 0; --d) {
+    const int64_t i = element % layout.dims[d];
+    element /= layout.dims[d];
+    index += static_cast<uint64_t>(i) * static_cast<uint64_t>(layout.strides[d]);
+  }
+  return index;
+}
+
+JAXDET_HD uint32_t philox_word(const Philox4& r, int lane) {
+  return lane == 0 ? r.v[0] : lane == 1 ? r.v[1] : lane == 2 ? r.v[2] : r.v[3];
+}
+
 // ---- Storage conversions shared by both backends (round to nearest even, as IEEE specifies). ----
 
 JAXDET_HD uint32_t f32_bits(float f) {

@@ -35,7 +35,7 @@ def keep_scale(rate: float) -> np.float32:
 
 # ---- The primitive: x[*G, *S], keys uint32[*G, 2]; group g uses keys[g] and indexes its own slice. ----
 
-def _dropout_abstract_eval(x, keys, *, drop_threshold, offset, scale):
+def _dropout_abstract_eval(x, keys, *, drop_threshold, offset, scale, mask_strides):
     return jax.core.ShapedArray(x.shape, x.dtype)
 
 
@@ -63,23 +63,45 @@ dropout_p = _ffi.define_primitive(
     "jaxdet_dropout",
     "jaxdet_dropout",
     _dropout_abstract_eval,
-    attributes=lambda drop_threshold, offset, scale: dict(
-        drop_threshold=np.uint32(drop_threshold), offset=np.int64(offset), scale=np.float32(scale)
+    attributes=lambda drop_threshold, offset, scale, mask_strides: dict(
+        drop_threshold=np.uint32(drop_threshold),
+        offset=np.int64(offset),
+        scale=np.float32(scale),
+        mask_strides=np.asarray(mask_strides, np.int64),
     ),
     batching_rule=_dropout_batch,
 )
 
 
+MAX_MASK_RUNS = 16  # kMaxMaskRank in cuda/philox.h
+
+
+def _mask_runs(shape, broadcast_dims):
+    """Collapse x's dimensions into alternating runs of (size, mask stride); broadcast runs have
+    stride 0. The mask index of an element is then the dot product of its run indices and strides."""
+    mask_shape = [1 if d in broadcast_dims else n for d, n in enumerate(shape)]
+    strides, step = [], 1
+    for n in reversed(mask_shape):
+        strides.append(step)
+        step *= n
+    strides.reverse()
+    runs = []  # [size, stride, is_broadcast]
+    for d, n in enumerate(shape):
+        bcast = d in broadcast_dims
+        if runs and runs[-1][2] == bcast:
+            runs[-1][0] *= n
+            runs[-1][1] = 0 if bcast else strides[d]
+        else:
+            runs.append([n, 0 if bcast else strides[d], bcast])
+    return tuple(r[0] for r in runs), tuple(r[1] for r in runs)
+
+
 def _apply(x, key, params, broadcast_dims):
     if not broadcast_dims:
-        return dropout_p.bind(x, key, **dict(params))
-    # One mask entry per element of the reduced shape, shared along broadcast_dims. The kernel
-    # produces the multiplier (0 or scale) at that shape; applying it reproduces the kernel's own
-    # arithmetic: float32 multiply, one rounding to x's dtype, and +0 (not NaN) where dropped.
-    mask_shape = tuple(1 if d in broadcast_dims else n for d, n in enumerate(x.shape))
-    multiplier = dropout_p.bind(jnp.ones(mask_shape, jnp.float32), key, **dict(params))
-    kept = (x.astype(jnp.float32) * multiplier).astype(x.dtype)
-    return jnp.where(multiplier != 0, kept, jnp.zeros((), x.dtype))
+        return dropout_p.bind(x, key, mask_strides=(), **dict(params))
+    sizes, strides = _mask_runs(x.shape, broadcast_dims)
+    out = dropout_p.bind(x.reshape(sizes), key, mask_strides=strides, **dict(params))
+    return out.reshape(x.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -144,6 +166,11 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
         normalized.append(d % ndim)
     if len(set(normalized)) != len(normalized):
         raise ValueError(f"broadcast_dims has repeated dimensions: {dims}")
+    if normalized and len(_mask_runs(tuple(x.shape), set(normalized))[0]) > MAX_MASK_RUNS:
+        raise ValueError(
+            f"broadcast_dims {dims} splits x's shape {tuple(x.shape)} into more than {MAX_MASK_RUNS} "
+            "alternating broadcast/non-broadcast runs; reshape x first"
+        )
     if deterministic or rate == 0.0:
         if key is not None:
             check_philox_key(key)
@@ -153,4 +180,4 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
     if x.size == 0:
         return x
     params = (("drop_threshold", drop_threshold(rate)), ("offset", offset), ("scale", float(keep_scale(rate))))
-    return _dropout(x, key, params, tuple(sorted(normalized)))
+    return _dropout(x, key, params, frozenset(normalized))
