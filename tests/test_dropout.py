@@ -174,9 +174,10 @@ def test_check_grads_and_checkpoint():
     x = random_x((8, 16), jnp.float32, seed=9)
     key = jr.key(4)
     f = lambda x: jnp.sum(jnp.sin(jaxdet.dropout(x, key, 0.25)) ** 2)
-    check_grads(f, (x,), order=1, modes=["rev"])
-    # Second order (reverse over reverse) on a quadratic, where finite differences are exact enough in f32.
-    check_grads(lambda x: jnp.sum(jaxdet.dropout(x, key, 0.25) ** 2), (x,), order=2, modes=["rev"])
+    # eps=1e-2: with float32 sums, the default 1e-4 step drowns the difference in rounding.
+    check_grads(f, (x,), order=1, modes=["rev"], eps=1e-2)
+    # Second order (reverse over reverse) on a quadratic, where central differences are exact.
+    check_grads(lambda x: jnp.sum(jaxdet.dropout(x, key, 0.25) ** 2), (x,), order=2, modes=["rev"], eps=1e-2)
     g_plain = jax.grad(f)(x)
     g_remat = jax.grad(jax.checkpoint(f))(x)
     np.testing.assert_array_equal(bits(g_plain), bits(g_remat))
