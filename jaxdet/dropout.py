@@ -111,11 +111,14 @@ def _dropout(x, key, params, broadcast_dims):
 
 def _dropout_fwd(x, key, params, broadcast_dims):
     # The only residual is the 8-byte key: the backward regenerates the mask from (key, offset, rate).
-    return _apply(x, key, params, broadcast_dims), key
+    # (Calling the custom_vjp function, not the primitive, keeps higher-order derivatives working.)
+    return _dropout(x, key, params, broadcast_dims), key
 
 
 def _dropout_bwd(params, broadcast_dims, key, g):
-    return _apply(g, key, params, broadcast_dims), None
+    # Dropout is linear in x, so its transpose is itself: the same mask applied to the cotangent,
+    # through the custom_vjp function again so that higher derivatives work.
+    return _dropout(g, key, params, broadcast_dims), None
 
 
 _dropout.defvjp(_dropout_fwd, _dropout_bwd)

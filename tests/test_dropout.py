@@ -25,7 +25,7 @@ def reference(x, key, rate, offset=0):
     """docs/dropout.md, written out in NumPy: the kept value is dtype(float32(x) * float32(1/(1-rate)))."""
     x = np.asarray(x)
     keep = keep_mask(np.asarray(key), x.size, rate, offset).reshape(x.shape)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         kept = (x.astype(np.float32) * keep_scale(rate)).astype(x.dtype)
     return np.where(keep, kept, np.zeros((), x.dtype))
 
