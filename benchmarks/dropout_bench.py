@@ -1,0 +1,95 @@
+"""Dropout forward and backward vs a jax.random dropout and a copy-like op, in one run.
+
+    python benchmarks/dropout_bench.py            # 256Mi bfloat16 elements (64 x 4096 x 1024)
+    python benchmarks/dropout_bench.py --sanitize # small shapes, each kernel once (compute-sanitizer)
+
+Prints a markdown table: median time, effective bandwidth (bytes read + written), and the
+fraction of the copy-like op's bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdet
+
+RATE = 0.1
+
+
+def timed(fn, *args, reps: int = 20, inner: int = 10) -> float:
+    """Median seconds per call over `reps` measurements of `inner` back-to-back calls."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def jax_random_dropout(x, key):
+    keep = jax.random.bernoulli(key, 1.0 - RATE, x.shape)
+    return jnp.where(keep, x / (1.0 - RATE), jnp.zeros((), x.dtype))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sanitize", action="store_true", help="small shapes, run each kernel once")
+    parser.add_argument("--shape", type=lambda s: tuple(int(v) for v in s.split("x")), default=(64, 4096, 1024),
+                        help="e.g. 64x4096x1024 (the default, 256Mi elements)")
+    args = parser.parse_args()
+    shape = (3, 257, 33) if args.sanitize else args.shape
+    dtype = jnp.bfloat16
+    x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype)
+    g = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+    key = jaxdet.random.key(0)
+    jkey = jax.random.key(0)
+
+    fwd = jax.jit(lambda x, k: jaxdet.dropout(x, k, RATE))
+    bwd = jax.jit(lambda x, k, g: jax.vjp(lambda x: jaxdet.dropout(x, k, RATE), x)[1](g)[0])
+    ref_fwd = jax.jit(jax_random_dropout)
+    ref_bwd = jax.jit(lambda x, k, g: jax.vjp(lambda x: jax_random_dropout(x, k), x)[1](g)[0])
+    copy_like = jax.jit(lambda x: x * jnp.asarray(1.5, dtype))
+    if args.sanitize:
+        for name, fn, a in [("fwd", fwd, (x, key)), ("bwd", bwd, (x, key, g)),
+                            ("offset", jax.jit(lambda x, k: jaxdet.dropout(x, k, RATE, offset=3)), (x[1:], key)),
+                            ("bcast", jax.jit(lambda x, k: jaxdet.dropout(x, k, RATE, broadcast_dims=(1,))), (x, key)),
+                            ("vmap", jax.jit(jax.vmap(lambda x, k: jaxdet.dropout(x, k, RATE))),
+                             (x, jaxdet.random.split(key, shape[0]))),
+                            ("philox", jax.jit(jaxdet.random.philox4x32_10),
+                             (jnp.arange(4 * 1001, dtype=jnp.uint32).reshape(1001, 4), key))]:
+            jax.block_until_ready(fn(*a))
+            print(f"ran {name}")
+        return
+
+    nbytes = 2 * x.size * x.dtype.itemsize  # read x (or g) once, write the output once
+    rows = [
+        ("copy-like `x * 1.5` (ceiling)", timed(copy_like, x)),
+        ("jaxdet.dropout forward", timed(fwd, x, key)),
+        ("jaxdet.dropout backward (vjp)", timed(bwd, x, key, g)),
+        ("jax.random.bernoulli + where, forward", timed(ref_fwd, x, jkey)),
+        ("jax.random.bernoulli + where, backward (vjp)", timed(ref_bwd, x, jkey, g)),
+    ]
+    ceiling = nbytes / rows[0][1]
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} | jax {jax.__version__} | {x.size / 2**20:.0f}Mi {np.dtype(dtype).name} "
+          f"elements, rate {RATE} | median of 20 x 10 calls")
+    print()
+    print("| op | time (ms) | GB/s (read + write) | % of copy-like bandwidth |")
+    print("|---|---:|---:|---:|")
+    for name, seconds in rows:
+        bw = nbytes / seconds
+        print(f"| {name} | {seconds * 1e3:.3f} | {bw / 1e9:.0f} | {100 * bw / ceiling:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
