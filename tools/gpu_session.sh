@@ -15,9 +15,9 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 start=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/jaxdet . 2>&1 | tail -20 | tee "$OUT/build.log"
+python3 -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/jaxdet-site . 2>&1 | tail -20 | tee "$OUT/build.log"
 echo "build: $(( $(date +%s) - start )) s"
-export PYTHONPATH=/tmp/jaxdet${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
 cd /tmp && cp -r "$OLDPWD/tests" /tmp/jaxdet-tests && cp "$OLDPWD/pyproject.toml" /tmp/ && cd "$OLDPWD"
 
 echo "== GPU tests (README: pytest -m gpu)"
