@@ -40,6 +40,10 @@ struct Chunk {
   };
 };
 
+// Each thread takes kUnroll chunks a grid-stride apart and issues all their loads before any
+// hashing, so enough bytes are in flight to cover memory latency while the Philox math runs.
+constexpr int kUnroll = 4;
+
 template <typename Storage>
 __global__ void __launch_bounds__(kThreads)
     DropoutKernel(const typename Storage::Bits* __restrict__ x, typename Storage::Bits* __restrict__ y,
@@ -51,34 +55,48 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t first_chunk = offset / kVec;
   const int64_t lead = static_cast<int64_t>(offset % kVec);  // elements of chunk 0 before x[0]
   const int64_t chunks = (lead + per_group + kVec - 1) / kVec;
+  const int64_t stride = int64_t{gridDim.x} * kThreads;
   for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
     const uint32_t k0 = keys[2 * g], k1 = keys[2 * g + 1];
     const Bits* src = x + g * per_group;
     Bits* dst = y + g * per_group;
-    for (int64_t j = blockIdx.x * int64_t{kThreads} + threadIdx.x; j < chunks;
-         j += int64_t{gridDim.x} * kThreads) {
-      const int64_t start = j * kVec - lead;  // local index of the chunk's first element
-      const uint64_t block0 = (first_chunk + j) * C::kBlocks;
-      Philox4 r[C::kBlocks];
+    // Whole 16-byte vectors need 16-byte aligned addresses; the offset of a group's data from
+    // alignment is the same for every chunk of the group.
+    const uintptr_t lead_bytes = static_cast<uintptr_t>(lead) * sizeof(Bits);
+    const bool aligned =
+        (((reinterpret_cast<uintptr_t>(src) - lead_bytes) | (reinterpret_cast<uintptr_t>(dst) - lead_bytes)) % 16) == 0;
+    for (int64_t j0 = blockIdx.x * int64_t{kThreads} + threadIdx.x; j0 < chunks; j0 += stride * kUnroll) {
+      typename C::Vec v[kUnroll];
+      bool whole[kUnroll];
 #pragma unroll
-      for (int p = 0; p < C::kBlocks; ++p) r[p] = dropout_block(block0 + p, k0, k1);
-      const bool whole = start >= 0 && start + kVec <= per_group &&
-                         (reinterpret_cast<uintptr_t>(src + start) % 16) == 0 &&
-                         (reinterpret_cast<uintptr_t>(dst + start) % 16) == 0;
-      if (whole) {
-        typename C::Vec v;
-        v.raw = __ldcs(reinterpret_cast<const uint4*>(src + start));
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = j0 + u * stride;
+        const int64_t start = j * kVec - lead;
+        whole[u] = aligned && j < chunks && start >= 0 && start + kVec <= per_group;
+        if (whole[u]) v[u].raw = __ldcs(reinterpret_cast<const uint4*>(src + start));
+      }
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          v.e[e] = dropout_element<Storage>(v.e[e], dropout_keep(r[e / 4].v[e % 4], drop_threshold), scale);
-        }
-        __stcs(reinterpret_cast<uint4*>(dst + start), v.raw);
-      } else {
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = j0 + u * stride;
+        if (j >= chunks) break;
+        const int64_t start = j * kVec - lead;  // local index of the chunk's first element
+        const uint64_t block0 = (first_chunk + j) * C::kBlocks;
+        Philox4 r[C::kBlocks];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const int64_t i = start + e;
-          if (i >= 0 && i < per_group) {
-            dst[i] = dropout_element<Storage>(src[i], dropout_keep(r[e / 4].v[e % 4], drop_threshold), scale);
+        for (int p = 0; p < C::kBlocks; ++p) r[p] = dropout_block(block0 + p, k0, k1);
+        if (whole[u]) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            v[u].e[e] = dropout_element<Storage>(v[u].e[e], dropout_keep(r[e / 4].v[e % 4], drop_threshold), scale);
+          }
+          __stcs(reinterpret_cast<uint4*>(dst + start), v[u].raw);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const int64_t i = start + e;
+            if (i >= 0 && i < per_group) {
+              dst[i] = dropout_element<Storage>(src[i], dropout_keep(r[e / 4].v[e % 4], drop_threshold), scale);
+            }
           }
         }
       }

@@ -23,15 +23,11 @@ struct Philox4 {
   uint32_t v[4];
 };
 
+// One widening multiply (a single IMAD.WIDE.U32 on the GPU) gives both halves.
 JAXDET_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& lo, uint32_t& hi) {
-#if defined(__CUDA_ARCH__)
-  lo = a * b;
-  hi = __umulhi(a, b);
-#else
   const uint64_t p = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
   lo = static_cast<uint32_t>(p);
   hi = static_cast<uint32_t>(p >> 32);
-#endif
 }
 
 // Philox4x32 with 10 rounds: 10 round functions and 9 key bumps (the first round uses the key as

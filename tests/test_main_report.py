@@ -4,8 +4,10 @@ import subprocess
 import sys
 
 
-def test_main_report_runs_and_passes():
-    proc = subprocess.run([sys.executable, "-m", "jaxdet"], capture_output=True, text=True, timeout=600)
+def test_main_report_runs_and_passes(tmp_path):
+    # From an empty directory, so that the installed package runs (not a source checkout).
+    proc = subprocess.run([sys.executable, "-m", "jaxdet"], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "philox: known-answer vectors" in proc.stdout
     assert " 0 failed" in proc.stdout

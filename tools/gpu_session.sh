@@ -29,7 +29,7 @@ echo "== python -m jaxdet"
 
 sanitize() {  # name, kernel regex, tool, command...
   local name=$1 regex=$2 tool=$3; shift 3
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 compute-sanitizer --tool "$tool" --kernel-name "kregex=$regex" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 compute-sanitizer --tool "$tool" --kernel-name "regex=$regex" \
     --error-exitcode 9 "$@" > "$OUT/sanitize_${name}_${tool}.log" 2>&1
   echo "compute-sanitizer $tool $name: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_${name}_${tool}.log" | tail -1)"
 }
