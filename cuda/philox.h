@@ -119,9 +119,7 @@ JAXDET_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint3
 
 JAXDET_HD uint16_t f32_to_bf16(float f) {
   const uint32_t u = f32_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-    return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN stays NaN, sign and payload top kept
-  }
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFFu;  // canonical NaN
   const uint32_t rounding_bias = 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>((u + rounding_bias) >> 16);
 }
@@ -146,7 +144,7 @@ JAXDET_HD uint16_t f32_to_f16(float f) {
   const uint32_t u = f32_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7FFFFFFFu;
-  if (abs > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu));
+  if (abs > 0x7F800000u) return 0x7FFFu;  // canonical NaN
   if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to >= 2^16: inf
   if (abs >= 0x38800000u) {  // normal half range
     const uint32_t rounded = abs + 0x0FFFu + ((abs >> 13) & 1u);
@@ -164,22 +162,51 @@ JAXDET_HD uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | (half + round_up));
 }
 
-// Storage type tags: the kernel loads raw bits and converts with the functions above, so host and
-// device agree on every rounding.
+// Storage type tags. Loads widen exactly; stores round to nearest even. NaN results are stored as
+// the canonical NaN that NVIDIA hardware produces (0x7FFFFFFF, 0x7FFF), so NaN payloads cannot make
+// the CPU and GPU differ. On the device the hardware conversion instructions are used; on the host
+// the bit-exact software versions above.
 struct F32Storage {
   using Bits = uint32_t;
+  static constexpr Bits kCanonicalNaN = 0x7FFFFFFFu;
   JAXDET_HD static float load(Bits b) { return f32_from_bits(b); }
   JAXDET_HD static Bits store(float f) { return f32_bits(f); }
 };
 struct BF16Storage {
   using Bits = uint16_t;
+  static constexpr Bits kCanonicalNaN = 0x7FFFu;
   JAXDET_HD static float load(Bits b) { return bf16_to_f32(b); }
-  JAXDET_HD static Bits store(float f) { return f32_to_bf16(f); }
+  JAXDET_HD static Bits store(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+#else
+    return f32_to_bf16(f);
+#endif
+  }
 };
 struct F16Storage {
   using Bits = uint16_t;
-  JAXDET_HD static float load(Bits b) { return f16_to_f32(b); }
-  JAXDET_HD static Bits store(float f) { return f32_to_f16(f); }
+  static constexpr Bits kCanonicalNaN = 0x7FFFu;
+  JAXDET_HD static float load(Bits b) {
+#if defined(__CUDA_ARCH__)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+#else
+    return f16_to_f32(b);
+#endif
+  }
+  JAXDET_HD static Bits store(float f) {
+#if defined(__CUDA_ARCH__)
+    uint16_t r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+#else
+    return f32_to_f16(f);
+#endif
+  }
 };
 
 // The kept value: the input widened to float32, times float32(1 / (1 - rate)) rounded once
@@ -193,6 +220,7 @@ JAXDET_HD typename Storage::Bits dropout_element(typename Storage::Bits x, bool 
 #else
   const float y = Storage::load(x) * scale;
 #endif
+  if (y != y) return Storage::kCanonicalNaN;
   return Storage::store(y);
 }
 

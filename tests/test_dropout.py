@@ -27,7 +27,9 @@ def reference(x, key, rate, offset=0):
     keep = keep_mask(np.asarray(key), x.size, rate, offset).reshape(x.shape)
     with np.errstate(over="ignore", invalid="ignore"):
         kept = (x.astype(np.float32) * keep_scale(rate)).astype(x.dtype)
-    return np.where(keep, kept, np.zeros((), x.dtype))
+    out = np.where(keep, kept, np.zeros((), x.dtype))
+    canonical_nan = np.array(0x7FFFFFFF if x.dtype.itemsize == 4 else 0x7FFF, BITS[x.dtype]).view(x.dtype)
+    return np.where(np.isnan(out), canonical_nan, out)
 
 
 def random_x(shape, dtype, seed=0):
@@ -87,12 +89,14 @@ def test_identity_when_nothing_is_dropped(dtype):
         np.testing.assert_array_equal(bits(out), bits(x))
 
 
-def test_nan_in_dropped_slot_gives_zero_and_kept_nan_stays_nan():
-    x = jnp.full((4096,), jnp.nan, jnp.float32)
-    out = np.asarray(jaxdet.dropout(x, jr.key(1), 0.5))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_in_dropped_slot_gives_zero_and_kept_nan_is_canonical(dtype):
+    payloads = np.array([0x7FC00000, 0xFFC00001, 0x7F800001, 0xFFFFFFFF], np.uint32).view(np.float32)
+    x = jnp.asarray(np.resize(payloads, 4096)).astype(dtype)
+    out = bits(jaxdet.dropout(x, jr.key(1), 0.5))
     keep = keep_mask(np.asarray(jr.key(1)), 4096, 0.5)
-    assert np.all(bits(out[~keep]) == 0)  # +0.0 exactly
-    assert np.all(np.isnan(out[keep]))
+    assert np.all(out[~keep] == 0)  # +0.0 exactly
+    assert np.all(out[keep] == (0x7FFFFFFF if dtype == jnp.float32 else 0x7FFF))  # the GPU's canonical NaN
 
 
 def test_subnormals_and_rounding_match_ieee_reference():
