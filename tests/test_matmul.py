@@ -398,3 +398,11 @@ def test_gpu_vmap_and_jit(dtype, gpu):
 def test_gpu_accuracy_vs_float64(dtype, pref, gpu):
     with jax.default_device(gpu):
         test_accuracy_vs_float64(dtype, pref)
+
+
+def test_report_facts_hold_on_cpu():
+    from jaxdet._facts_matmul import report_checks
+
+    for name, fn in report_checks():
+        ok, detail = fn()
+        assert ok, f"{name}: {detail}"
