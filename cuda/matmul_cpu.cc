@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -78,7 +79,13 @@ void run_workers(int threads, Fn& fn) {
   }
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back([&fn]() { fn(); });
+  for (int t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back([&fn]() { fn(); });
+    } catch (const std::system_error&) {
+      break;  // fewer threads: tiles come from a shared counter, so the work (and bits) are unchanged
+    }
+  }
   fn();
   for (auto& th : pool) th.join();
 }
