@@ -1,7 +1,11 @@
 // The nanobind module jaxdet._native: hands each XLA FFI handler to Python as a capsule, keyed by
 // the platform it runs on. jaxdet/_ffi.py registers them with XLA on import.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
+#include <string>
+
+#include "matmul_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -9,6 +13,8 @@ namespace nb = nanobind;
 // CPU handlers (cuda/*_cpu.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu);
 
 #if defined(JAXDET_WITH_CUDA)
 // CUDA handlers (cuda/*_cuda.cu).
@@ -39,8 +45,14 @@ NB_MODULE(_native, m) {
     nb::dict d;
     d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cpu);
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cpu);
+    d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cpu);
+    d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cpu);
     return d;
   });
+  m.def("cpu_gemm_isa", []() { return std::string(jaxdet::cpu_gemm_isa()); },
+        "The instruction-set variant of the CPU GEMM: avx512, avx2 or generic.");
+  m.def("_set_cpu_gemm_isa", [](const std::string& name) { return jaxdet::set_cpu_gemm_isa(name.c_str()); },
+        "Tests only: switch the CPU GEMM variant; False if unknown or unsupported here.");
   m.def("cuda_targets", []() {
     nb::dict d;
 #if defined(JAXDET_WITH_CUDA)

@@ -1,0 +1,69 @@
+"""CPU benchmark: jaxdet.matmul vs jnp.dot (XLA's CPU dot) on the same shapes.
+
+    PYTHONPATH=<site> python benchmarks/matmul_cpu_bench.py [--reps 10]
+
+Prints a table of median times and the ratio (jnp.dot time / jaxdet time, so >= 1 means jaxdet is
+faster). The acceptance figure is float32 1024^3: ratio >= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdet
+from jaxdet import _native
+
+SHAPES = [  # (M, K, N)
+    (1024, 1024, 1024),
+    (2048, 2048, 2048),
+    (1, 4096, 4096),
+    (16, 4096, 4096),
+    (128, 4096, 1024),
+    (4096, 512, 512),
+]
+
+
+def _median_time(fn, *args, reps):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="only float32 1024^3")
+    args = parser.parse_args()
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    dot = jax.jit(lambda a, b: jnp.dot(a, b))
+    det = jax.jit(jaxdet.matmul)
+    print(f"jax {jax.__version__}, jaxdet CPU GEMM variant: {_native.cpu_gemm_isa()}, {len(jax.devices('cpu'))} CPU device(s)")
+    print(f"{'dtype':>8} {'M':>6} {'K':>6} {'N':>6} | {'jnp.dot ms':>10} {'GFLOP/s':>8} | {'jaxdet ms':>10} {'GFLOP/s':>8} | {'ratio':>6}")
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    dtypes = [jnp.float32] if args.quick else [jnp.float32, jnp.bfloat16]
+    for dtype in dtypes:
+        for M, K, N in shapes:
+            with jax.default_device(cpu):
+                a = jnp.asarray(rng.standard_normal((M, K)), dtype)
+                b = jnp.asarray(rng.standard_normal((K, N)), dtype)
+                t_dot = _median_time(dot, a, b, reps=args.reps)
+                t_det = _median_time(det, a, b, reps=args.reps)
+            flops = 2.0 * M * N * K
+            print(
+                f"{jnp.dtype(dtype).name:>8} {M:>6} {K:>6} {N:>6} | {t_dot * 1e3:>10.3f} {flops / t_dot / 1e9:>8.1f} | "
+                f"{t_det * 1e3:>10.3f} {flops / t_det / 1e9:>8.1f} | {t_dot / t_det:>6.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

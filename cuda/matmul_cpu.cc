@@ -1,0 +1,415 @@
+// CPU targets of the batch-invariant GEMM (jaxdet_gemm) and of the chunked weight-gradient GEMM
+// (jaxdet_gemm_wgrad). Contract: docs/matmul.md.
+//
+// Design: a BLIS-style blocked GEMM. Blocks of op(A) and op(B) are packed (and widened to float32
+// for bf16/f16) into contiguous micro-panels; a register-blocked micro-kernel vectorized across N
+// keeps one float32 accumulator per output element and walks k in ascending order. So each output
+// element is the sequential float32 sum  ((0 + a0*b0) + a1*b1) + ...  over the whole K, whatever
+// M, the blocking, the row's position or the threads: row invariance by construction. K blocks
+// (KC) only pause that sum in float32 memory and resume it.
+//
+// Variants, chosen once per process from the CPU (never from shapes): AVX-512F+FMA, AVX2+FMA, and
+// a portable fallback. The two FMA variants give identical bits (each step is fma(a, b, acc));
+// the portable fallback rounds the product first (acc + round(a*b)), so its bits differ from the
+// FMA variants. Bits may therefore differ between CPUs with and without FMA, never between calls,
+// shapes, thread counts or batch compositions on one machine.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "ffi_common.h"
+#include "matmul_cpu.h"
+#include "philox.h"
+
+namespace jaxdet {
+namespace matmul_cpu {
+
+enum class GemmDtype { kF32, kBF16, kF16 };
+
+struct GemmOperand {
+  const void* ptr;
+  GemmDtype dtype;
+  bool trans;            // A: element (i, k) at [k*ld + i]; B: element (k, j) at [j*ld + k]
+  int64_t ld;            // leading dimension (elements)
+  int64_t batch_stride;  // elements between batches
+};
+
+// out[l] (+)= op(A[l]) @ op(B[l or 0]),  out row-major [L, M, N].
+struct GemmProblem {
+  int64_t L, M, N, K;
+  GemmOperand a, b;
+  bool b_broadcast;
+  void* out;
+  GemmDtype out_dtype;
+  int64_t out_batch_stride;
+  bool accumulate;  // out (float32) = out + partial, once per element, after the whole K
+};
+
+// Below this many flops per extra thread, starting a thread costs more than it saves.
+constexpr double kMinFlopsPerThread = 4.0e6;
+
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(int64_t n) {
+    const size_t bytes = ((static_cast<size_t>(n) * sizeof(float) + 63) / 64) * 64;
+    p_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+  }
+  ~AlignedFloats() { std::free(p_); }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  float* data() { return p_; }
+
+ private:
+  float* p_;
+};
+
+template <typename Fn>
+void run_workers(int threads, Fn& fn) {
+  if (threads <= 1) {
+    fn();
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back([&fn]() { fn(); });
+    } catch (const std::system_error&) {
+      break;  // fewer threads: tiles come from a shared counter, so the work (and bits) are unchanged
+    }
+  }
+  fn();
+  for (auto& th : pool) th.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512F + FMA: 12 x 32 register tile (24 zmm accumulators).
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define JAXDET_X86 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+namespace avx512 {
+#define JAXDET_MR 12
+#define JAXDET_NR 32
+#define JAXDET_MC 144
+#define JAXDET_KC 256
+#define JAXDET_NC 256
+struct Micro {
+  static void run(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool first) {
+    __m512 c0[JAXDET_MR], c1[JAXDET_MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < JAXDET_MR; ++r) {
+      c0[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc);
+      c1[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16);
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      const __m512 b0 = _mm512_load_ps(b + k * JAXDET_NR);
+      const __m512 b1 = _mm512_load_ps(b + k * JAXDET_NR + 16);
+      const float* ak = a + k * JAXDET_MR;
+#pragma GCC unroll 12
+      for (int r = 0; r < JAXDET_MR; ++r) {
+        const __m512 av = _mm512_set1_ps(ak[r]);
+        c0[r] = _mm512_fmadd_ps(av, b0, c0[r]);
+        c1[r] = _mm512_fmadd_ps(av, b1, c1[r]);
+      }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < JAXDET_MR; ++r) {
+      _mm512_storeu_ps(c + r * ldc, c0[r]);
+      _mm512_storeu_ps(c + r * ldc + 16, c1[r]);
+    }
+  }
+};
+#include "matmul_cpu_kernel.inc"
+#undef JAXDET_MR
+#undef JAXDET_NR
+#undef JAXDET_MC
+#undef JAXDET_KC
+#undef JAXDET_NC
+}  // namespace avx512
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA: 6 x 16 register tile (12 ymm accumulators). Same bits as the AVX-512 variant.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#define JAXDET_MR 6
+#define JAXDET_NR 16
+#define JAXDET_MC 144
+#define JAXDET_KC 256
+#define JAXDET_NC 256
+struct Micro {
+  static void run(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool first) {
+    __m256 c0[JAXDET_MR], c1[JAXDET_MR];
+#pragma GCC unroll 6
+    for (int r = 0; r < JAXDET_MR; ++r) {
+      c0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc);
+      c1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      const __m256 b0 = _mm256_load_ps(b + k * JAXDET_NR);
+      const __m256 b1 = _mm256_load_ps(b + k * JAXDET_NR + 8);
+      const float* ak = a + k * JAXDET_MR;
+#pragma GCC unroll 6
+      for (int r = 0; r < JAXDET_MR; ++r) {
+        const __m256 av = _mm256_broadcast_ss(ak + r);
+        c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+        c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < JAXDET_MR; ++r) {
+      _mm256_storeu_ps(c + r * ldc, c0[r]);
+      _mm256_storeu_ps(c + r * ldc + 8, c1[r]);
+    }
+  }
+};
+#include "matmul_cpu_kernel.inc"
+#undef JAXDET_MR
+#undef JAXDET_NR
+#undef JAXDET_MC
+#undef JAXDET_KC
+#undef JAXDET_NC
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Portable fallback: multiply, round, add (the file is compiled with -ffp-contract=off, so the
+// compiler may not fuse them).
+namespace generic {
+#define JAXDET_MR 4
+#define JAXDET_NR 16
+#define JAXDET_MC 128
+#define JAXDET_KC 256
+#define JAXDET_NC 256
+struct Micro {
+  static void run(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool first) {
+    float acc[JAXDET_MR][JAXDET_NR];
+    for (int r = 0; r < JAXDET_MR; ++r)
+      for (int j = 0; j < JAXDET_NR; ++j) acc[r][j] = first ? 0.0f : c[r * ldc + j];
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* bk = b + k * JAXDET_NR;
+      for (int r = 0; r < JAXDET_MR; ++r) {
+        const float av = a[k * JAXDET_MR + r];
+        for (int j = 0; j < JAXDET_NR; ++j) {
+          const float prod = av * bk[j];
+          acc[r][j] = acc[r][j] + prod;
+        }
+      }
+    }
+    for (int r = 0; r < JAXDET_MR; ++r)
+      for (int j = 0; j < JAXDET_NR; ++j) c[r * ldc + j] = acc[r][j];
+  }
+};
+#include "matmul_cpu_kernel.inc"
+#undef JAXDET_MR
+#undef JAXDET_NR
+#undef JAXDET_MC
+#undef JAXDET_KC
+#undef JAXDET_NC
+}  // namespace generic
+
+// ---------------------------------------------------------------------------------------------
+// Variant selection: once per process from the CPU (JAXDET_CPU_GEMM_ISA=avx512|avx2|generic may
+// pick a supported one instead); set_isa exists for tests that compare the variants.
+
+enum Isa : int { kUnset = -1, kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+bool isa_supported(int isa) {
+#if defined(JAXDET_X86)
+  __builtin_cpu_init();
+  if (isa == kAvx512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == kGeneric;
+}
+
+int isa_from_name(const std::string& name) {
+  if (name == "avx512") return kAvx512;
+  if (name == "avx2") return kAvx2;
+  if (name == "generic") return kGeneric;
+  return kUnset;
+}
+
+int detect_isa() {
+  if (const char* env = std::getenv("JAXDET_CPU_GEMM_ISA")) {
+    const int want = isa_from_name(env);
+    if (want != kUnset && isa_supported(want)) return want;
+  }
+  if (isa_supported(kAvx512)) return kAvx512;
+  if (isa_supported(kAvx2)) return kAvx2;
+  return kGeneric;
+}
+
+std::atomic<int> g_isa{kUnset};
+
+int current_isa() {
+  int isa = g_isa.load(std::memory_order_acquire);
+  if (isa == kUnset) {
+    isa = detect_isa();
+    g_isa.store(isa, std::memory_order_release);
+  }
+  return isa;
+}
+
+int max_threads() {
+  static const int n = []() {
+    if (const char* env = std::getenv("JAXDET_CPU_THREADS")) {
+      const int v = std::atoi(env);
+      if (v > 0) return v;
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 1 : static_cast<int>(hw);
+  }();
+  return n;
+}
+
+void gemm(const GemmProblem& p) {
+  switch (current_isa()) {
+#if defined(JAXDET_X86)
+    case kAvx512: avx512::gemm(p, max_threads()); return;
+    case kAvx2: avx2::gemm(p, max_threads()); return;
+#endif
+    default: generic::gemm(p, max_threads()); return;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// FFI handlers.
+
+bool to_gemm_dtype(ffi::DataType t, GemmDtype* out) {
+  switch (t) {
+    case ffi::F32: *out = GemmDtype::kF32; return true;
+    case ffi::BF16: *out = GemmDtype::kBF16; return true;
+    case ffi::F16: *out = GemmDtype::kF16; return true;
+    default: return false;
+  }
+}
+
+ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, bool transpose_a,
+                   bool transpose_b) {
+  const char* op = "jaxdet_gemm";
+  const auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
+  if (ad.size() != 3 || bd.size() != 3 || od.size() != 3) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": a, b and out must be rank 3 ([L, ., .])");
+  }
+  GemmDtype at, bt, ot;
+  if (!to_gemm_dtype(a.element_type(), &at) || !to_gemm_dtype(b.element_type(), &bt) ||
+      !to_gemm_dtype(out->element_type(), &ot)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": dtypes must be float32, bfloat16 or float16");
+  }
+  if (at != bt) return ffi::Error::InvalidArgument(std::string(op) + ": a and b must have the same dtype");
+  if (ot != at && ot != GemmDtype::kF32) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": out must have a's dtype or float32");
+  }
+  const int64_t L = ad[0];
+  const int64_t M = transpose_a ? ad[2] : ad[1];
+  const int64_t K = transpose_a ? ad[1] : ad[2];
+  const int64_t Lb = bd[0];
+  const int64_t Kb = transpose_b ? bd[2] : bd[1];
+  const int64_t N = transpose_b ? bd[1] : bd[2];
+  if (Kb != K || od[0] != L || od[1] != M || od[2] != N || !(Lb == 1 || Lb == L)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": inconsistent shapes");
+  }
+  GemmProblem p;
+  p.L = L;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.a = GemmOperand{a.untyped_data(), at, transpose_a, transpose_a ? M : K, M * K};
+  p.b = GemmOperand{b.untyped_data(), bt, transpose_b, transpose_b ? K : N, K * N};
+  p.b_broadcast = Lb == 1;
+  p.out = out->untyped_data();
+  p.out_dtype = ot;
+  p.out_batch_stride = M * N;
+  p.accumulate = false;
+  gemm(p);
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmWgradCpu(ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
+  const char* op = "jaxdet_gemm_wgrad";
+  const auto cd = acc.dimensions(), ad = a.dimensions(), dd = dc.dimensions(), od = out->dimensions();
+  if (cd.size() != 3 || ad.size() != 3 || dd.size() != 3 || od.size() != 3) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": acc, a, dc and out must be rank 3");
+  }
+  GemmDtype at, dt;
+  if (!to_gemm_dtype(a.element_type(), &at) || !to_gemm_dtype(dc.element_type(), &dt) || at != dt) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": a and dc must have one dtype: float32, bfloat16 or float16");
+  }
+  if (chunk_tokens <= 0) return ffi::Error::InvalidArgument(std::string(op) + ": chunk_tokens must be > 0");
+  const int64_t L = cd[0], K = cd[1], N = cd[2], T = ad[1];
+  if (ad[0] != L || ad[2] != K || dd[0] != L || dd[1] != T || dd[2] != N || od[0] != L || od[1] != K ||
+      od[2] != N) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": inconsistent shapes");
+  }
+  float* dst = out->typed_data();
+  if (dst != acc.typed_data()) std::memcpy(dst, acc.typed_data(), sizeof(float) * L * K * N);
+  const size_t esize = at == GemmDtype::kF32 ? 4 : 2;
+  // Chunk c: out = out + a[c]^T . dc[c]; the chunk GEMM starts from 0 and adds into out once.
+  for (int64_t t0 = 0; t0 < T; t0 += chunk_tokens) {
+    const int64_t tc = std::min(chunk_tokens, T - t0);
+    GemmProblem p;
+    p.L = L;
+    p.M = K;
+    p.N = N;
+    p.K = tc;
+    // op(A) = a[l, t0:t0+tc, :]^T: element (i=feature, k=token) at [token * K + feature].
+    p.a = GemmOperand{static_cast<const char*>(a.untyped_data()) + esize * t0 * K, at, true, K, T * K};
+    p.b = GemmOperand{static_cast<const char*>(dc.untyped_data()) + esize * t0 * N, dt, false, N, T * N};
+    p.b_broadcast = false;
+    p.out = dst;
+    p.out_dtype = GemmDtype::kF32;
+    p.out_batch_stride = K * N;
+    p.accumulate = true;
+    gemm(p);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace matmul_cpu
+
+const char* cpu_gemm_isa() {
+  switch (matmul_cpu::current_isa()) {
+    case matmul_cpu::kAvx512: return "avx512";
+    case matmul_cpu::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+bool set_cpu_gemm_isa(const char* name) {
+  const int isa = matmul_cpu::isa_from_name(name);
+  if (isa == matmul_cpu::kUnset || !matmul_cpu::isa_supported(isa)) return false;
+  matmul_cpu::g_isa.store(isa, std::memory_order_release);
+  return true;
+}
+
+}  // namespace jaxdet
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cpu, jaxdet::matmul_cpu::GemmCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu, jaxdet::matmul_cpu::GemmWgradCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("chunk_tokens"));
