@@ -212,16 +212,18 @@ struct F16Storage {
 // The kept value: the input widened to float32, times float32(1 / (1 - rate)) rounded once
 // (explicitly, so no compiler may fuse it into something else), stored back to the input dtype.
 // A dropped element is +0 whatever it held (a NaN there gives 0, as flax's select does).
+// Written without branches (both sides are computed, then selected) so the GPU runs it as
+// straight-line code.
 template <typename Storage>
 JAXDET_HD typename Storage::Bits dropout_element(typename Storage::Bits x, bool keep, float scale) {
-  if (!keep) return 0;
+  using Bits = typename Storage::Bits;
 #if defined(__CUDA_ARCH__)
   const float y = __fmul_rn(Storage::load(x), scale);
 #else
   const float y = Storage::load(x) * scale;
 #endif
-  if (y != y) return Storage::kCanonicalNaN;
-  return Storage::store(y);
+  const Bits stored = (y != y) ? Storage::kCanonicalNaN : Storage::store(y);
+  return keep ? stored : Bits{0};
 }
 
 }  // namespace jaxdet

@@ -247,7 +247,7 @@ def test_gpu_bits_equal_cpu_bits(cpu, gpu, dtype):
     key = np.asarray(jr.key(31337))
     specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -3e-39, 7e4], np.float32)
     for shape, offset in [((3, 1000, 77), 0), ((12345,), 3), ((2, 4097), 2**35 + 6), ((1,), 1)]:
-        x = np.asarray(random_x(shape, dtype, seed=shape[0]))
+        x = np.array(random_x(shape, dtype, seed=shape[0]))  # a writable copy
         with np.errstate(over="ignore"):
             x.ravel()[: specials.size] = specials[: x.size].astype(x.dtype)
         run = lambda d: np.asarray(jax.jit(lambda x, k: jaxdet.dropout(x, k, 0.3, offset=offset))(
