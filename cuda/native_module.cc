@@ -9,11 +9,15 @@ namespace nb = nanobind;
 // CPU handlers (cuda/*_cpu.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
 
 #if defined(JAXDET_WITH_CUDA)
 // CUDA handlers (cuda/*_cuda.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
 #endif
 
 namespace {
@@ -39,6 +43,8 @@ NB_MODULE(_native, m) {
     nb::dict d;
     d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cpu);
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cpu);
+    d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cpu);
+    d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cpu);
     return d;
   });
   m.def("cuda_targets", []() {
@@ -46,6 +52,8 @@ NB_MODULE(_native, m) {
 #if defined(JAXDET_WITH_CUDA)
     d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cuda);
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cuda);
+    d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cuda);
+    d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cuda);
 #endif
     return d;
   });

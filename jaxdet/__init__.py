@@ -3,6 +3,8 @@
 from jaxdet import random
 from jaxdet._ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet.dropout import dropout
+from jaxdet.clip import clip_by_global_norm, global_norm
+from jaxdet import optax  # noqa: E402 (imports optax lazily)
 
 __version__ = "0.1.0"
-__all__ = ["dropout", "random", "WITH_CUDA", "CudaNotBuiltError", "__version__"]
+__all__ = ["dropout", "clip_by_global_norm", "global_norm", "optax", "random", "WITH_CUDA", "CudaNotBuiltError", "__version__"]
