@@ -242,8 +242,20 @@ struct Leaf {
 
 int64_t ChunkCount(int64_t size) { return (size + kChunk - 1) / kChunk; }
 
-unsigned GridFor(int64_t chunks) {
-  const int64_t cap = int64_t{current_sm_count()} * (2048 / kLanes);
+// Resident blocks per multiprocessor of a kernel (an occupancy query: host only, no sync).
+template <typename Kernel>
+int BlocksPerSm(Kernel kernel) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kLanes, 0) != cudaSuccess || blocks < 1) {
+    cudaGetLastError();  // clear a failed query; fall back to a safe guess
+    blocks = 4;
+  }
+  return blocks;
+}
+
+// One wave of resident blocks, grid-striding over the chunks (fewer when there are fewer chunks).
+unsigned GridFor(int64_t chunks, int blocks_per_sm) {
+  const int64_t cap = int64_t{current_sm_count()} * blocks_per_sm;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(chunks, cap)));
 }
 
@@ -275,15 +287,17 @@ ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, float* s
     slot += c;
     tables.push_back(t);
   }
+  static const int partial_per_sm = BlocksPerSm(PartialKernel<K>);
+  static const int apply_per_sm = BlocksPerSm(ApplyKernel<K>);
   for (const LeafTable<K>& t : tables) {
     const int32_t chunks = t.chunk_begin[t.count];
-    PartialKernel<K><<<GridFor(chunks), kLanes, 0, stream>>>(t, slots);
+    PartialKernel<K><<<GridFor(chunks, partial_per_sm), kLanes, 0, stream>>>(t, slots);
   }
   FinalizeKernel<<<1, kFinalLanes, 0, stream>>>(slots, total_chunks, max_norm, policy, norm_out, ctrl);
   if (apply) {
     for (const LeafTable<K>& t : tables) {
       const int32_t chunks = t.chunk_begin[t.count];
-      ApplyKernel<K><<<GridFor(chunks), kLanes, 0, stream>>>(t, ctrl);
+      ApplyKernel<K><<<GridFor(chunks, apply_per_sm), kLanes, 0, stream>>>(t, ctrl);
     }
   }
   return last_launch_error(op);
