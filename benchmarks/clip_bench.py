@@ -17,7 +17,7 @@ calls). Two input modes:
     input/output aliasing (optax writes new buffers anyway).
 max_norm is far below the norm, so every call really clips (3 passes). The floor is the 3-pass
 bandwidth bound: (read all + read all + write all) bytes at the copy bandwidth measured in this run
-with `x * 1.5` on a 1 GiB float32 array (read + write bytes / time).
+with `x * 1.5` on a 1 GiB float32 array (GPU) (read + write bytes / time).
 """
 
 from __future__ import annotations
@@ -38,21 +38,31 @@ GPT2_BLOCK = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), 
 GPT2_SHAPES = [(50257, 768), (1024, 768)] + GPT2_BLOCK * 12 + [(768,), (768,)]
 
 
-def gpt2_tree(key):
-    keys = jax.random.split(key, len(GPT2_SHAPES))
-    return [jax.random.normal(k, s, jnp.float32) * 1e-2 for k, s in zip(keys, GPT2_SHAPES)]
+def _normal(rng, shape, dtype, device):
+    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(1e-2)
+    return jax.device_put(jnp.asarray(x, dtype), device)  # host-made: no per-shape compilation
 
 
-def mixed_tree(key, n_leaves=1000, max_log2=20):
+def gpt2_tree(device, scale_down=1):
     rng = np.random.default_rng(0)
-    sizes = np.exp(rng.uniform(0, max_log2 * np.log(2), n_leaves)).astype(np.int64)
+    return [_normal(rng, (max(1, s[0] // scale_down),) + s[1:], jnp.float32, device) for s in GPT2_SHAPES]
+
+
+def mixed_tree(device, n_leaves=1000, max_log2=20, scale_down=1):
+    rng = np.random.default_rng(1)
+    sizes = np.exp(rng.uniform(0, max_log2 * np.log(2), n_leaves)).astype(np.int64) // scale_down
     dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
-    keys = jax.random.split(key, n_leaves)
     leaves = []
-    for i, (k, n) in enumerate(zip(keys, sizes)):
+    for i, n in enumerate(sizes):
         shape = (int(n),) if i % 2 else (int(max(1, n // 64)), 64)
-        leaves.append((jax.random.normal(k, shape, jnp.float32) * 1e-2).astype(dtypes[i % 3]))
+        leaves.append(_normal(rng, shape, dtypes[i % 3], device))
     return leaves
+
+
+@jax.jit
+def max_abs_diff(a, b):
+    diffs = [jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)), initial=0.0) for x, y in zip(a, b)]
+    return jnp.max(jnp.stack(diffs))
 
 
 def tree_bytes(tree):
@@ -79,7 +89,8 @@ def time_calls(fn, make_input, calls, reps, warmup=3):
 
 
 def copy_bandwidth(device, reps):
-    x = jax.device_put(jnp.ones((256 * 1024 * 1024,), jnp.float32), device)
+    n = 256 * 1024 * 1024 if device.platform == "gpu" else 16 * 1024 * 1024
+    x = jax.device_put(jnp.ones((n,), jnp.float32), device)
     f = jax.jit(lambda x: x * 1.5)
     ms = time_calls(f, lambda: x, calls=5, reps=reps)
     return 2 * x.size * 4 / (ms * 1e-3)  # bytes/s, read + write
@@ -91,7 +102,6 @@ def bench(args):
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.allow_cpu:
         sys.exit("clip_bench.py needs a GPU (pass --allow-cpu for a smoke test)")
-    key = jax.random.key(0)
     bw = copy_bandwidth(device, args.reps)
     max_norm = 1e-3  # far below both trees' norms: every call clips
     jd = lambda t: jaxdet.clip_by_global_norm(t, max_norm)  # noqa: E731
@@ -101,10 +111,9 @@ def bench(args):
         "jaxdet": {"donated": jax.jit(jd, donate_argnums=0), "kept": jax.jit(jd)},
         "optax": {"donated": jax.jit(ox, donate_argnums=0), "kept": jax.jit(ox)},
     }
-    trees = {"GPT-2-small (148 f32 leaves, 124.4M values)": gpt2_tree(key),
-             "1000 leaves, mixed sizes, f32/bf16/f16": mixed_tree(key)}
-    if args.allow_cpu and device.platform != "gpu":
-        trees = {name: [x[: max(1, x.shape[0] // 64)] for x in t] for name, t in trees.items()}
+    down = 1 if device.platform == "gpu" else 64  # --allow-cpu smoke test: smaller trees
+    trees = {"GPT-2-small (148 f32 leaves, 124.4M values)": gpt2_tree(device, down),
+             "1000 leaves, mixed sizes, f32/bf16/f16": mixed_tree(device, scale_down=down)}
 
     rows = []
     for name, tree in trees.items():
@@ -114,7 +123,7 @@ def bench(args):
         # Sanity: same clipped values as optax (to rounding) on this tree.
         c_jd, norm = fns["jaxdet"]["kept"](tree)
         c_ox = fns["optax"]["kept"](tree)
-        err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(c_jd, c_ox))
+        err = float(max_abs_diff(c_jd, c_ox))
         for mode in ("donated", "kept"):
             make = (lambda: copy_of(tree)) if mode == "donated" else (lambda: tree)
             t_jd = time_calls(lambda t: fns["jaxdet"][mode](t), make, args.calls, args.reps)
@@ -122,8 +131,9 @@ def bench(args):
             rows.append((name, len(tree), n_values, nbytes, mode, t_jd, t_ox, floor_ms, float(norm), err))
 
     dev = f"{device.device_kind} ({device.platform})"
+    bw_mib = 1024 if device.platform == "gpu" else 64
     print(f"\n### Global-norm clipping: jaxdet vs optax, {dev}, jax {jax.__version__}, optax {optax.__version__}\n")
-    print(f"Copy bandwidth (`x * 1.5`, 1 GiB f32, read + write): {bw / 1e12:.2f} TB/s. "
+    print(f"Copy bandwidth (`x * 1.5`, {bw_mib} MiB f32, read + write): {bw / 1e12:.2f} TB/s. "
           f"Median of {args.reps} runs of {args.calls} back-to-back jitted calls; max_norm={max_norm} (always clips).\n")
     print("| tree | leaves | MB | inputs | jaxdet ms | optax ms | optax / jaxdet | 3-pass floor ms | jaxdet / floor |")
     print("|---|---|---|---|---|---|---|---|---|")

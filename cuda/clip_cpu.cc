@@ -66,12 +66,19 @@ template <typename Storage>
 float ChunkPartial(const typename Storage::Bits* x, int64_t n) {
   float lane[kLanes];
   for (int l = 0; l < kLanes; ++l) lane[l] = 0.0f;
-  for (int k = 0; k < kSteps; ++k) {
-    for (int l = 0; l < kLanes; ++l) {
-      for (int j = 0; j < kVec; ++j) {
-        const int64_t e = int64_t{k} * (kLanes * kVec) + l * kVec + j;
-        if (e < n) lane[l] = clip::accumulate_square(lane[l], Storage::load(x[e]));
+  if (n == kChunk) {
+    for (int k = 0; k < kSteps; ++k) {
+      for (int l = 0; l < kLanes; ++l) {
+        for (int j = 0; j < kVec; ++j) {
+          lane[l] = clip::accumulate_square(lane[l], Storage::load(x[k * (kLanes * kVec) + l * kVec + j]));
+        }
       }
+    }
+  } else {
+    // A short chunk: walking e upwards visits each lane's elements in the same increasing order.
+    for (int64_t e = 0; e < n; ++e) {
+      const int l = static_cast<int>((e % (kLanes * kVec)) / kVec);
+      lane[l] = clip::accumulate_square(lane[l], Storage::load(x[e]));
     }
   }
   for (int s = kLanes / 2; s >= 1; s /= 2) {
