@@ -124,8 +124,9 @@ def _check_max_norm(max_norm):
     shape = tuple(getattr(max_norm, "shape", ()))
     if shape != ():
         raise ValueError(f"clip_by_global_norm: max_norm must be a scalar, got shape {shape}")
-    if is_traced(max_norm):
-        # A traced max_norm is checked by the kernel's rule instead: negative acts as 0 (docs).
+    if is_traced(max_norm) or isinstance(max_norm, jax.Array):
+        # Traced values and device arrays are not read back (that would be a host sync); the
+        # kernel's rule covers them instead: a negative max_norm acts as 0 (docs/clipping.md).
         return jnp.asarray(max_norm, jnp.float32)
     value = float(np.asarray(max_norm))
     if math.isnan(value) or value < 0:
