@@ -332,6 +332,11 @@ def test_clip_inside_jit_needs_no_copy_of_intermediate_gradients():
     entry = entry[: entry.index("\n}")]
     assert "output_to_operand_aliasing" in entry
     assert " copy(" not in entry and "copy-start" not in entry
+    # Donated gradients are clipped in place too.
+    hlo = jax.jit(lambda g: jaxdet.clip_by_global_norm(g, 1e-3), donate_argnums=0).lower(p).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    assert " copy(" not in entry and "copy-start" not in entry
 
 
 def _mlp_loss(params, x, y):
