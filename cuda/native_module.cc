@@ -15,11 +15,15 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
 
 #if defined(JAXDET_WITH_CUDA)
 // CUDA handlers (cuda/*_cuda.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
 #endif
 
 namespace {
@@ -47,6 +51,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cpu);
     d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cpu);
     d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cpu);
+    d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cpu);
+    d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cpu);
     return d;
   });
   m.def("cpu_gemm_isa", []() { return std::string(jaxdet::cpu_gemm_isa()); },
@@ -58,6 +64,8 @@ NB_MODULE(_native, m) {
 #if defined(JAXDET_WITH_CUDA)
     d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cuda);
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cuda);
+    d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cuda);
+    d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cuda);
 #endif
     return d;
   });

@@ -119,7 +119,7 @@ JAXDET_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint3
 
 JAXDET_HD uint16_t f32_to_bf16(float f) {
   const uint32_t u = f32_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFFu;  // canonical NaN
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;  // the canonical quiet NaN
   const uint32_t rounding_bias = 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>((u + rounding_bias) >> 16);
 }
@@ -144,7 +144,7 @@ JAXDET_HD uint16_t f32_to_f16(float f) {
   const uint32_t u = f32_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7FFFFFFFu;
-  if (abs > 0x7F800000u) return 0x7FFFu;  // canonical NaN
+  if (abs > 0x7F800000u) return 0x7E00u;  // the canonical quiet NaN
   if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to >= 2^16: inf
   if (abs >= 0x38800000u) {  // normal half range
     const uint32_t rounded = abs + 0x0FFFu + ((abs >> 13) & 1u);
@@ -162,19 +162,20 @@ JAXDET_HD uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | (half + round_up));
 }
 
-// Storage type tags. Loads widen exactly; stores round to nearest even. NaN results are stored as
-// the canonical NaN that NVIDIA hardware produces (0x7FFFFFFF, 0x7FFF), so NaN payloads cannot make
-// the CPU and GPU differ. On the device the hardware conversion instructions are used; on the host
-// the bit-exact software versions above.
+// Storage type tags. Loads widen exactly; stores round to nearest even. A NaN result is stored as
+// the canonical quiet NaN (0x7FC00000, 0x7FC0, 0x7E00: what jnp.nan is), never as whatever payload
+// a backend's arithmetic left, so NaN bits cannot make the CPU and GPU differ (NVIDIA arithmetic
+// returns 0x7FFFFFFF, x86 keeps the operand's payload). On the device the hardware conversion
+// instructions are used for finite values; on the host the bit-exact software versions above.
 struct F32Storage {
   using Bits = uint32_t;
-  static constexpr Bits kCanonicalNaN = 0x7FFFFFFFu;
+  static constexpr Bits kCanonicalNaN = 0x7FC00000u;
   JAXDET_HD static float load(Bits b) { return f32_from_bits(b); }
   JAXDET_HD static Bits store(float f) { return f32_bits(f); }
 };
 struct BF16Storage {
   using Bits = uint16_t;
-  static constexpr Bits kCanonicalNaN = 0x7FFFu;
+  static constexpr Bits kCanonicalNaN = 0x7FC0u;
   JAXDET_HD static float load(Bits b) { return bf16_to_f32(b); }
   JAXDET_HD static Bits store(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -188,7 +189,7 @@ struct BF16Storage {
 };
 struct F16Storage {
   using Bits = uint16_t;
-  static constexpr Bits kCanonicalNaN = 0x7FFFu;
+  static constexpr Bits kCanonicalNaN = 0x7E00u;
   JAXDET_HD static float load(Bits b) {
 #if defined(__CUDA_ARCH__)
     float f;

@@ -1,0 +1,193 @@
+"""Benchmark: jaxdet.clip_by_global_norm vs optax.clip_by_global_norm, side by side in one run.
+
+    python benchmarks/clip_bench.py                 # GPU: markdown table for benchmarks/RESULTS.md
+    python benchmarks/clip_bench.py --sanitize      # each kernel once on small trees (compute-sanitizer)
+    python benchmarks/clip_bench.py --allow-cpu     # smoke-test the script without a GPU
+
+Trees: the GPT-2-small gradient tree (148 float32 leaves, 124.4M values; shapes from
+/work/shared/reference/baselines.md) and a seeded 1000-leaf tree of mixed sizes (1 .. 2^20 values,
+log-uniform) and dtypes (float32 / bfloat16 / float16 in turn).
+
+Both functions are jitted and timed the same way: warm-up, then the median over `--reps` runs of
+`--calls` back-to-back calls (one jax.block_until_ready at the end of each run, time divided by the
+calls). Two input modes:
+  * donated: every call gets a fresh copy of the tree with donate_argnums=0 -- how clipping runs
+    inside a jitted train step, where the gradients are dead after clipping (jaxdet clips in place);
+  * kept: the tree is a live (non-donated) jit argument, so XLA must copy it to honour jaxdet's
+    input/output aliasing (optax writes new buffers anyway).
+max_norm is far below the norm, so every call really clips (3 passes). The floor is the 3-pass
+bandwidth bound: (read all + read all + write all) bytes at the copy bandwidth measured in this run
+with `x * 1.5` on a 1 GiB float32 array (GPU) (read + write bytes / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdet
+
+GPT2_BLOCK = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,), (768, 3072), (3072,),
+              (3072, 768), (768,)]
+GPT2_SHAPES = [(50257, 768), (1024, 768)] + GPT2_BLOCK * 12 + [(768,), (768,)]
+
+
+def _normal(rng, shape, dtype, device):
+    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(1e-2)
+    return jax.device_put(jnp.asarray(x, dtype), device)  # host-made: no per-shape compilation
+
+
+def gpt2_tree(device, scale_down=1):
+    rng = np.random.default_rng(0)
+    return [_normal(rng, (max(1, s[0] // scale_down),) + s[1:], jnp.float32, device) for s in GPT2_SHAPES]
+
+
+def mixed_tree(device, n_leaves=1000, max_log2=20, scale_down=1):
+    rng = np.random.default_rng(1)
+    sizes = np.exp(rng.uniform(0, max_log2 * np.log(2), n_leaves)).astype(np.int64) // scale_down
+    dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+    leaves = []
+    for i, n in enumerate(sizes):
+        shape = (int(n),) if i % 2 else (int(max(1, n // 64)), 64)
+        leaves.append(_normal(rng, shape, dtypes[i % 3], device))
+    return leaves
+
+
+@jax.jit
+def max_abs_diff(a, b):
+    diffs = [jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)), initial=0.0) for x, y in zip(a, b)]
+    return jnp.max(jnp.stack(diffs))
+
+
+def tree_bytes(tree):
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def copy_of(tree):
+    return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def time_calls(fn, make_input, calls, reps, warmup=3):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(make_input()))
+    per_call = []
+    for _ in range(reps):
+        inputs = [make_input() for _ in range(calls)]
+        jax.block_until_ready(inputs)
+        t0 = time.perf_counter()
+        outs = [fn(x) for x in inputs]
+        jax.block_until_ready(outs)
+        per_call.append((time.perf_counter() - t0) / calls)
+        del outs, inputs
+    return statistics.median(per_call) * 1e3
+
+
+def copy_bandwidth(device, reps):
+    n = 256 * 1024 * 1024 if device.platform == "gpu" else 16 * 1024 * 1024
+    x = jax.device_put(jnp.ones((n,), jnp.float32), device)
+    f = jax.jit(lambda x: x * 1.5)
+    ms = time_calls(f, lambda: x, calls=5, reps=reps)
+    return 2 * x.size * 4 / (ms * 1e-3)  # bytes/s, read + write
+
+
+def bench(args):
+    import optax
+
+    device = jax.devices()[0]
+    if device.platform != "gpu" and not args.allow_cpu:
+        sys.exit("clip_bench.py needs a GPU (pass --allow-cpu for a smoke test)")
+    bw = copy_bandwidth(device, args.reps)
+    max_norm = 1e-3  # far below both trees' norms: every call clips
+    jd = lambda t: jaxdet.clip_by_global_norm(t, max_norm)  # noqa: E731
+    ox_tx = optax.clip_by_global_norm(max_norm)
+    ox = lambda t: ox_tx.update(t, ox_tx.init(t))[0]  # noqa: E731
+    fns = {
+        "jaxdet": {"donated": jax.jit(jd, donate_argnums=0), "kept": jax.jit(jd)},
+        "optax": {"donated": jax.jit(ox, donate_argnums=0), "kept": jax.jit(ox)},
+    }
+    down = 1 if device.platform == "gpu" else 64  # --allow-cpu smoke test: smaller trees
+    trees = {"GPT-2-small (148 f32 leaves, 124.4M values)": gpt2_tree(device, down),
+             "1000 leaves, mixed sizes, f32/bf16/f16": mixed_tree(device, scale_down=down)}
+
+    rows = []
+    for name, tree in trees.items():
+        nbytes = tree_bytes(tree)
+        floor_ms = 3 * nbytes / bw * 1e3
+        n_values = sum(x.size for x in tree)
+        # Sanity: same clipped values as optax (to rounding) on this tree.
+        c_jd, norm = fns["jaxdet"]["kept"](tree)
+        c_ox = fns["optax"]["kept"](tree)
+        err = float(max_abs_diff(c_jd, c_ox))
+        for mode in ("donated", "kept"):
+            make = (lambda: copy_of(tree)) if mode == "donated" else (lambda: tree)
+            t_jd = time_calls(lambda t: fns["jaxdet"][mode](t), make, args.calls, args.reps)
+            t_ox = time_calls(lambda t: fns["optax"][mode](t), make, args.calls, args.reps)
+            rows.append((name, len(tree), n_values, nbytes, mode, t_jd, t_ox, floor_ms, float(norm), err))
+
+    dev = f"{device.device_kind} ({device.platform})"
+    bw_mib = 1024 if device.platform == "gpu" else 64
+    print(f"\n### Global-norm clipping: jaxdet vs optax, {dev}, jax {jax.__version__}, optax {optax.__version__}\n")
+    print(f"Copy bandwidth (`x * 1.5`, {bw_mib} MiB f32, read + write): {bw / 1e12:.2f} TB/s. "
+          f"Median of {args.reps} runs of {args.calls} back-to-back jitted calls; max_norm={max_norm} (always clips).\n")
+    print("| tree | leaves | MB | inputs | jaxdet ms | optax ms | optax / jaxdet | 3-pass floor ms | jaxdet / floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, leaves, n_values, nbytes, mode, t_jd, t_ox, floor_ms, norm, err in rows:
+        print(f"| {name} | {leaves} | {nbytes / 1e6:.0f} | {mode} | {t_jd:.3f} | {t_ox:.3f} | {t_ox / t_jd:.2f}x | "
+              f"{floor_ms:.3f} | {t_jd / floor_ms:.2f}x |")
+    print()
+    for name, *_, norm, err in rows[::2]:
+        print(f"- {name}: norm {norm:.6g}; max |jaxdet - optax| over clipped values {err:.3g}")
+    print("- donated: fresh donated copy per call (as inside a train step); kept: non-donated argument "
+          "(XLA copies the tree first to honour jaxdet's in-place aliasing).")
+
+
+def sanitize():
+    """Each kernel once, small: partial and whole chunks, all dtypes, empty and 0-d leaves, > 1024
+    leaves (several launches), identity / multiply / zero modes, global_norm."""
+    rng = np.random.default_rng(0)
+    dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+    small = [jnp.asarray(rng.standard_normal(n).astype(np.float32)).astype(dtypes[i % 3])
+             for i, n in enumerate([0, 1, 3, 4095, 4096, 4097, 3 * 4096 + 5, 20000])]
+    small.append(jnp.float32(2.0))
+    many = [jnp.asarray(rng.standard_normal(int(n)).astype(np.float32)).astype(dtypes[i % 3])
+            for i, n in enumerate(rng.integers(0, 300, 1100))]
+    bad = small + [jnp.asarray(np.array([1.0, np.inf], np.float32))]
+    runs = [
+        ("clip multiply", small, 0.5, "propagate"),
+        ("clip identity", small, 1e9, "propagate"),
+        ("clip many leaves", many, 0.5, "propagate"),
+        ("clip skip (zero)", bad, 0.5, "skip"),
+        ("clip propagate inf", bad, 0.5, "propagate"),
+        ("clip empty tree", [], 1.0, "propagate"),
+    ]
+    for name, tree, max_norm, policy in runs:
+        # jit without donation: XLA copies the inputs, so the kernels run out of the aliased copies.
+        out = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, max_norm, nonfinite=policy))(tree)
+        jax.block_until_ready(out)
+        print(f"{name}: norm {float(out[1]):.6g}")
+    for name, tree in (("global_norm", small), ("global_norm many", many), ("global_norm empty", [])):
+        print(f"{name}: {float(jax.block_until_ready(jaxdet.global_norm(tree))):.6g}")
+    print("sanitize runs done on", jax.devices()[0])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sanitize", action="store_true", help="run each kernel once on small inputs and exit")
+    p.add_argument("--allow-cpu", action="store_true", help="allow running without a GPU (smoke test)")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--calls", type=int, default=10)
+    args = p.parse_args()
+    if args.sanitize:
+        sanitize()
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()

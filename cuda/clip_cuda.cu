@@ -1,0 +1,402 @@
+// CUDA targets of global-norm clipping: three stream-ordered kernels, no host sync, no atomics.
+//
+//   pass 1  PartialKernel   one 256-thread block per 4096-element chunk (grid-stride): each thread
+//                           is one lane of the canonical order (cuda/clip_math.h), the block tree
+//                           combines the lanes, thread 0 writes the chunk's float32 slot.
+//   pass 2  FinalizeKernel  one 1024-thread block: the float64 lane sums and tree over the slots,
+//                           the norm (written to the norm result) and the clip decision (mode and
+//                           scale, written to device memory: the scratch result's last two words).
+//   pass 3  ApplyKernel     reads the decision from device memory; identity on aliased buffers
+//                           returns at once (bits untouched); otherwise scales / zeroes every chunk,
+//                           in reverse chunk order (pass 1's last chunks are the likeliest in L2).
+//
+// The leaf table (pointers, sizes, first chunk of each leaf, dtype) travels as a kernel parameter
+// (__grid_constant__, up to 1024 leaves per launch, like apex's multi_tensor_apply), so nothing is
+// copied from host memory and the host never waits. More leaves run as several launches of pass 1
+// and pass 3 around one pass 2; launches only decide who computes a chunk, never what it holds.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "clip_math.h"
+#include "cuda_common.h"
+
+namespace jaxdet {
+namespace {
+
+using clip::kChunk;
+using clip::kFinalLanes;
+using clip::kLanes;
+using clip::kSteps;
+using clip::kVec;
+
+enum DtypeCode : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+template <int K>
+struct LeafTable {
+  const void* in[K];
+  void* out[K];
+  int64_t size[K];
+  int32_t chunk_begin[K + 1];  // launch-local chunk index of each leaf's first chunk; [count] = total
+  uint8_t dtype[K];
+  int32_t count;               // leaves in this launch (all non-empty)
+  int32_t inplace;             // every out[i] == in[i]
+  int64_t slot_base;           // global slot of this launch's chunk 0
+};
+static_assert(sizeof(LeafTable<1024>) < 32000, "kernel parameter limit (32764 bytes)");
+
+// The leaf that holds launch-local chunk c: the largest L with chunk_begin[L] <= c.
+template <int K>
+__device__ __forceinline__ int FindLeaf(const LeafTable<K>& t, int32_t c) {
+  int lo = 0, hi = t.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (t.chunk_begin[mid] <= c) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <typename Bits>
+struct alignas(kVec * sizeof(Bits)) Vec {
+  Bits e[kVec];
+};
+
+// Step 2 for this thread's lane of one chunk of n elements (n <= kChunk).
+template <typename Storage>
+__device__ __forceinline__ float LaneSum(const typename Storage::Bits* __restrict__ x, int64_t n) {
+  using Bits = typename Storage::Bits;
+  const int lane = threadIdx.x;
+  float acc = 0.0f;
+  if (n == kChunk && (reinterpret_cast<uintptr_t>(x) % sizeof(Vec<Bits>)) == 0) {
+    Vec<Bits> v[kSteps];
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      v[k] = reinterpret_cast<const Vec<Bits>*>(x + k * (kLanes * kVec))[lane];
+    }
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc = clip::accumulate_square(acc, Storage::load(v[k].e[j]));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int64_t e = int64_t{k} * (kLanes * kVec) + lane * kVec + j;
+        if (e < n) acc = clip::accumulate_square(acc, Storage::load(x[e]));
+      }
+    }
+  }
+  return acc;
+}
+
+// Step 3: the fixed pairwise tree over the 256 lanes (s = 128, 64 in shared memory, 32 ... 1 in
+// warp 0 with shuffles: lane i adds lane i + s, exactly the tree the CPU target walks). The result
+// is valid in thread 0. Ends with a barrier so `sh` can be reused at once.
+__device__ __forceinline__ float BlockTree(float v, float* sh) {
+  const int t = threadIdx.x;
+  sh[t] = v;
+  __syncthreads();
+  if (t < 128) sh[t] = clip::f_add(sh[t], sh[t + 128]);
+  __syncthreads();
+  if (t < 64) sh[t] = clip::f_add(sh[t], sh[t + 64]);
+  __syncthreads();
+  float r = 0.0f;
+  if (t < 32) {
+    r = clip::f_add(sh[t], sh[t + 32]);
+#pragma unroll
+    for (int s = 16; s >= 1; s >>= 1) r = clip::f_add(r, __shfl_down_sync(0xFFFFFFFFu, r, s));
+  }
+  __syncthreads();
+  return r;
+}
+
+template <int K>
+__global__ void __launch_bounds__(kLanes)
+    PartialKernel(const __grid_constant__ LeafTable<K> t, float* __restrict__ slots) {
+  __shared__ float sh[kLanes];
+  const int32_t chunks = t.chunk_begin[t.count];
+  for (int32_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const int L = FindLeaf(t, c);
+    const int64_t off = int64_t{c - t.chunk_begin[L]} * kChunk;
+    const int64_t n = min(int64_t{kChunk}, t.size[L] - off);
+    float acc;
+    switch (t.dtype[L]) {
+      case kF32: acc = LaneSum<F32Storage>(static_cast<const uint32_t*>(t.in[L]) + off, n); break;
+      case kBF16: acc = LaneSum<BF16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, n); break;
+      default: acc = LaneSum<F16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, n); break;
+    }
+    const float partial = BlockTree(acc, sh);
+    if (threadIdx.x == 0) slots[t.slot_base + c] = partial;
+  }
+}
+
+// Step 4 and the decision. ctrl (2 words: scale, mode bits) may be null (global_norm only).
+__global__ void __launch_bounds__(kFinalLanes)
+    FinalizeKernel(const float* __restrict__ slots, int64_t n, const float* __restrict__ max_norm,
+                   int32_t policy, float* __restrict__ norm_out, float* __restrict__ ctrl) {
+  __shared__ double sh[kFinalLanes];
+  const int t = threadIdx.x;
+  double d = 0.0;
+  for (int64_t i = t; i < n; i += kFinalLanes) d = clip::d_add(d, static_cast<double>(slots[i]));
+  sh[t] = d;
+  __syncthreads();
+#pragma unroll
+  for (int s = kFinalLanes / 2; s >= 64; s >>= 1) {
+    if (t < s) sh[t] = clip::d_add(sh[t], sh[t + s]);
+    __syncthreads();
+  }
+  if (t < 32) {
+    double r = clip::d_add(sh[t], sh[t + 32]);
+#pragma unroll
+    for (int s = 16; s >= 1; s >>= 1) r = clip::d_add(r, __shfl_down_sync(0xFFFFFFFFu, r, s));
+    if (t == 0) {
+      const float norm = clip::norm_from_total(r);
+      *norm_out = norm;
+      if (ctrl != nullptr) {
+        const clip::Decision dec = clip::clip_decision(norm, *max_norm, policy);
+        ctrl[0] = dec.scale;
+        ctrl[1] = __uint_as_float(dec.mode);
+      }
+    }
+  }
+}
+
+template <typename Storage>
+__device__ __forceinline__ typename Storage::Bits ApplyOne(typename Storage::Bits x, uint32_t mode,
+                                                           float scale) {
+  if (mode == clip::kMultiply) return clip::clip_element<Storage>(x, scale);
+  if (mode == clip::kZero) return 0;
+  return x;
+}
+
+template <typename Storage>
+__device__ __forceinline__ void ApplyChunk(const typename Storage::Bits* x, typename Storage::Bits* y,
+                                           int64_t n, uint32_t mode, float scale) {
+  using Bits = typename Storage::Bits;
+  const int lane = threadIdx.x;
+  if (n == kChunk && (reinterpret_cast<uintptr_t>(x) % sizeof(Vec<Bits>)) == 0 &&
+      (reinterpret_cast<uintptr_t>(y) % sizeof(Vec<Bits>)) == 0) {
+    Vec<Bits> v[kSteps];
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) v[k] = reinterpret_cast<const Vec<Bits>*>(x + k * (kLanes * kVec))[lane];
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[k].e[j] = ApplyOne<Storage>(v[k].e[j], mode, scale);
+      reinterpret_cast<Vec<Bits>*>(y + k * (kLanes * kVec))[lane] = v[k];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int64_t e = int64_t{k} * (kLanes * kVec) + lane * kVec + j;
+        if (e < n) y[e] = ApplyOne<Storage>(x[e], mode, scale);
+      }
+    }
+  }
+}
+
+template <int K>
+__global__ void __launch_bounds__(kLanes)
+    ApplyKernel(const __grid_constant__ LeafTable<K> t, const float* __restrict__ ctrl) {
+  const float scale = ctrl[0];
+  const uint32_t mode = __float_as_uint(ctrl[1]);
+  if (mode == clip::kIdentity && t.inplace) return;  // scale == 1: the aliased leaves already hold the result
+  const int32_t chunks = t.chunk_begin[t.count];
+  for (int32_t i = blockIdx.x; i < chunks; i += gridDim.x) {
+    const int32_t c = chunks - 1 - i;
+    const int L = FindLeaf(t, c);
+    const int64_t off = int64_t{c - t.chunk_begin[L]} * kChunk;
+    const int64_t n = min(int64_t{kChunk}, t.size[L] - off);
+    switch (t.dtype[L]) {
+      case kF32:
+        ApplyChunk<F32Storage>(static_cast<const uint32_t*>(t.in[L]) + off, static_cast<uint32_t*>(t.out[L]) + off,
+                               n, mode, scale);
+        break;
+      case kBF16:
+        ApplyChunk<BF16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, static_cast<uint16_t*>(t.out[L]) + off,
+                                n, mode, scale);
+        break;
+      default:
+        ApplyChunk<F16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, static_cast<uint16_t*>(t.out[L]) + off,
+                               n, mode, scale);
+        break;
+    }
+  }
+}
+
+struct Leaf {
+  uint8_t dtype;
+  const void* in;
+  void* out;
+  int64_t size;
+};
+
+int64_t ChunkCount(int64_t size) { return (size + kChunk - 1) / kChunk; }
+
+// Resident blocks per multiprocessor of a kernel (an occupancy query: host only, no sync).
+template <typename Kernel>
+int BlocksPerSm(Kernel kernel) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kLanes, 0) != cudaSuccess || blocks < 1) {
+    cudaGetLastError();  // clear a failed query; fall back to a safe guess
+    blocks = 4;
+  }
+  return blocks;
+}
+
+// One wave of resident blocks, grid-striding over the chunks (fewer when there are fewer chunks).
+unsigned GridFor(int64_t chunks, int blocks_per_sm) {
+  const int64_t cap = int64_t{current_sm_count()} * blocks_per_sm;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(chunks, cap)));
+}
+
+// Pass 1, pass 2, and (when ctrl is set and apply is true) pass 3, for non-empty leaves.
+template <int K>
+ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, float* slots, int64_t total_chunks,
+                  const float* max_norm, int32_t policy, float* norm_out, float* ctrl, bool apply,
+                  const char* op) {
+  std::vector<LeafTable<K>> tables;
+  int64_t slot = 0;
+  for (size_t first = 0; first < leaves.size(); first += K) {
+    LeafTable<K> t;
+    std::memset(&t, 0, sizeof(t));
+    t.count = static_cast<int32_t>(std::min<size_t>(K, leaves.size() - first));
+    t.inplace = 1;
+    t.slot_base = slot;
+    int64_t c = 0;
+    for (int i = 0; i < t.count; ++i) {
+      const Leaf& leaf = leaves[first + i];
+      t.in[i] = leaf.in;
+      t.out[i] = leaf.out;
+      t.size[i] = leaf.size;
+      t.dtype[i] = leaf.dtype;
+      t.chunk_begin[i] = static_cast<int32_t>(c);
+      if (leaf.out != leaf.in) t.inplace = 0;
+      c += ChunkCount(leaf.size);
+    }
+    t.chunk_begin[t.count] = static_cast<int32_t>(c);
+    slot += c;
+    tables.push_back(t);
+  }
+  static const int partial_per_sm = BlocksPerSm(PartialKernel<K>);
+  static const int apply_per_sm = BlocksPerSm(ApplyKernel<K>);
+  for (const LeafTable<K>& t : tables) {
+    const int32_t chunks = t.chunk_begin[t.count];
+    PartialKernel<K><<<GridFor(chunks, partial_per_sm), kLanes, 0, stream>>>(t, slots);
+  }
+  FinalizeKernel<<<1, kFinalLanes, 0, stream>>>(slots, total_chunks, max_norm, policy, norm_out, ctrl);
+  if (apply) {
+    for (const LeafTable<K>& t : tables) {
+      const int32_t chunks = t.chunk_begin[t.count];
+      ApplyKernel<K><<<GridFor(chunks, apply_per_sm), kLanes, 0, stream>>>(t, ctrl);
+    }
+  }
+  return last_launch_error(op);
+}
+
+ffi::Error Run(cudaStream_t stream, const std::vector<Leaf>& all, float* scratch, int64_t scratch_size,
+               const float* max_norm, int32_t policy, float* norm_out, bool apply, const char* op) {
+  std::vector<Leaf> leaves;
+  int64_t chunks = 0;
+  for (const Leaf& leaf : all) {
+    if (leaf.size == 0) continue;
+    leaves.push_back(leaf);
+    chunks += ChunkCount(leaf.size);
+  }
+  if (chunks > int64_t{INT32_MAX}) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": more than 2^31 chunks of 4096 elements");
+  }
+  if (scratch_size < chunks + 2) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": scratch result too small for the chunk count");
+  }
+  float* ctrl = apply ? scratch + scratch_size - 2 : nullptr;
+  const size_t n = leaves.size();
+  if (n <= 32) return Launch<32>(stream, leaves, scratch, chunks, max_norm, policy, norm_out, ctrl, apply, op);
+  if (n <= 256) return Launch<256>(stream, leaves, scratch, chunks, max_norm, policy, norm_out, ctrl, apply, op);
+  return Launch<1024>(stream, leaves, scratch, chunks, max_norm, policy, norm_out, ctrl, apply, op);
+}
+
+ffi::Error CollectLeaves(const ffi::RemainingArgs& args, size_t first, std::vector<Leaf>& leaves, const char* op) {
+  for (size_t i = first; i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return buf.error();
+    uint8_t code;
+    switch (buf->element_type()) {
+      case ffi::F32: code = kF32; break;
+      case ffi::BF16: code = kBF16; break;
+      case ffi::F16: code = kF16; break;
+      default:
+        return ffi::Error::InvalidArgument(std::string(op) + ": leaf " + std::to_string(i - first) +
+                                           " must be float32, bfloat16 or float16");
+    }
+    leaves.push_back(Leaf{code, buf->untyped_data(), nullptr, static_cast<int64_t>(buf->element_count())});
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GlobalNormCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> norm,
+                          ffi::Result<ffi::Buffer<ffi::F32>> scratch) {
+  constexpr const char* kOp = "jaxdet_global_norm";
+  std::vector<Leaf> leaves;
+  if (auto err = CollectLeaves(args, 0, leaves, kOp); !err.success()) return err;
+  return Run(stream, leaves, scratch->typed_data(), static_cast<int64_t>(scratch->element_count()), nullptr,
+             clip::kPropagate, norm->typed_data(), /*apply=*/false, kOp);
+}
+
+ffi::Error ClipCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> norm,
+                    ffi::Result<ffi::Buffer<ffi::F32>> scratch, ffi::RemainingRets rets, int32_t nonfinite) {
+  constexpr const char* kOp = "jaxdet_clip_global_norm";
+  if (args.size() < 1) return ffi::Error::InvalidArgument(std::string(kOp) + ": missing max_norm");
+  auto max_norm = args.get<ffi::Buffer<ffi::F32>>(0);
+  if (max_norm.has_error()) return max_norm.error();
+  if (max_norm->element_count() != 1) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": max_norm must be a float32 scalar");
+  }
+  if (nonfinite != clip::kPropagate && nonfinite != clip::kSkip) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": unknown nonfinite policy");
+  }
+  std::vector<Leaf> leaves;
+  if (auto err = CollectLeaves(args, 1, leaves, kOp); !err.success()) return err;
+  if (rets.size() != leaves.size()) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": one result per leaf expected");
+  }
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (out.has_error()) return out.error();
+    if (static_cast<int64_t>((*out)->element_count()) != leaves[i].size) {
+      return ffi::Error::InvalidArgument(std::string(kOp) + ": result " + std::to_string(i) + " does not match its leaf");
+    }
+    leaves[i].out = (*out)->untyped_data();
+  }
+  return Run(stream, leaves, scratch->typed_data(), static_cast<int64_t>(scratch->element_count()),
+             max_norm->typed_data(), nonfinite, norm->typed_data(), /*apply=*/true, kOp);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_global_norm_cuda, GlobalNormCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda, ClipCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("nonfinite"));
+
+}  // namespace jaxdet

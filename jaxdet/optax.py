@@ -1,0 +1,75 @@
+"""optax drop-in: ``jaxdet.optax.clip_by_global_norm(max_norm)``.
+
+A ``GradientTransformation`` that replaces ``optax.clip_by_global_norm`` with jaxdet's fused,
+deterministic clip (one native call, bitwise equal on CPU and GPU; docs/clipping.md). Its state
+carries the last pre-clip global norm, so a training loop can log it without a second pass over the
+gradients (optax#326): ``state.norm`` (or ``jaxdet.optax.last_norm(opt_state)`` inside a chain).
+
+optax is imported lazily: importing ``jaxdet`` never needs it, building the transformation does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxdet import clip as _clip
+
+__all__ = ["clip_by_global_norm", "ClipByGlobalNormState", "last_norm"]
+
+
+def _require_optax():
+    try:
+        import optax  # noqa: PLC0415 (lazy on purpose)
+    except ImportError as e:  # pragma: no cover - exercised only without optax
+        raise ImportError(
+            "jaxdet.optax needs optax, which is not installed: `pip install optax` "
+            "(or install jaxdet with its test extra, `pip install jaxdet[test]`)."
+        ) from e
+    return optax
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """``norm``: the pre-clip global norm of the last update (float32; 0 before the first update).
+    ``num_nonfinite``: how many updates had a non-finite norm (those were zeroed under "skip")."""
+
+    norm: jax.Array
+    num_nonfinite: jax.Array
+
+
+def clip_by_global_norm(max_norm, *, nonfinite: str = "propagate"):
+    """Drop-in for ``optax.clip_by_global_norm(max_norm)``; see ``jaxdet.clip_by_global_norm``.
+
+    Same updates as optax's to rounding (optax scales by ``(g / norm) * max_norm`` in the leaf dtype,
+    jaxdet by ``float32(g) * float32(max_norm / norm)``; the norm is accumulated in float32, where
+    optax's overflows for float16 leaves). Differences on purpose: ``norm == max_norm`` is not
+    clipped, ``max_norm == 0`` with zero gradients gives zeros (optax: NaN), and ``nonfinite="skip"``
+    zeroes the update when the norm is inf or NaN.
+    """
+    optax = _require_optax()
+    policy = _clip._check_policy(nonfinite)  # errors at construction, before anything runs
+    del policy
+    if not _clip.is_traced(max_norm):
+        _clip._check_max_norm(max_norm)
+
+    def init_fn(params):
+        del params
+        return ClipByGlobalNormState(norm=jnp.zeros((), jnp.float32), num_nonfinite=jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        del params
+        clipped, norm = _clip.clip_by_global_norm(updates, max_norm, nonfinite=nonfinite)
+        num = state.num_nonfinite + jnp.logical_not(jnp.isfinite(norm)).astype(jnp.int32)
+        return clipped, ClipByGlobalNormState(norm=norm, num_nonfinite=num)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def last_norm(opt_state):
+    """The ``norm`` of the first ``ClipByGlobalNormState`` found in a (chained) optax state."""
+    for node in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda n: isinstance(n, ClipByGlobalNormState)):
+        if isinstance(node, ClipByGlobalNormState):
+            return node.norm
+    raise ValueError("no jaxdet.optax.clip_by_global_norm state in this optimizer state")

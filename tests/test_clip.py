@@ -1,0 +1,503 @@
+"""Fused deterministic global-norm clipping: the contract of docs/clipping.md.
+
+Semantics proven here (each test names the clause it proves):
+  * norm = sqrt(sum of squares) accumulated in float32 per chunk / float64 over chunks, also for
+    bfloat16 / float16 leaves; within 1e-6 relative of a float64 reference; no float16 overflow.
+  * the canonical order: the norm and the clipped leaves equal, bit for bit, a NumPy
+    re-implementation of the documented order (jaxdet/_clip_reference.py).
+  * scale = min(1, max_norm / norm); norm == 0 -> scale 1; max_norm == 0 with norm == 0 -> no NaN;
+    max_norm == inf never produces NaN; scale == 1 leaves every leaf bit-identical (NaN payloads,
+    -0 and subnormals included).
+  * nonfinite="propagate" (optax-like) and nonfinite="skip" (zero update).
+  * bad input errors before anything runs; one native call; aliased outputs; no host transfers.
+  * GPU (pytest -m gpu): CPU == GPU bitwise; run-to-run bitwise.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxdet
+from jaxdet import _clip_reference as ref
+
+BF16 = jnp.bfloat16
+F16 = jnp.float16
+
+
+def bits(x):
+    a = np.asarray(x)
+    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
+
+
+def assert_bits_equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def assert_tree_bits_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        assert_bits_equal(x, y)
+
+
+def mixed_tree(seed=0, scale=1.0):
+    """Mixed dtypes and shapes: 0-d, empty, sub-chunk, exact chunk multiple, multi-chunk with tail."""
+    rng = np.random.default_rng(seed)
+
+    def r(shape, dtype):
+        return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+    return {
+        "scalar": r((), jnp.float32),
+        "empty": r((0, 7), jnp.float32),
+        "small": r((3,), BF16),
+        "chunk": r((4096,), jnp.float32),
+        "tail": [r((5, 1000), F16), r((9000,), BF16)],
+        "big": r((70, 1031), jnp.float32),
+        "empty16": r((0,), F16),
+    }
+
+
+def np_leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def f64_norm(tree):
+    return math.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in np_leaves(tree)))
+
+
+# ---- norm accuracy and canonical order -----------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_norm_within_1e6_of_float64_reference(seed):
+    tree = mixed_tree(seed)
+    norm = float(jaxdet.global_norm(tree))
+    want = f64_norm(tree)
+    assert abs(norm - want) <= 1e-6 * want
+
+
+def test_norm_of_large_tree_within_1e6():
+    rng = np.random.default_rng(3)
+    tree = [jnp.asarray(rng.standard_normal(n).astype(np.float32)) for n in (3_000_000, 1_234_567, 77)]
+    norm = float(jaxdet.global_norm(tree))
+    want = f64_norm(tree)
+    assert abs(norm - want) <= 1e-6 * want
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_norm_and_clip_bitwise_equal_canonical_numpy_order(seed):
+    tree = mixed_tree(seed, scale=3.0)
+    clipped, norm = jaxdet.clip_by_global_norm(tree, 1.0)
+    want_leaves, want_norm = ref.clip_by_global_norm(np_leaves(tree), 1.0)
+    assert_bits_equal(norm, want_norm)
+    assert_bits_equal(jaxdet.global_norm(tree), want_norm)
+    for got, want in zip(jax.tree.leaves(clipped), want_leaves):
+        assert_bits_equal(got, want)
+
+
+def test_subnormals_are_kept_ieee():
+    # XLA's CPU runtime flushes subnormals; the clip target must not (the GPU does not).
+    tiny = np.full((5000,), 3e-39, np.float32)  # squares underflow to 0, values are subnormal
+    x = np.concatenate([tiny, np.full((10,), 1e-20, np.float32)])
+    clipped, norm = jaxdet.clip_by_global_norm({"x": jnp.asarray(x)}, 1e-21)
+    want_leaves, want_norm = ref.clip_by_global_norm([x], 1e-21)
+    assert_bits_equal(norm, want_norm)
+    assert_bits_equal(clipped["x"], want_leaves[0])
+    assert np.any(np.asarray(clipped["x"])[:5000] != 0)  # scaled subnormals are not flushed
+
+
+def test_float16_sum_of_squares_does_not_overflow():
+    x = jnp.full((1000,), 300.0, F16)  # each square 90000 > float16 max; norm ~ 9487
+    norm = float(jaxdet.global_norm([x]))
+    assert math.isfinite(norm)
+    assert abs(norm - 300.0 * math.sqrt(1000)) <= 1e-6 * norm
+    clipped, n2 = jaxdet.clip_by_global_norm([x], 1.0)
+    assert float(n2) == norm
+    assert np.all(np.isfinite(np.asarray(clipped[0], np.float32)))
+
+
+def test_bfloat16_norm_accumulates_in_float32():
+    x = jnp.full((100_000,), 1.0, BF16)  # a bfloat16 running sum would stall at 256
+    assert abs(float(jaxdet.global_norm([x])) - math.sqrt(100_000)) <= 1e-6 * math.sqrt(100_000)
+
+
+def test_global_norm_equals_clip_norm_and_jit_equals_eager():
+    tree = mixed_tree(7)
+    _, norm = jaxdet.clip_by_global_norm(tree, 0.5)
+    assert_bits_equal(jaxdet.global_norm(tree), norm)
+    c_jit, n_jit = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 0.5))(tree)
+    c_eager, n_eager = jaxdet.clip_by_global_norm(tree, 0.5)
+    assert_bits_equal(n_jit, n_eager)
+    assert_tree_bits_equal(c_jit, c_eager)
+
+
+def test_run_to_run_bitwise():
+    tree = mixed_tree(11, scale=5.0)
+    f = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 1.0))
+    first = f(tree)
+    for _ in range(3):
+        assert_tree_bits_equal(f(tree), first)
+
+
+def test_traced_max_norm():
+    tree = mixed_tree(2, scale=2.0)
+    f = jax.jit(lambda t, m: jaxdet.clip_by_global_norm(t, m))
+    for m in (0.25, 1.0, 1e9):
+        c_t, n_t = f(tree, jnp.float32(m))
+        c, n = jaxdet.clip_by_global_norm(tree, m)
+        assert_tree_bits_equal(c_t, c)
+        assert_bits_equal(n_t, n)
+    # A negative traced max_norm acts as 0 (documented): everything becomes (signed) zero.
+    c_neg, _ = f(tree, jnp.float32(-1.0))
+    c_zero, _ = jaxdet.clip_by_global_norm(tree, 0.0)
+    assert_tree_bits_equal(c_neg, c_zero)
+
+
+def test_clipped_norm_is_max_norm():
+    tree = mixed_tree(4, scale=10.0)
+    clipped, norm = jaxdet.clip_by_global_norm(tree, 2.0)
+    assert float(norm) > 2.0
+    assert abs(f64_norm(clipped) - 2.0) < 2e-2  # bf16 / f16 storage rounding
+
+
+# ---- edge cases --------------------------------------------------------------------------------
+
+def test_scale_one_leaves_bits_identical_including_nan_payloads_and_negative_zero():
+    payload_nan = np.uint32(0x7FA12345).view(np.float32)  # a signalling NaN with a payload
+    x = np.array([1.5, -0.0, 0.0, 1e-40, -2.0, 3.0], np.float32)
+    h = np.array([0.5, -0.0, 6e-8], np.float16)
+    b = np.array([0.25, -0.0], ml_dtypes.bfloat16)
+    tree = {"x": jnp.asarray(x), "h": jnp.asarray(h), "b": jnp.asarray(b)}
+    clipped, norm = jaxdet.clip_by_global_norm(tree, 100.0)
+    assert float(norm) < 100.0
+    assert_tree_bits_equal(clipped, tree)
+    # max_norm = inf never clips: even a NaN with a payload (and so a NaN norm) keeps its bits.
+    x_nan = x.copy()
+    x_nan[2] = payload_nan
+    tree_nan = {"x": jnp.asarray(x_nan), "h": jnp.asarray(h)}
+    clipped, norm = jaxdet.clip_by_global_norm(tree_nan, math.inf)
+    assert math.isnan(float(norm))
+    assert_tree_bits_equal(clipped, tree_nan)
+
+
+def test_norm_equal_to_max_norm_is_not_clipped():
+    x = jnp.asarray(np.array([3.0, 4.0], np.float32))
+    clipped, norm = jaxdet.clip_by_global_norm([x], 5.0)
+    assert float(norm) == 5.0
+    assert_bits_equal(clipped[0], x)
+
+
+def test_zero_gradients():
+    tree = {"a": jnp.zeros((10,)), "b": jnp.zeros((3, 3), BF16)}
+    for m in (0.0, 1.0, math.inf):
+        clipped, norm = jaxdet.clip_by_global_norm(tree, m)
+        assert float(norm) == 0.0
+        assert_tree_bits_equal(clipped, tree)  # scale 1: no NaN from 0/0
+
+
+def test_max_norm_zero_with_nonzero_gradients_gives_zeros():
+    tree = {"a": jnp.asarray(np.array([1.0, -2.0], np.float32))}
+    clipped, norm = jaxdet.clip_by_global_norm(tree, 0.0)
+    assert float(norm) == pytest.approx(math.sqrt(5))
+    np.testing.assert_array_equal(bits(clipped["a"]), bits(np.array([0.0, -0.0], np.float32)))
+
+
+def test_max_norm_inf_with_inf_gradient_is_not_nan():
+    x = jnp.asarray(np.array([1.0, np.inf, -3.0], np.float32))
+    for policy in ("propagate",):
+        clipped, norm = jaxdet.clip_by_global_norm([x], math.inf, nonfinite=policy)
+        assert float(norm) == math.inf
+        assert_bits_equal(clipped[0], x)
+
+
+def test_empty_tree_and_empty_leaves():
+    clipped, norm = jaxdet.clip_by_global_norm({}, 1.0)
+    assert clipped == {} and float(norm) == 0.0
+    assert float(jaxdet.global_norm([])) == 0.0
+    tree = [jnp.zeros((0,)), jnp.zeros((2, 0), BF16)]
+    clipped, norm = jaxdet.clip_by_global_norm(tree, 1.0)
+    assert float(norm) == 0.0
+    assert [c.shape for c in clipped] == [(0,), (2, 0)]
+    assert clipped[1].dtype == BF16
+
+
+def test_zero_d_leaves():
+    tree = (jnp.float32(3.0), jnp.asarray(4.0, F16), None)
+    clipped, norm = jaxdet.clip_by_global_norm(tree, 1.0)
+    assert float(norm) == 5.0
+    assert float(clipped[0]) == np.float32(np.float32(3.0) * np.float32(1.0 / 5.0))
+    assert clipped[1].shape == () and clipped[1].dtype == F16 and clipped[2] is None
+
+
+# ---- non-finite policy ---------------------------------------------------------------------------
+
+def test_nonfinite_propagate_inf_is_optax_like():
+    x = jnp.asarray(np.array([1.0, np.inf, -3.0], np.float32))
+    (c,), norm = jaxdet.clip_by_global_norm([x], 1.0)
+    assert float(norm) == math.inf
+    got = np.asarray(c)
+    # scale = 1 / inf = 0: finite entries become (signed) zeros, the inf becomes NaN (as optax).
+    np.testing.assert_array_equal(bits(got[[0, 2]]), bits(np.array([0.0, -0.0], np.float32)))
+    assert np.isnan(got[1])
+    assert bits(got[1]) == 0x7FC00000  # canonical NaN
+
+
+def test_nonfinite_propagate_nan_makes_everything_nan():
+    x = jnp.asarray(np.array([1.0, np.nan, -3.0], np.float32))
+    y = jnp.asarray(np.array([2.0], BF16))
+    (cx, cy), norm = jaxdet.clip_by_global_norm([x, y], 1.0)
+    assert math.isnan(float(norm))
+    assert bits(norm) == 0x7FC00000
+    assert np.all(bits(cx) == 0x7FC00000) and np.all(bits(cy) == 0x7FC0)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("max_norm", [1.0, math.inf])
+def test_nonfinite_skip_zeroes_the_update(bad, max_norm):
+    x = np.array([1.0, bad, -3.0], np.float32)
+    tree = {"x": jnp.asarray(x), "y": jnp.asarray(np.array([-2.0, 5.0], np.float16))}
+    clipped, norm = jaxdet.clip_by_global_norm(tree, max_norm, nonfinite="skip")
+    assert not math.isfinite(float(norm))
+    for leaf in jax.tree.leaves(clipped):
+        assert np.all(bits(leaf) == 0)  # +0 everywhere
+    # finite gradients are unaffected by the policy
+    finite = {"x": jnp.asarray(np.array([1.0, 2.0], np.float32))}
+    a, na = jaxdet.clip_by_global_norm(finite, 1.0, nonfinite="skip")
+    b, nb = jaxdet.clip_by_global_norm(finite, 1.0, nonfinite="propagate")
+    assert_tree_bits_equal(a, b)
+    assert_bits_equal(na, nb)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+def test_bad_inputs_raise_clear_errors():
+    good = {"w": jnp.ones((3,))}
+    with pytest.raises(TypeError, match=r"\['count'\].*int32"):
+        jaxdet.clip_by_global_norm({"w": jnp.ones((3,)), "count": jnp.zeros((), jnp.int32)}, 1.0)
+    with pytest.raises(TypeError, match="leaf"):
+        jaxdet.global_norm([jnp.ones((2,)), 3.0])
+    with pytest.raises(ValueError, match="max_norm must be >= 0"):
+        jaxdet.clip_by_global_norm(good, -1.0)
+    with pytest.raises(ValueError, match="max_norm must be >= 0"):
+        jaxdet.clip_by_global_norm(good, float("nan"))
+    with pytest.raises(ValueError, match="scalar"):
+        jaxdet.clip_by_global_norm(good, jnp.ones((2,)))
+    with pytest.raises(ValueError, match="scalar"):
+        jax.jit(lambda g, m: jaxdet.clip_by_global_norm(g, m))(good, jnp.ones((2,)))
+    with pytest.raises(TypeError, match="max_norm"):
+        jaxdet.clip_by_global_norm(good, "1.0")
+    with pytest.raises(TypeError, match="max_norm"):
+        jaxdet.clip_by_global_norm(good, True)
+    with pytest.raises(ValueError, match="nonfinite"):
+        jaxdet.clip_by_global_norm(good, 1.0, nonfinite="zero_nans")
+    with pytest.raises(TypeError, match="nonfinite"):
+        jaxdet.clip_by_global_norm(good, 1.0, nonfinite=None)
+    if jax.config.jax_enable_x64:  # pragma: no cover
+        return
+    with pytest.raises(TypeError, match="float64"):
+        jaxdet.global_norm([np.ones((2,), np.float64)])
+
+
+# ---- compiled-step properties --------------------------------------------------------------------
+
+def test_one_native_call_with_aliased_outputs():
+    tree = mixed_tree(1)
+    lowered = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 1.0)).lower(tree)
+    text = lowered.as_text()
+    assert text.count("jaxdet_clip_global_norm") == 1
+    assert "output_operand_alias" in text
+    n_leaves = len(jax.tree.leaves(tree))
+    assert text.count("output_operand_alias<") == n_leaves
+    norm_text = jax.jit(jaxdet.global_norm).lower(tree).as_text()
+    assert norm_text.count("jaxdet_global_norm") == 1
+
+
+def test_clip_inside_jit_needs_no_copy_of_intermediate_gradients():
+    # Gradients produced inside the step are dead after clipping: XLA aliases them in place, so the
+    # compiled step has no copy instruction of its own (a copy fused into the producer is just the
+    # producer writing its output).
+    def step(p):
+        g = jax.tree.map(lambda x: x * 2.0, p)
+        return jaxdet.clip_by_global_norm(g, 1.0)
+
+    p = {"a": jnp.ones((5000,)), "b": jnp.ones((7,), BF16)}
+    hlo = jax.jit(step).lower(p).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    assert "output_to_operand_aliasing" in entry
+    assert " copy(" not in entry and "copy-start" not in entry
+    # Donated gradients are clipped in place too.
+    hlo = jax.jit(lambda g: jaxdet.clip_by_global_norm(g, 1e-3), donate_argnums=0).lower(p).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    assert " copy(" not in entry and "copy-start" not in entry
+
+
+def _mlp_loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    out = (h @ params["w2"].astype(jnp.float32)) + params["b2"]
+    return jnp.mean((out - y) ** 2)
+
+
+def _mlp_init():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.standard_normal((8, 16)).astype(np.float32)),
+        "b1": jnp.zeros((16,)),
+        "w2": jnp.asarray(rng.standard_normal((16, 4)).astype(np.float32)).astype(BF16),
+        "b2": jnp.zeros((4,)),
+    }
+
+
+def test_jitted_train_step_under_transfer_guard_disallow():
+    optax = pytest.importorskip("optax")
+    params = _mlp_init()
+    tx = optax.chain(jaxdet.optax.clip_by_global_norm(0.1), optax.adam(1e-2))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((32, 8)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((32, 4)).astype(np.float32))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(_mlp_loss)(params, x, y)
+        clipped, norm = jaxdet.clip_by_global_norm(grads, 1.0)
+        updates, opt_state = tx.update(clipped, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, norm
+
+    step(params, opt_state, x, y)  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        for _ in range(3):
+            params, opt_state, loss, norm = step(params, opt_state, x, y)
+    assert math.isfinite(float(loss)) and float(norm) > 0
+    assert float(jaxdet.optax.last_norm(opt_state)) > 0
+
+
+# ---- optax drop-in -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_norm", [0.05, 1.0, 1e6])
+def test_optax_drop_in_matches_optax(max_norm):
+    optax = pytest.importorskip("optax")
+    params = _mlp_init()
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((32, 8)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((32, 4)).astype(np.float32))
+    grads = jax.grad(_mlp_loss)(params, x, y)
+    ours = optax.chain(jaxdet.optax.clip_by_global_norm(max_norm), optax.sgd(0.1))
+    theirs = optax.chain(optax.clip_by_global_norm(max_norm), optax.sgd(0.1))
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    for _ in range(2):
+        u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, params)
+        u_theirs, s_theirs = jax.jit(theirs.update)(grads, s_theirs, params)
+        for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-9)
+    norm = jaxdet.optax.last_norm(s_ours)
+    assert_bits_equal(norm, jaxdet.global_norm(grads))
+    assert abs(float(norm) - float(optax.tree.norm(grads))) <= 1e-6 * float(norm)
+
+
+def test_optax_drop_in_state_and_skip():
+    optax = pytest.importorskip("optax")
+    tx = jaxdet.optax.clip_by_global_norm(1.0, nonfinite="skip")
+    g = {"a": jnp.asarray(np.array([3.0, 4.0], np.float32))}
+    state = tx.init(g)
+    assert float(state.norm) == 0.0 and int(state.num_nonfinite) == 0
+    u, state = tx.update(g, state)
+    assert float(state.norm) == 5.0
+    np.testing.assert_allclose(np.asarray(u["a"]), [0.6, 0.8], rtol=1e-6)
+    bad = {"a": jnp.asarray(np.array([np.nan, 4.0], np.float32))}
+    u, state = tx.update(bad, state)
+    assert np.all(bits(u["a"]) == 0) and int(state.num_nonfinite) == 1
+    with pytest.raises(ValueError):
+        jaxdet.optax.clip_by_global_norm(-1.0)
+    with pytest.raises(ValueError):
+        jaxdet.optax.clip_by_global_norm(1.0, nonfinite="nope")
+    assert isinstance(tx, optax.GradientTransformation)
+
+
+# ---- GPU: CPU == GPU bitwise ----------------------------------------------------------------------
+
+def _on(tree, device):
+    return jax.device_put(tree, device)
+
+
+def _gpu_trees():
+    rng = np.random.default_rng(123)
+    payload_nan = np.uint32(0x7FA12345).view(np.float32)
+    many = [jnp.asarray(rng.standard_normal(int(n)).astype(np.float32)).astype(dt)
+            for n, dt in zip(rng.integers(0, 20000, 1100), [jnp.float32, BF16, F16] * 400)]
+    sub = np.concatenate([np.full((5000,), 3e-39, np.float32), np.full((10,), 1e-20, np.float32)])
+    return [
+        ("mixed", mixed_tree(0, scale=3.0), 1.0),
+        ("mixed_noclip", mixed_tree(1), 1e9),
+        ("many_leaves", many, 10.0),  # > 1024 leaves: several launches of pass 1 and pass 3
+        ("subnormal", [jnp.asarray(sub)], 1e-21),
+        ("inf", [jnp.asarray(np.array([1.0, np.inf, -3.0], np.float32))], 1.0),
+        ("nan", [jnp.asarray(np.array([1.0, payload_nan, -3.0], np.float32)), jnp.ones((3,), BF16)], 1.0),
+        ("f16_big", [jnp.full((100_000,), 300.0, F16)], 1.0),
+        ("unaligned_tail", [jnp.asarray(rng.standard_normal((4097,)).astype(np.float32))], 0.5),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["propagate", "skip"])
+def test_cpu_equals_gpu_bitwise(cpu, gpu, policy):
+    for name, tree, max_norm in _gpu_trees():
+        f = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, max_norm, nonfinite=policy))
+        c_cpu, n_cpu = f(_on(tree, cpu))
+        c_gpu, n_gpu = f(_on(tree, gpu))
+        assert_bits_equal(n_cpu, n_gpu), name
+        assert_tree_bits_equal(c_cpu, c_gpu)
+        assert_bits_equal(jaxdet.global_norm(_on(tree, gpu)), n_cpu)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_numpy_canonical_order(gpu):
+    tree = mixed_tree(9, scale=4.0)
+    clipped, norm = jaxdet.clip_by_global_norm(_on(tree, gpu), 1.0)
+    want_leaves, want_norm = ref.clip_by_global_norm(np_leaves(tree), 1.0)
+    assert_bits_equal(norm, want_norm)
+    for got, want in zip(jax.tree.leaves(clipped), want_leaves):
+        assert_bits_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_run_to_run_bitwise_and_no_transfers(gpu):
+    rng = np.random.default_rng(5)
+    tree = _on([jnp.asarray(rng.standard_normal(n).astype(np.float32)) for n in (3_000_000, 50_000, 1)], gpu)
+    f = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 1.0))
+    first = f(tree)
+    with jax.transfer_guard("disallow"):
+        outs = [f(tree) for _ in range(5)]
+    for o in outs:
+        assert_tree_bits_equal(o, first)
+
+
+@pytest.mark.gpu
+def test_gpu_train_step_under_transfer_guard(gpu):
+    optax = pytest.importorskip("optax")
+    with jax.default_device(gpu):
+        params = _mlp_init()
+        tx = optax.chain(jaxdet.optax.clip_by_global_norm(0.1), optax.adam(1e-2))
+        opt_state = tx.init(params)
+        x = jnp.ones((32, 8))
+        y = jnp.zeros((32, 4))
+
+        @jax.jit
+        def step(params, opt_state):
+            grads = jax.grad(_mlp_loss)(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        step(params, opt_state)
+        with jax.transfer_guard("disallow"):
+            for _ in range(3):
+                params, opt_state = step(params, opt_state)
+        assert float(jaxdet.optax.last_norm(opt_state)) > 0
