@@ -1,51 +1,67 @@
 #!/usr/bin/env bash
-# One device call: build with CUDA, run the GPU tests (and the rest of the suite on the GPU as the
+# One device call: build with CUDA, run the GPU tests (and the rest of the suite with the GPU as the
 # default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $OUT.
-#   tools/gpu_session.sh [dropout|clip|matmul|all] ...
+#   tools/gpu_session.sh [tests|report|dropout|clip|matmul|ncu-dropout|all] ...
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 what=("$@"); [ ${#what[@]} -eq 0 ] && what=(all)
 has() { for w in "${what[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
+repo=$(pwd)
 
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 start=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/jaxdet-site . 2>&1 | tail -20 | tee "$OUT/build.log"
+python3 -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/jaxdet-site . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
-cd /tmp && cp -r "$OLDPWD/tests" /tmp/jaxdet-tests && cp "$OLDPWD/pyproject.toml" /tmp/ && cd "$OLDPWD"
+rm -rf /tmp/jaxdet-tests && cp -r tests /tmp/jaxdet-tests && cp pyproject.toml /tmp/pyproject.toml
+# From /tmp so that the installed package (not the source folder) is imported.
+run_pytest() { (cd /tmp && python3 -m pytest -q -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
 
-echo "== GPU tests (README: pytest -m gpu)"
-(cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider -c /tmp/pyproject.toml /tmp/jaxdet-tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15)
-echo "== whole suite with the GPU as default device"
-(cd /tmp && python3 -m pytest -q -p no:cacheprovider -c /tmp/pyproject.toml /tmp/jaxdet-tests 2>&1 | tee "$OUT/pytest_all.log" | tail -8)
-echo "== python -m jaxdet"
-(cd /tmp && python3 -m jaxdet 2>/dev/null | tee "$OUT/report.txt")
+if has tests; then
+  echo "== GPU tests (README: pytest -m gpu)"
+  run_pytest -m gpu /tmp/jaxdet-tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -6
+  echo "== whole suite with the GPU as the default device"
+  run_pytest /tmp/jaxdet-tests 2>&1 | tee "$OUT/pytest_all.log" | tail -6
+fi
+if has report; then
+  echo "== python -m jaxdet"
+  (cd /tmp && python3 -m jaxdet 2>/dev/null | tee "$OUT/report.txt")
+fi
 
 sanitize() {  # name, kernel regex, tool, command...
   local name=$1 regex=$2 tool=$3; shift 3
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 compute-sanitizer --tool "$tool" --kernel-name "regex=$regex" \
-    --error-exitcode 9 "$@" > "$OUT/sanitize_${name}_${tool}.log" 2>&1
-  echo "compute-sanitizer $tool $name: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_${name}_${tool}.log" | tail -1)"
+  (cd "$repo" && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 300 \
+    compute-sanitizer --tool "$tool" --kernel-name "regex=$regex" --error-exitcode 9 "$@" \
+    > "$OUT/sanitize_${name}_${tool}.log" 2>&1)
+  echo "compute-sanitizer $tool $name: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_${name}_${tool}.log" | tail -1)"
 }
 if has dropout; then
   sanitize dropout 'Dropout|Philox' memcheck python3 benchmarks/dropout_bench.py --sanitize
   echo "== dropout benchmark"
   python3 benchmarks/dropout_bench.py 2>&1 | tee "$OUT/bench_dropout.md"
 fi
+if has ncu-dropout; then
+  timeout 240 ncu --clock-control none --kernel-name regex:DropoutKernel --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+    python3 benchmarks/dropout_bench.py --shape 64x4096x1024 > "$OUT/ncu_dropout.txt" 2>&1
+  grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issued Warp|No Eligible|Stall|Executed Ipc A" "$OUT/ncu_dropout.txt" | head -30
+fi
 if has clip && [ -f benchmarks/clip_bench.py ]; then
-  sanitize clip 'Clip|Norm|clip|norm' memcheck python3 benchmarks/clip_bench.py --sanitize
-  sanitize clip 'Clip|Norm|clip|norm' racecheck python3 benchmarks/clip_bench.py --sanitize
+  sanitize clip 'PartialKernel|FinalizeKernel|ApplyKernel' memcheck python3 benchmarks/clip_bench.py --sanitize
+  sanitize clip 'PartialKernel|FinalizeKernel|ApplyKernel' racecheck python3 benchmarks/clip_bench.py --sanitize
   echo "== clip benchmark"
   python3 benchmarks/clip_bench.py 2>&1 | tee "$OUT/bench_clip.md"
 fi
 if has matmul && [ -f benchmarks/matmul_bench.py ]; then
-  sanitize matmul 'Gemm|gemm|cutlass|Kernel' memcheck python3 benchmarks/matmul_bench.py --sanitize
+  sanitize matmul 'gemm|Gemm|cutlass|Sm90|Sm80' memcheck python3 benchmarks/matmul_bench.py --sanitize
   echo "== matmul benchmark"
   python3 benchmarks/matmul_bench.py 2>&1 | tee "$OUT/bench_matmul.md"
 fi
