@@ -25,10 +25,12 @@ rm -rf /tmp/jaxdet-tests && cp -r tests /tmp/jaxdet-tests && cp pyproject.toml /
 run_pytest() { (cd /tmp && python3 -m pytest -q -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
 
 if has tests; then
+  files=(); for f in ${TEST_FILES:-}; do files+=("/tmp/jaxdet-tests/$f"); done
+  [ ${#files[@]} -eq 0 ] && files=(/tmp/jaxdet-tests)
   echo "== GPU tests (README: pytest -m gpu)"
-  run_pytest -m gpu /tmp/jaxdet-tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -6
-  echo "== whole suite with the GPU as the default device"
-  run_pytest /tmp/jaxdet-tests 2>&1 | tee "$OUT/pytest_all.log" | tail -6
+  run_pytest -m gpu "${files[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -6
+  echo "== the same files with the GPU as the default device"
+  run_pytest "${files[@]}" 2>&1 | tee "$OUT/pytest_all.log" | tail -6
 fi
 if has report; then
   echo "== python -m jaxdet"
