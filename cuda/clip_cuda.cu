@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "clip_ffi.h"
 #include "clip_math.h"
 #include "cuda_common.h"
 
@@ -34,7 +35,10 @@ using clip::kLanes;
 using clip::kSteps;
 using clip::kVec;
 
-enum DtypeCode : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+using clip::kBF16;
+using clip::kF16;
+using clip::kF32;
+using clip::Leaf;
 
 template <int K>
 struct LeafTable {
@@ -233,15 +237,6 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
-struct Leaf {
-  uint8_t dtype;
-  const void* in;
-  void* out;
-  int64_t size;
-};
-
-int64_t ChunkCount(int64_t size) { return (size + kChunk - 1) / kChunk; }
-
 // Resident blocks per multiprocessor of a kernel (an occupancy query: host only, no sync).
 template <typename Kernel>
 int BlocksPerSm(Kernel kernel) {
@@ -281,7 +276,7 @@ ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, float* s
       t.dtype[i] = leaf.dtype;
       t.chunk_begin[i] = static_cast<int32_t>(c);
       if (leaf.out != leaf.in) t.inplace = 0;
-      c += ChunkCount(leaf.size);
+      c += clip::chunk_count(leaf.size);
     }
     t.chunk_begin[t.count] = static_cast<int32_t>(c);
     slot += c;
@@ -310,7 +305,7 @@ ffi::Error Run(cudaStream_t stream, const std::vector<Leaf>& all, float* scratch
   for (const Leaf& leaf : all) {
     if (leaf.size == 0) continue;
     leaves.push_back(leaf);
-    chunks += ChunkCount(leaf.size);
+    chunks += clip::chunk_count(leaf.size);
   }
   if (chunks > int64_t{INT32_MAX}) {
     return ffi::Error::InvalidArgument(std::string(op) + ": more than 2^31 chunks of 4096 elements");
@@ -325,29 +320,11 @@ ffi::Error Run(cudaStream_t stream, const std::vector<Leaf>& all, float* scratch
   return Launch<1024>(stream, leaves, scratch, chunks, max_norm, policy, norm_out, ctrl, apply, op);
 }
 
-ffi::Error CollectLeaves(const ffi::RemainingArgs& args, size_t first, std::vector<Leaf>& leaves, const char* op) {
-  for (size_t i = first; i < args.size(); ++i) {
-    auto buf = args.get<ffi::AnyBuffer>(i);
-    if (buf.has_error()) return buf.error();
-    uint8_t code;
-    switch (buf->element_type()) {
-      case ffi::F32: code = kF32; break;
-      case ffi::BF16: code = kBF16; break;
-      case ffi::F16: code = kF16; break;
-      default:
-        return ffi::Error::InvalidArgument(std::string(op) + ": leaf " + std::to_string(i - first) +
-                                           " must be float32, bfloat16 or float16");
-    }
-    leaves.push_back(Leaf{code, buf->untyped_data(), nullptr, static_cast<int64_t>(buf->element_count())});
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error GlobalNormCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> norm,
                           ffi::Result<ffi::Buffer<ffi::F32>> scratch) {
   constexpr const char* kOp = "jaxdet_global_norm";
   std::vector<Leaf> leaves;
-  if (auto err = CollectLeaves(args, 0, leaves, kOp); !err.success()) return err;
+  if (auto err = clip::collect_leaves(args, 0, leaves, kOp); !err.success()) return err;
   return Run(stream, leaves, scratch->typed_data(), static_cast<int64_t>(scratch->element_count()), nullptr,
              clip::kPropagate, norm->typed_data(), /*apply=*/false, kOp);
 }
@@ -355,30 +332,11 @@ ffi::Error GlobalNormCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Res
 ffi::Error ClipCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> norm,
                     ffi::Result<ffi::Buffer<ffi::F32>> scratch, ffi::RemainingRets rets, int32_t nonfinite) {
   constexpr const char* kOp = "jaxdet_clip_global_norm";
-  if (args.size() < 1) return ffi::Error::InvalidArgument(std::string(kOp) + ": missing max_norm");
-  auto max_norm = args.get<ffi::Buffer<ffi::F32>>(0);
-  if (max_norm.has_error()) return max_norm.error();
-  if (max_norm->element_count() != 1) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": max_norm must be a float32 scalar");
-  }
-  if (nonfinite != clip::kPropagate && nonfinite != clip::kSkip) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": unknown nonfinite policy");
-  }
+  const float* max_norm = nullptr;
   std::vector<Leaf> leaves;
-  if (auto err = CollectLeaves(args, 1, leaves, kOp); !err.success()) return err;
-  if (rets.size() != leaves.size()) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": one result per leaf expected");
-  }
-  for (size_t i = 0; i < leaves.size(); ++i) {
-    auto out = rets.get<ffi::AnyBuffer>(i);
-    if (out.has_error()) return out.error();
-    if (static_cast<int64_t>((*out)->element_count()) != leaves[i].size) {
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": result " + std::to_string(i) + " does not match its leaf");
-    }
-    leaves[i].out = (*out)->untyped_data();
-  }
+  if (auto err = clip::decode_clip_call(args, rets, nonfinite, max_norm, leaves, kOp); !err.success()) return err;
   return Run(stream, leaves, scratch->typed_data(), static_cast<int64_t>(scratch->element_count()),
-             max_norm->typed_data(), nonfinite, norm->typed_data(), /*apply=*/true, kOp);
+             max_norm, nonfinite, norm->typed_data(), /*apply=*/true, kOp);
 }
 
 }  // namespace
