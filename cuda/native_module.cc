@@ -14,6 +14,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
 // CUDA handlers (cuda/*_cuda.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
 #endif
 
 namespace {
@@ -46,6 +48,8 @@ NB_MODULE(_native, m) {
 #if defined(JAXDET_WITH_CUDA)
     d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cuda);
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cuda);
+    d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
+    d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
 #endif
     return d;
   });

@@ -1,0 +1,3 @@
+// Weight gradient: D = C + A^T B with f32 C and D (A column-major = a [T,K] read in place).
+#include "gemm_sm90.cuh"
+JAXDET_SM90_DEFINE(sm90_bf16_tn_f32acc, cutlass::bfloat16_t, ColumnMajor, RowMajor, float, float)
