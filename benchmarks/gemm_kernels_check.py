@@ -141,7 +141,16 @@ def check_row_invariance():
                   f"{int(np.sum(row_bits(j1) != row_bits(j2)))}/{N}; jaxdet: {diffs.get('M=4096')}")
 
 
+def hopper_kernels():
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return TAG == "default" and cc.startswith("9.0")
+
+
 def check_wgrad():
+    # Trailing zero tokens change nothing on the Hopper kernels (K tiles start at token 0 and TMA
+    # zero-fills). CUTLASS 2.x (sm_80 path) takes the K residue first, so there the tile grouping
+    # moves with the chunk length: still deterministic, but not padding-invariant.
+    expect_pad = hopper_kernels()
     key = jax.random.PRNGKey(5)
     for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
         for L, T, K, N, chunk in ((1, 5000, 264, 520, 2048), (2, 300, 136, 72, 128), (1, 7, 64, 64, 2048)):
@@ -169,7 +178,7 @@ def check_wgrad():
             else:
                 same_pad = True
             again = bool(np.array_equal(row_bits(out), row_bits(f(acc0, a, dc))))
-            ok = e < 1e-5 and same_seq and same_pad and again
+            ok = e < 1e-5 and same_seq and (same_pad or not expect_pad) and again
             report(f"wgrad {NAMES[dt]} L={L} T={T} K={K} N={N} chunk={chunk}", ok,
                    f"relerr={e:.2e} ==chunk-by-chunk:{same_seq} trailing-zero-pad:{same_pad} run-to-run:{again}")
     # Donated accumulator under jit (the aliasing XLA sets up).

@@ -55,6 +55,11 @@ JAXDET_GEMM_LAUNCHER(sm90_f16_nn_f32);
 JAXDET_GEMM_LAUNCHER(sm90_f16_nt_f16);
 JAXDET_GEMM_LAUNCHER(sm90_f16_nt_f32);
 JAXDET_GEMM_LAUNCHER(sm90_f16_tn_f32acc);
+// Variants under measurement (JAXDET_GEMM_SM90_VARIANT, benchmark only).
+JAXDET_GEMM_LAUNCHER(sm90x_bf16_nn_bf16_c2);
+JAXDET_GEMM_LAUNCHER(sm90x_bf16_nt_bf16_c2);
+JAXDET_GEMM_LAUNCHER(sm90x_bf16_tn_f32acc_c2);
+JAXDET_GEMM_LAUNCHER(sm90x_bf16_tn_f32acc_pp);
 
 // sm_80 and later (CUTLASS 2.x multistage tensor-op kernels, mma.sync), all four layouts; the
 // *_f32 launchers also take beta = 1 with an f32 C (the weight gradient off Hopper).

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -42,8 +43,13 @@ using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 // ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C.
-template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD>
+// ClusterM, the schedules and the tile are template parameters so that variants can be measured;
+// each launcher fixes them at compile time.
+template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD, int ClusterM = 1,
+          class KSchedule = MainloopSchedule, class ESchedule = EpilogueSchedule, class Tile_ = TileShape>
 struct Config {
+  using TileShape = Tile_;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
@@ -53,13 +59,13 @@ struct Config {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC,
-      ElementD, LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
+      ElementD, LayoutD, kAlignD, ESchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
       LayoutB, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      MainloopSchedule>::CollectiveOp;
+      KSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, TileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -82,6 +88,17 @@ Stride make_stride3(int64_t s0, int64_t s1, int64_t s2) {
   if constexpr (!cute::is_static_v<std::decay_t<decltype(cute::get<1>(s))>>) cute::get<1>(s) = s1;
   cute::get<2>(s) = s2;
   return s;
+}
+
+// Benchmark knob (read once): the persistent scheduler's tile swizzle. It only reorders which CTA
+// computes which output tile, never what a tile computes.
+inline int swizzle() {
+  static const int v = [] {
+    const char* e = std::getenv("JAXDET_GEMM_SWIZZLE");
+    const int s = e ? std::atoi(e) : 1;
+    return (s == 1 || s == 2 || s == 4 || s == 8) ? s : 1;
+  }();
+  return v;
 }
 
 inline bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
@@ -117,6 +134,7 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
       {static_cast<const ElementAB*>(g.a), sa, static_cast<const ElementAB*>(g.b), sb},
       {{}, static_cast<const typename Kernel::ElementC*>(g.c), sc, static_cast<ElementD*>(g.d), sd},
       hw};
+  args.scheduler.max_swizzle_size = swizzle();  // which CTA takes which tile: not the numerics
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = g.beta;
 
@@ -156,6 +174,16 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace jaxdet
+
+// Variants measured on the GPU (benchmark only; see matmul_cuda.cu).
+#define JAXDET_SM90_DEFINE_X(name, ...)                                 \
+  namespace jaxdet {                                                    \
+  namespace gemm {                                                      \
+  Status name(const GemmArgs& args, cudaStream_t stream) {              \
+    return sm90::run<sm90::Config<__VA_ARGS__>>(args, stream);          \
+  }                                                                     \
+  }                                                                     \
+  }
 
 // One launcher per translation unit.
 #define JAXDET_SM90_DEFINE(name, EAB, LA, LB, EC, ED)                                         \

@@ -72,6 +72,19 @@ bool force_sm80() {
   return force;
 }
 
+// Benchmark-only knob while configurations are compared: "c2" (cluster 2x1 for bf16 forward, dA
+// and weight gradient), "pp" (ping-pong 128x128 weight gradient).
+int sm90_variant() {
+  static const int v = [] {
+    const char* e = std::getenv("JAXDET_GEMM_SM90_VARIANT");
+    if (e == nullptr) return 0;
+    if (std::strcmp(e, "c2") == 0) return 1;
+    if (std::strcmp(e, "pp") == 0) return 2;
+    return 0;
+  }();
+  return v;
+}
+
 bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !force_sm80(); }
 
 ffi::Error invalid(const char* op, const std::string& msg) {
@@ -96,6 +109,7 @@ Launcher pick_gemm(const DeviceInfo& d, ffi::DataType dt, bool ta, bool tb, bool
   }
   const bool bf16 = dt == ffi::BF16;
   if (use_sm90(d) && !ta) {
+    if (sm90_variant() == 1 && bf16 && !out_f32) return tb ? gemm::sm90x_bf16_nt_bf16_c2 : gemm::sm90x_bf16_nn_bf16_c2;
     static constexpr Launcher h_bf16[2][2] = {{gemm::sm90_bf16_nn_bf16, gemm::sm90_bf16_nn_f32},
                                               {gemm::sm90_bf16_nt_bf16, gemm::sm90_bf16_nt_f32}};
     static constexpr Launcher h_f16[2][2] = {{gemm::sm90_f16_nn_f16, gemm::sm90_f16_nn_f32},
@@ -117,6 +131,8 @@ Launcher pick_gemm(const DeviceInfo& d, ffi::DataType dt, bool ta, bool tb, bool
 Launcher pick_wgrad(const DeviceInfo& d, ffi::DataType dt) {
   if (dt == ffi::F32) return gemm::simt_f32_tn;
   const bool bf16 = dt == ffi::BF16;
+  if (use_sm90(d) && bf16 && sm90_variant() == 1) return gemm::sm90x_bf16_tn_f32acc_c2;
+  if (use_sm90(d) && bf16 && sm90_variant() == 2) return gemm::sm90x_bf16_tn_f32acc_pp;
   if (use_sm90(d)) return bf16 ? gemm::sm90_bf16_tn_f32acc : gemm::sm90_f16_tn_f32acc;
   return bf16 ? gemm::sm80_bf16_tn_f32 : gemm::sm80_f16_tn_f32;
 }
