@@ -44,7 +44,8 @@ using Status = std::string;
 // Output element: same as the inputs, or f32 ("f32" in the name). D is always row-major [M,N].
 #define JAXDET_GEMM_LAUNCHER(name) Status name(const GemmArgs& args, cudaStream_t stream)
 
-// Hopper (sm_90a), CUTLASS 3.x TMA warp-specialized, persistent data-parallel scheduler.
+// Hopper (sm_90a), CUTLASS 3.x TMA warp-specialized, persistent data-parallel scheduler:
+// nn/nt cooperative 128x256x64; the weight gradient (tn, f32 C/D) ping-pong 128x128x64.
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nn_bf16);
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nn_f32);
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nt_bf16);
@@ -55,11 +56,6 @@ JAXDET_GEMM_LAUNCHER(sm90_f16_nn_f32);
 JAXDET_GEMM_LAUNCHER(sm90_f16_nt_f16);
 JAXDET_GEMM_LAUNCHER(sm90_f16_nt_f32);
 JAXDET_GEMM_LAUNCHER(sm90_f16_tn_f32acc);
-// Variants under measurement (JAXDET_GEMM_SM90_VARIANT, benchmark only).
-JAXDET_GEMM_LAUNCHER(sm90x_bf16_nn_bf16_c2);
-JAXDET_GEMM_LAUNCHER(sm90x_bf16_nt_bf16_c2);
-JAXDET_GEMM_LAUNCHER(sm90x_bf16_tn_f32acc_c2);
-JAXDET_GEMM_LAUNCHER(sm90x_bf16_tn_f32acc_pp);
 
 // sm_80 and later (CUTLASS 2.x multistage tensor-op kernels, mma.sync), all four layouts; the
 // *_f32 launchers also take beta = 1 with an f32 C (the weight gradient off Hopper).

@@ -5,8 +5,8 @@
 // K or the batch: see gemm_args.h for the launchers and docs/matmul_cuda.md for the contract.
 //   - float32: the CUTLASS 2.x SIMT sgemm (true float32 FFMA, never TF32) on every architecture.
 //   - bfloat16/float16 on sm_90 (Hopper): CUTLASS 3.x TMA warp-specialized cooperative kernels
-//     (128x256x64, persistent data-parallel scheduler) for transpose_a = False and for the weight
-//     gradient; transpose_a = True runs the sm_80 kernels.
+//     (128x256x64, persistent data-parallel scheduler) for transpose_a = False, and ping-pong
+//     128x128x64 ones for the weight gradient; transpose_a = True runs the sm_80 kernels.
 //   - bfloat16/float16 on other GPUs of compute capability >= 8.0: CUTLASS 2.x tensor-op kernels.
 //   - JAXDET_GEMM_FORCE_SM80=1 (read once per process) makes a Hopper GPU run the sm_80 kernels: a
 //     testing knob. It changes which kernel runs, so, like the GPU model, it is part of the
@@ -72,19 +72,6 @@ bool force_sm80() {
   return force;
 }
 
-// Benchmark-only knob while configurations are compared: "c2" (cluster 2x1 for bf16 forward, dA
-// and weight gradient), "pp" (ping-pong 128x128 weight gradient).
-int sm90_variant() {
-  static const int v = [] {
-    const char* e = std::getenv("JAXDET_GEMM_SM90_VARIANT");
-    if (e == nullptr) return 0;
-    if (std::strcmp(e, "c2") == 0) return 1;
-    if (std::strcmp(e, "pp") == 0) return 2;
-    return 0;
-  }();
-  return v;
-}
-
 bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !force_sm80(); }
 
 ffi::Error invalid(const char* op, const std::string& msg) {
@@ -109,7 +96,6 @@ Launcher pick_gemm(const DeviceInfo& d, ffi::DataType dt, bool ta, bool tb, bool
   }
   const bool bf16 = dt == ffi::BF16;
   if (use_sm90(d) && !ta) {
-    if (sm90_variant() == 1 && bf16 && !out_f32) return tb ? gemm::sm90x_bf16_nt_bf16_c2 : gemm::sm90x_bf16_nn_bf16_c2;
     static constexpr Launcher h_bf16[2][2] = {{gemm::sm90_bf16_nn_bf16, gemm::sm90_bf16_nn_f32},
                                               {gemm::sm90_bf16_nt_bf16, gemm::sm90_bf16_nt_f32}};
     static constexpr Launcher h_f16[2][2] = {{gemm::sm90_f16_nn_f16, gemm::sm90_f16_nn_f32},
@@ -131,8 +117,6 @@ Launcher pick_gemm(const DeviceInfo& d, ffi::DataType dt, bool ta, bool tb, bool
 Launcher pick_wgrad(const DeviceInfo& d, ffi::DataType dt) {
   if (dt == ffi::F32) return gemm::simt_f32_tn;
   const bool bf16 = dt == ffi::BF16;
-  if (use_sm90(d) && bf16 && sm90_variant() == 1) return gemm::sm90x_bf16_tn_f32acc_c2;
-  if (use_sm90(d) && bf16 && sm90_variant() == 2) return gemm::sm90x_bf16_tn_f32acc_pp;
   if (use_sm90(d)) return bf16 ? gemm::sm90_bf16_tn_f32acc : gemm::sm90_f16_tn_f32acc;
   return bf16 ? gemm::sm80_bf16_tn_f32 : gemm::sm80_f16_tn_f32;
 }
