@@ -45,7 +45,7 @@ using Status = std::string;
 #define JAXDET_GEMM_LAUNCHER(name) Status name(const GemmArgs& args, cudaStream_t stream)
 
 // Hopper (sm_90a), CUTLASS 3.x TMA warp-specialized, persistent data-parallel scheduler:
-// nn/nt cooperative 128x256x64; the weight gradient (tn, f32 C/D) ping-pong 128x128x64.
+// cooperative 128x256x64, cluster 1x1x1, for nn, nt and the weight gradient (tn, f32 C/D).
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nn_bf16);
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nn_f32);
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nt_bf16);

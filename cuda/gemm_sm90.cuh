@@ -36,9 +36,8 @@ namespace sm90 {
 
 // The fixed configuration of the forward and dA kernels (nn, nt; bf16 and f16): 128x256x64 tile,
 // two consumer warpgroups (cooperative, each issues wgmma m64n256k16 on its 64 rows), cluster
-// 1x1x1 (a 2x1 cluster leaves half the SMs idle when M <= 128). The weight-gradient kernels (tn)
-// are ping-pong 128x128x64 (see gemm_sm90_*_tn_f32acc.cu): their f32 C/D epilogue overlaps the
-// other warpgroup's mainloop (+10% at T = 16384 on an H200).
+// 1x1x1 (a 2x1 cluster leaves half the SMs idle when M <= 128). The weight-gradient kernels (tn,
+// f32 C and D) use the same tile and schedule.
 using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
@@ -172,7 +171,7 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
 }  // namespace gemm
 }  // namespace jaxdet
 
-// A launcher with a full Config (e.g. the ping-pong weight-gradient kernels).
+// A launcher with a full Config (cluster, schedules, tile), for measuring other configurations.
 #define JAXDET_SM90_DEFINE_X(name, ...)                                 \
   namespace jaxdet {                                                    \
   namespace gemm {                                                      \

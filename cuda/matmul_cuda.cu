@@ -5,8 +5,8 @@
 // K or the batch: see gemm_args.h for the launchers and docs/matmul_cuda.md for the contract.
 //   - float32: the CUTLASS 2.x SIMT sgemm (true float32 FFMA, never TF32) on every architecture.
 //   - bfloat16/float16 on sm_90 (Hopper): CUTLASS 3.x TMA warp-specialized cooperative kernels
-//     (128x256x64, persistent data-parallel scheduler) for transpose_a = False, and ping-pong
-//     128x128x64 ones for the weight gradient; transpose_a = True runs the sm_80 kernels.
+//     (128x256x64, persistent data-parallel scheduler) for transpose_a = False and for the weight
+//     gradient; transpose_a = True runs the sm_80 kernels.
 //   - bfloat16/float16 on other GPUs of compute capability >= 8.0: CUTLASS 2.x tensor-op kernels.
 //   - JAXDET_GEMM_FORCE_SM80=1 (read once per process) makes a Hopper GPU run the sm_80 kernels: a
 //     testing knob. It changes which kernel runs, so, like the GPU model, it is part of the
