@@ -146,6 +146,7 @@ bool dims3(const ffi::Span<const int64_t>& dims, int64_t* l, int64_t* r, int64_t
 
 ffi::Error launch(const char* op, Launcher fn, const GemmArgs& g, cudaStream_t stream) {
   const Status s = fn(g, stream);
+  if (s.rfind("CUTLASS cannot run", 0) == 0) return invalid(op, s);
   if (!s.empty()) return ffi::Error::Internal(std::string(op) + ": " + s);
   return ffi::Error::Success();
 }
@@ -178,6 +179,18 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
     if (e != cudaSuccess) return cuda_error(op, e);
     return ffi::Error::Success();
+  }
+  if (dt != ffi::F32) {
+    // TMA / cp.async move 16 bytes: each operand's contiguous dimension must be a multiple of 8.
+    const int64_t a_contig = transpose_a ? M : K, b_contig = transpose_b ? K : N;
+    const int64_t out_align = out_f32 ? 4 : 8;
+    if (a_contig % 8 != 0 || b_contig % 8 != 0 || N % out_align != 0) {
+      return invalid(op, std::string("bfloat16/float16 operands need their contiguous dimensions to be multiples "
+                                     "of 8 elements: ") +
+                             (transpose_a ? "M" : "K") + "=" + std::to_string(a_contig) + ", " +
+                             (transpose_b ? "K" : "N") + "=" + std::to_string(b_contig) + ", N=" +
+                             std::to_string(N) + " (pad with zeros; zeros along K are exact)");
+    }
   }
   DeviceInfo d;
   if (auto err = check_device(op, &d); err.failure()) return err;
@@ -236,6 +249,10 @@ ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::An
     if (e != cudaSuccess) return cuda_error(op, e);
   }
   if (L == 0 || K == 0 || N == 0 || T == 0) return ffi::Error::Success();
+  if (dt != ffi::F32 && (K % 8 != 0 || N % 8 != 0)) {
+    return invalid(op, "bfloat16/float16 operands need K and N to be multiples of 8 elements (K=" +
+                           std::to_string(K) + ", N=" + std::to_string(N) + "); pad with zeros");
+  }
   DeviceInfo d;
   if (auto err = check_device(op, &d); err.failure()) return err;
   const Launcher fn = pick_wgrad(d, dt);
