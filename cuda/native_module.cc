@@ -24,6 +24,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
 #endif
 
 namespace {
@@ -66,6 +68,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cuda);
     d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cuda);
     d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cuda);
+    d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
+    d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
 #endif
     return d;
   });

@@ -1,0 +1,38 @@
+"""Raw calls of the jaxdet_gemm / jaxdet_gemm_wgrad FFI targets (the interface the Python API binds).
+
+Used by the kernel checks and, when `jaxdet.matmul` is not there, by the benchmark.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdet  # noqa: F401  (registers the FFI targets)
+
+
+def gemm(a, b, transpose_a=False, transpose_b=False, out_dtype=None):
+    """out[L,M,N] = op(a) @ op(b); a [L,M,K] or [L,K,M]; b [Lb,K,N] or [Lb,N,K], Lb in {1, L}."""
+    squeeze = a.ndim == 2
+    if squeeze:
+        a = a[None]
+    if b.ndim == 2:
+        b = b[None]
+    L = a.shape[0]
+    M = a.shape[2] if transpose_a else a.shape[1]
+    N = b.shape[1] if transpose_b else b.shape[2]
+    out = jax.ShapeDtypeStruct((L, M, N), out_dtype or a.dtype)
+    r = jax.ffi.ffi_call("jaxdet_gemm", out)(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
+    return r[0] if squeeze else r
+
+
+def wgrad(acc, a, dc, chunk_tokens=2048):
+    """acc[L,K,N] + sum over token chunks, in order, of a[chunk]^T dc[chunk] (f32; result aliases acc)."""
+    squeeze = acc.ndim == 2
+    if squeeze:
+        acc, a, dc = acc[None], a[None], dc[None]
+    r = jax.ffi.ffi_call(
+        "jaxdet_gemm_wgrad", jax.ShapeDtypeStruct(acc.shape, jnp.float32), input_output_aliases={0: 0}
+    )(acc, a, dc, chunk_tokens=np.int64(chunk_tokens))
+    return r[0] if squeeze else r

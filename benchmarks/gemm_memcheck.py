@@ -1,0 +1,47 @@
+"""Small calls of every GEMM kernel family, for `compute-sanitizer --tool memcheck`.
+
+Edge tiles in every dimension (M, N, K not multiples of the tiles), batches, b broadcast and the
+chunked weight gradient. Prints the relative errors; the sanitizer reports memory errors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gemm_ffi import gemm, wgrad  # noqa: E402
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+key = jax.random.PRNGKey(0)
+worst = 0.0
+for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+    for ta in (False, True):
+        for tb in (False, True):
+            for out in ((dt, jnp.float32) if dt != jnp.float32 else (dt,)):
+                L, Lb, M, K, N = 2, 1, 136, 200, 264
+                key, k1, k2 = jax.random.split(key, 3)
+                a = jax.random.normal(k1, (L, K, M) if ta else (L, M, K)).astype(dt)
+                b = jax.random.normal(k2, (Lb, N, K) if tb else (Lb, K, N)).astype(dt)
+                r = gemm(a, b, ta, tb, out)
+                A = np.swapaxes(f64(a), 1, 2) if ta else f64(a)
+                B = np.swapaxes(f64(b), 1, 2) if tb else f64(b)
+                ref = A @ B
+                e = np.linalg.norm(f64(r) - ref) / np.linalg.norm(ref)
+                worst = max(worst, e)
+    key, k1, k2, k3 = jax.random.split(key, 4)
+    acc = jax.random.normal(k1, (2, 136, 264), jnp.float32)
+    a = jax.random.normal(k2, (2, 300, 136)).astype(dt)
+    dc = jax.random.normal(k3, (2, 300, 264)).astype(dt)
+    r = wgrad(acc, a, dc, 128)
+    ref = f64(acc) + np.einsum("ltk,ltn->lkn", f64(a), f64(dc))
+    worst = max(worst, np.linalg.norm(f64(r) - ref) / np.linalg.norm(ref))
+print(f"memcheck run done; worst relerr {worst:.2e}", flush=True)
