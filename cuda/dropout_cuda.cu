@@ -42,10 +42,13 @@ struct Chunk {
 
 // Each thread takes kUnroll chunks a grid-stride apart and issues all their loads before any
 // hashing, so enough bytes are in flight to cover memory latency while the Philox math runs.
+// Three resident blocks per SM (<= 80 registers, no spills; measured: 2 blocks left the
+// schedulers idle 44% of the time).
 constexpr int kUnroll = 4;
+constexpr int kMinBlocksPerSm = 3;
 
 template <typename Storage>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     DropoutKernel(const typename Storage::Bits* __restrict__ x, typename Storage::Bits* __restrict__ y,
                   int64_t per_group, int64_t groups, const uint32_t* __restrict__ keys, uint64_t offset,
                   uint32_t drop_threshold, float scale) {

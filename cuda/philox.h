@@ -171,7 +171,7 @@ struct F32Storage {
   using Bits = uint32_t;
   static constexpr Bits kCanonicalNaN = 0x7FC00000u;
   JAXDET_HD static float load(Bits b) { return f32_from_bits(b); }
-  JAXDET_HD static Bits store(float f) { return f32_bits(f); }
+  JAXDET_HD static Bits store(float f) { return f != f ? kCanonicalNaN : f32_bits(f); }
 };
 struct BF16Storage {
   using Bits = uint16_t;
@@ -179,9 +179,9 @@ struct BF16Storage {
   JAXDET_HD static float load(Bits b) { return bf16_to_f32(b); }
   JAXDET_HD static Bits store(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    uint16_t r;
+    uint16_t r;  // the hardware rounds finite values like f32_to_bf16, but writes NaN as 0x7FFF
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
+    return f != f ? kCanonicalNaN : r;
 #else
     return f32_to_bf16(f);
 #endif
@@ -201,9 +201,9 @@ struct F16Storage {
   }
   JAXDET_HD static Bits store(float f) {
 #if defined(__CUDA_ARCH__)
-    uint16_t r;
+    uint16_t r;  // the hardware rounds finite values like f32_to_f16, but writes NaN as 0x7FFF
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
+    return f != f ? kCanonicalNaN : r;
 #else
     return f32_to_f16(f);
 #endif
@@ -223,7 +223,7 @@ JAXDET_HD typename Storage::Bits dropout_element(typename Storage::Bits x, bool 
 #else
   const float y = Storage::load(x) * scale;
 #endif
-  const Bits stored = (y != y) ? Storage::kCanonicalNaN : Storage::store(y);
+  const Bits stored = Storage::store(y);
   return keep ? stored : Bits{0};
 }
 
