@@ -62,8 +62,14 @@ if has clip && [ -f benchmarks/clip_bench.py ]; then
   echo "== clip benchmark"
   python3 benchmarks/clip_bench.py 2>&1 | tee "$OUT/bench_clip.md"
 fi
-if has matmul && [ -f benchmarks/matmul_bench.py ]; then
-  sanitize matmul 'gemm|Gemm|cutlass|Sm90|Sm80' memcheck python3 benchmarks/matmul_bench.py --sanitize
+if has matmul; then
+  echo "== GEMM kernel checks (raw FFI targets): Hopper path, then the sm_80 path forced"
+  timeout 200 python3 benchmarks/gemm_kernels_check.py > "$OUT/check_gemm.log" 2>&1; echo "rc=$?"
+  grep -E "FAIL|SUMMARY" "$OUT/check_gemm.log" | cut -c1-240
+  JAXDET_GEMM_FORCE_SM80=1 timeout 150 python3 benchmarks/gemm_kernels_check.py --quick > "$OUT/check_gemm_sm80.log" 2>&1
+  echo "rc=$?"; grep -E "FAIL|SUMMARY" "$OUT/check_gemm_sm80.log" | cut -c1-240
+  sanitize matmul 'cutlass|Gemm|gemm|Sgemm' memcheck python3 benchmarks/gemm_memcheck.py
   echo "== matmul benchmark"
-  python3 benchmarks/matmul_bench.py 2>&1 | tee "$OUT/bench_matmul.md"
+  timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --out "$OUT/bench_matmul.md" > "$OUT/bench_matmul.log" 2>&1
+  echo "rc=$?"; grep -E "^\|" "$OUT/bench_matmul.log" | head -90; sed -n '/Row 0 bits/,$p' "$OUT/bench_matmul.log"
 fi
