@@ -118,12 +118,42 @@ wgrad_p = _ffi.define_primitive(
 
 # ---- The differentiable 3-D core: a3 [L, M, K] @ b3 [Lb, K, N], Lb in {1, L} (1 only when L == 1). ----
 
+# bfloat16/float16 rows must be 16-byte aligned for the GPU kernels' TMA loads and stores, so K and
+# N are zero-padded to multiples of 8 there. This is exact: padding K adds 0 * 0 products after the
+# real ones (what TMA's out-of-bounds fill feeds the last K tile anyway), padding N adds output
+# columns that are sliced off. It depends on (dtype, K, N) only, never on M.
+_ALIGN = 8
+
+
+def _padded(n, dtype):
+    return -(-n // _ALIGN) * _ALIGN if np.dtype(dtype).itemsize == 2 else n
+
+
+def _pad_last2(x, rows, cols):
+    if x.shape[-2:] == (rows, cols):
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, cols - x.shape[-1])])
+
+
 def _gemm(a3, b3, out_dtype, transpose_b=False):
-    return gemm_p.bind(a3, b3, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype))
+    """op(a3) @ op(b3): a3 [L, M, K]; b3 [Lb, K, N] (or [Lb, N, K] with transpose_b)."""
+    M, K = a3.shape[-2:]
+    N = b3.shape[-2] if transpose_b else b3.shape[-1]
+    Kp, Np = _padded(K, a3.dtype), _padded(N, a3.dtype)
+    a3 = _pad_last2(a3, M, Kp)
+    b3 = _pad_last2(b3, Np, Kp) if transpose_b else _pad_last2(b3, Kp, Np)
+    out = gemm_p.bind(a3, b3, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype))
+    return out if Np == N else out[..., :N]
 
 
 def _wgrad(acc3, a3, dc3):
-    return wgrad_p.bind(acc3, a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS)
+    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N], chunk by chunk."""
+    T, K = a3.shape[-2:]
+    N = dc3.shape[-1]
+    Kp, Np = _padded(K, a3.dtype), _padded(N, a3.dtype)
+    out = wgrad_p.bind(_pad_last2(acc3, Kp, Np), _pad_last2(a3, T, Kp), _pad_last2(dc3, T, Np),
+                       chunk_tokens=WGRAD_CHUNK_TOKENS)
+    return out if (Kp, Np) == (K, N) else out[..., :K, :N]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -20,7 +20,8 @@ python3 -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp
   || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
-rm -rf /tmp/jaxdet-tests && cp -r tests /tmp/jaxdet-tests && cp pyproject.toml /tmp/pyproject.toml
+rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
+  && cp pyproject.toml README.md /tmp/
 # From /tmp so that the installed package (not the source folder) is imported.
 run_pytest() { (cd /tmp && python3 -m pytest -q -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
 
