@@ -23,27 +23,19 @@ import pytest
 
 import jaxdet
 from jaxdet import _clip_reference as ref
+from bitwise import assert_bitwise, bits
 
 BF16 = jnp.bfloat16
 F16 = jnp.float16
 
 
-def bits(x):
-    a = np.asarray(x)
-    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
-
-
-def assert_bits_equal(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype and a.shape == b.shape
-    np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def assert_tree_bits_equal(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(la, lb):
-        assert_bits_equal(x, y)
+        assert_bitwise(x, y)
 
 
 def mixed_tree(seed=0, scale=1.0):
@@ -95,10 +87,10 @@ def test_norm_and_clip_bitwise_equal_canonical_numpy_order(seed):
     tree = mixed_tree(seed, scale=3.0)
     clipped, norm = jaxdet.clip_by_global_norm(tree, 1.0)
     want_leaves, want_norm = ref.clip_by_global_norm(np_leaves(tree), 1.0)
-    assert_bits_equal(norm, want_norm)
-    assert_bits_equal(jaxdet.global_norm(tree), want_norm)
+    assert_bitwise(norm, want_norm)
+    assert_bitwise(jaxdet.global_norm(tree), want_norm)
     for got, want in zip(jax.tree.leaves(clipped), want_leaves):
-        assert_bits_equal(got, want)
+        assert_bitwise(got, want)
 
 
 def test_subnormals_are_kept_ieee():
@@ -107,8 +99,8 @@ def test_subnormals_are_kept_ieee():
     x = np.concatenate([tiny, np.full((10,), 1e-20, np.float32)])
     clipped, norm = jaxdet.clip_by_global_norm({"x": jnp.asarray(x)}, 1e-21)
     want_leaves, want_norm = ref.clip_by_global_norm([x], 1e-21)
-    assert_bits_equal(norm, want_norm)
-    assert_bits_equal(clipped["x"], want_leaves[0])
+    assert_bitwise(norm, want_norm)
+    assert_bitwise(clipped["x"], want_leaves[0])
     assert np.any(np.asarray(clipped["x"])[:5000] != 0)  # scaled subnormals are not flushed
 
 
@@ -130,10 +122,10 @@ def test_bfloat16_norm_accumulates_in_float32():
 def test_global_norm_equals_clip_norm_and_jit_equals_eager():
     tree = mixed_tree(7)
     _, norm = jaxdet.clip_by_global_norm(tree, 0.5)
-    assert_bits_equal(jaxdet.global_norm(tree), norm)
+    assert_bitwise(jaxdet.global_norm(tree), norm)
     c_jit, n_jit = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 0.5))(tree)
     c_eager, n_eager = jaxdet.clip_by_global_norm(tree, 0.5)
-    assert_bits_equal(n_jit, n_eager)
+    assert_bitwise(n_jit, n_eager)
     assert_tree_bits_equal(c_jit, c_eager)
 
 
@@ -152,7 +144,7 @@ def test_traced_max_norm():
         c_t, n_t = f(tree, jnp.float32(m))
         c, n = jaxdet.clip_by_global_norm(tree, m)
         assert_tree_bits_equal(c_t, c)
-        assert_bits_equal(n_t, n)
+        assert_bitwise(n_t, n)
     # A negative traced max_norm acts as 0 (documented): everything becomes (signed) zero.
     c_neg, _ = f(tree, jnp.float32(-1.0))
     c_zero, _ = jaxdet.clip_by_global_norm(tree, 0.0)
@@ -190,7 +182,7 @@ def test_norm_equal_to_max_norm_is_not_clipped():
     x = jnp.asarray(np.array([3.0, 4.0], np.float32))
     clipped, norm = jaxdet.clip_by_global_norm([x], 5.0)
     assert float(norm) == 5.0
-    assert_bits_equal(clipped[0], x)
+    assert_bitwise(clipped[0], x)
 
 
 def test_zero_gradients():
@@ -213,7 +205,7 @@ def test_max_norm_inf_with_inf_gradient_is_not_nan():
     for policy in ("propagate",):
         clipped, norm = jaxdet.clip_by_global_norm([x], math.inf, nonfinite=policy)
         assert float(norm) == math.inf
-        assert_bits_equal(clipped[0], x)
+        assert_bitwise(clipped[0], x)
 
 
 def test_empty_tree_and_empty_leaves():
@@ -271,7 +263,7 @@ def test_nonfinite_skip_zeroes_the_update(bad, max_norm):
     a, na = jaxdet.clip_by_global_norm(finite, 1.0, nonfinite="skip")
     b, nb = jaxdet.clip_by_global_norm(finite, 1.0, nonfinite="propagate")
     assert_tree_bits_equal(a, b)
-    assert_bits_equal(na, nb)
+    assert_bitwise(na, nb)
 
 
 # ---- bad input -----------------------------------------------------------------------------------
@@ -399,7 +391,7 @@ def test_optax_drop_in_matches_optax(max_norm):
         for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-9)
     norm = jaxdet.optax.last_norm(s_ours)
-    assert_bits_equal(norm, jaxdet.global_norm(grads))
+    assert_bitwise(norm, jaxdet.global_norm(grads))
     assert abs(float(norm) - float(optax.tree.norm(grads))) <= 1e-6 * float(norm)
 
 
@@ -453,9 +445,9 @@ def test_cpu_equals_gpu_bitwise(cpu, gpu, policy):
         f = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, max_norm, nonfinite=policy))
         c_cpu, n_cpu = f(_on(tree, cpu))
         c_gpu, n_gpu = f(_on(tree, gpu))
-        assert_bits_equal(n_cpu, n_gpu), name
+        assert_bitwise(n_cpu, n_gpu), name
         assert_tree_bits_equal(c_cpu, c_gpu)
-        assert_bits_equal(jaxdet.global_norm(_on(tree, gpu)), n_cpu)
+        assert_bitwise(jaxdet.global_norm(_on(tree, gpu)), n_cpu)
 
 
 @pytest.mark.gpu
@@ -463,9 +455,9 @@ def test_gpu_matches_numpy_canonical_order(gpu):
     tree = mixed_tree(9, scale=4.0)
     clipped, norm = jaxdet.clip_by_global_norm(_on(tree, gpu), 1.0)
     want_leaves, want_norm = ref.clip_by_global_norm(np_leaves(tree), 1.0)
-    assert_bits_equal(norm, want_norm)
+    assert_bitwise(norm, want_norm)
     for got, want in zip(jax.tree.leaves(clipped), want_leaves):
-        assert_bits_equal(got, want)
+        assert_bitwise(got, want)
 
 
 @pytest.mark.gpu

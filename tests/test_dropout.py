@@ -10,16 +10,12 @@ from jax.test_util import check_grads
 import jaxdet
 from jaxdet import random as jr
 from jaxdet.dropout import drop_threshold, keep_scale
+from bitwise import bits
 from philox_reference import keep_mask
 
 BITS = {np.dtype(np.float32): np.uint32, np.dtype(ml_dtypes.bfloat16): np.uint16, np.dtype(np.float16): np.uint16}
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 CANONICAL_NAN = {np.dtype(np.float32): 0x7FC00000, np.dtype(ml_dtypes.bfloat16): 0x7FC0, np.dtype(np.float16): 0x7E00}
-
-
-def bits(a):
-    a = np.asarray(a)
-    return a.view(BITS[a.dtype])
 
 
 def reference(x, key, rate, offset=0):

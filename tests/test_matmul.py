@@ -13,6 +13,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxdet
+from bitwise import assert_bitwise, bits
 from jaxdet import _native
 from jaxdet.matmul import WGRAD_CHUNK_TOKENS, gemm_p, wgrad_p
 
@@ -22,16 +23,6 @@ DTYPE_IDS = ["f32", "bf16", "f16"]
 K, N = 600, 70
 
 
-def bits(x):
-    x = np.asarray(x)
-    return x.view({4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
-
-
-def assert_bitwise(x, y):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.shape == y.shape and x.dtype == y.dtype
-    diff = int(np.count_nonzero(bits(x) != bits(y)))
-    assert diff == 0, f"{diff} of {x.size} elements differ bitwise"
 
 
 def rand(shape, dtype, seed=0):
