@@ -337,12 +337,13 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-ffi::Error GemmWgradCpu(ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
-                        ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
-  const char* op = "jaxdet_gemm_wgrad";
-  const auto cd = acc.dimensions(), ad = a.dimensions(), dd = dc.dimensions(), od = out->dimensions();
-  if (cd.size() != 3 || ad.size() != 3 || dd.size() != 3 || od.size() != 3) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": acc, a, dc and out must be rank 3");
+// The weight-gradient chunk sequence; `acc` null: chunk 0's partial is written as it is and every
+// later chunk adds (the CUDA target does the same).
+ffi::Error WgradChunks(const char* op, const float* acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                       ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t chunk_tokens) {
+  const auto ad = a.dimensions(), dd = dc.dimensions(), od = out->dimensions();
+  if (ad.size() != 3 || dd.size() != 3 || od.size() != 3) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": a, dc and out must be rank 3");
   }
   GemmDtype at, dt;
   if (!to_gemm_dtype(a.element_type(), &at) || !to_gemm_dtype(dc.element_type(), &dt) || at != dt) {
@@ -350,13 +351,13 @@ ffi::Error GemmWgradCpu(ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuf
                                        ": a and dc must have one dtype: float32, bfloat16 or float16");
   }
   if (chunk_tokens <= 0) return ffi::Error::InvalidArgument(std::string(op) + ": chunk_tokens must be > 0");
-  const int64_t L = cd[0], K = cd[1], N = cd[2], T = ad[1];
-  if (ad[0] != L || ad[2] != K || dd[0] != L || dd[1] != T || dd[2] != N || od[0] != L || od[1] != K ||
-      od[2] != N) {
+  const int64_t L = od[0], K = od[1], N = od[2], T = ad[1];
+  if (ad[0] != L || ad[2] != K || dd[0] != L || dd[1] != T || dd[2] != N) {
     return ffi::Error::InvalidArgument(std::string(op) + ": inconsistent shapes");
   }
   float* dst = out->typed_data();
-  if (dst != acc.typed_data()) std::memcpy(dst, acc.typed_data(), sizeof(float) * L * K * N);
+  if (acc != nullptr && dst != acc) std::memcpy(dst, acc, sizeof(float) * L * K * N);
+  if (acc == nullptr && T == 0) std::fill(dst, dst + L * K * N, 0.0f);
   const size_t esize = at == GemmDtype::kF32 ? 4 : 2;
   // Chunk c: out = out + a[c]^T . dc[c]; the chunk GEMM starts from 0 and adds into out once.
   for (int64_t t0 = 0; t0 < T; t0 += chunk_tokens) {
@@ -373,10 +374,25 @@ ffi::Error GemmWgradCpu(ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuf
     p.out = dst;
     p.out_dtype = GemmDtype::kF32;
     p.out_batch_stride = K * N;
-    p.accumulate = true;
+    p.accumulate = !(acc == nullptr && t0 == 0);
     gemm(p);
   }
   return ffi::Error::Success();
+}
+
+ffi::Error GemmWgradCpu(ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
+  const char* op = "jaxdet_gemm_wgrad";
+  const auto cd = acc.dimensions(), od = out->dimensions();
+  if (cd.size() != od.size() || !std::equal(cd.begin(), cd.end(), od.begin())) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": acc and out must have the same shape [L,K,N]");
+  }
+  return WgradChunks(op, acc.typed_data(), a, dc, out, chunk_tokens);
+}
+
+ffi::Error GemmWgradInitCpu(ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                            int64_t chunk_tokens) {
+  return WgradChunks("jaxdet_gemm_wgrad_init", nullptr, a, dc, out, chunk_tokens);
 }
 
 }  // namespace matmul_cpu
@@ -409,6 +425,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cpu, jaxdet::matmul_cpu::GemmCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu, jaxdet::matmul_cpu::GemmWgradCpu,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("chunk_tokens"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu, jaxdet::matmul_cpu::GemmWgradInitCpu,
+                              xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()

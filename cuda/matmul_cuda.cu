@@ -225,27 +225,33 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   return launch(op, pick_gemm(d, dt, transpose_a, transpose_b, out_f32), g, stream);
 }
 
-ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
-                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
-  constexpr const char* op = "jaxdet_gemm_wgrad";
+// The weight-gradient chunk sequence. `acc` is the running float32 accumulator to add into, or
+// null for a call that starts from nothing: then chunk 0's partial is written as it is (beta = 0,
+// no accumulator read and no zero fill) and every later chunk adds, exactly as the CPU target does.
+ffi::Error WgradChunks(cudaStream_t stream, const char* op, const float* acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                       ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t chunk_tokens) {
   const ffi::DataType dt = a.element_type();
   if (dt != ffi::F32 && dt != ffi::BF16 && dt != ffi::F16) {
     return invalid(op, "a must be float32, bfloat16 or float16");
   }
   if (dc.element_type() != dt) return invalid(op, "a and dc must have the same dtype");
   if (chunk_tokens <= 0) return invalid(op, "chunk_tokens must be positive");
-  int64_t L, K, N, La, T, Ka, Ld, Td, Nd, Lo, Ko, No;
-  if (!dims3(acc.dimensions(), &L, &K, &N) || !dims3(a.dimensions(), &La, &T, &Ka) ||
-      !dims3(dc.dimensions(), &Ld, &Td, &Nd) || !dims3(out->dimensions(), &Lo, &Ko, &No)) {
-    return invalid(op, "acc, a, dc and the result must be rank 3");
+  int64_t L, K, N, La, T, Ka, Ld, Td, Nd;
+  if (!dims3(out->dimensions(), &L, &K, &N) || !dims3(a.dimensions(), &La, &T, &Ka) ||
+      !dims3(dc.dimensions(), &Ld, &Td, &Nd)) {
+    return invalid(op, "a, dc and the result must be rank 3");
   }
-  if (La != L || Ld != L || Ka != K || Nd != N || Td != T || Lo != L || Ko != K || No != N) {
-    return invalid(op, "shapes must be acc [L,K,N], a [L,T,K], dc [L,T,N], result [L,K,N]");
+  if (La != L || Ld != L || Ka != K || Nd != N || Td != T) {
+    return invalid(op, "shapes must be a [L,T,K], dc [L,T,N], result (and acc) [L,K,N]");
   }
   float* d_ptr = out->typed_data();
-  if (static_cast<const void*>(acc.typed_data()) != static_cast<const void*>(d_ptr) && out->size_bytes() > 0) {
+  if (acc != nullptr && static_cast<const void*>(acc) != static_cast<const void*>(d_ptr) && out->size_bytes() > 0) {
     // The result is meant to alias acc; if XLA handed a separate buffer, start it from acc.
-    const cudaError_t e = cudaMemcpyAsync(d_ptr, acc.typed_data(), out->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    const cudaError_t e = cudaMemcpyAsync(d_ptr, acc, out->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return cuda_error(op, e);
+  }
+  if (acc == nullptr && T == 0 && out->size_bytes() > 0) {
+    const cudaError_t e = cudaMemsetAsync(d_ptr, 0, out->size_bytes(), stream);  // no tokens: dB = 0
     if (e != cudaSuccess) return cuda_error(op, e);
   }
   if (L == 0 || K == 0 || N == 0 || T == 0) return ffi::Error::Success();
@@ -274,15 +280,30 @@ ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::An
   g.d = d_ptr;
   g.ldc = g.ldd = N;
   g.batch_c = g.batch_d = K * N;
-  g.beta = 1.0f;
   // A fixed sequence of chunk GEMMs over the token dimension, in order: acc += a[c]^T dc[c].
   for (int64_t t0 = 0; t0 < T; t0 += chunk_tokens) {
+    g.beta = (acc == nullptr && t0 == 0) ? 0.0f : 1.0f;
     g.k = std::min(chunk_tokens, T - t0);
     g.a = pa + static_cast<size_t>(t0 * K) * esize;
     g.b = pdc + static_cast<size_t>(t0 * N) * esize;
     if (auto err = launch(op, fn, g, stream); err.failure()) return err;
   }
   return ffi::Error::Success();
+}
+
+ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
+  constexpr const char* op = "jaxdet_gemm_wgrad";
+  const auto ad = acc.dimensions(), od = out->dimensions();
+  if (ad.size() != od.size() || !std::equal(ad.begin(), ad.end(), od.begin())) {
+    return invalid(op, "acc and the result must have the same shape [L,K,N]");
+  }
+  return WgradChunks(stream, op, acc.typed_data(), a, dc, out, chunk_tokens);
+}
+
+ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                             ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
+  return WgradChunks(stream, "jaxdet_gemm_wgrad_init", nullptr, a, dc, out, chunk_tokens);
 }
 
 }  // namespace
@@ -300,6 +321,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda, GemmWgradCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("chunk_tokens"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda, GemmWgradInitCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

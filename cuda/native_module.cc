@@ -15,6 +15,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
 
@@ -26,6 +27,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda);
 #endif
 
 namespace {
@@ -53,6 +55,7 @@ NB_MODULE(_native, m) {
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cpu);
     d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cpu);
     d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cpu);
+    d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cpu);
     d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cpu);
     d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cpu);
     return d;
@@ -70,6 +73,7 @@ NB_MODULE(_native, m) {
     d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cuda);
     d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
     d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
+    d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cuda);
 #endif
     return d;
   });

@@ -10,7 +10,7 @@ The contracts (docs/matmul.md, proven by tests/test_matmul.py):
 * dB chunk contract. ``dB = A^T . dC`` reduces over tokens (the rows of ``a``, all batch dims
   folded in). It is computed as a fixed sequence of chunk GEMMs of ``WGRAD_CHUNK_TOKENS`` tokens
   each, every chunk starting from 0 and adding its float32 partial into the running float32
-  accumulator once (D = C + partial). ``matmul_weight_grad(a, dc, acc)`` exposes that
+  accumulator once (D = C + partial); a call without an accumulator starts it from chunk 0's partial. ``matmul_weight_grad(a, dc, acc)`` exposes that
   accumulation, so micro-batches whose token counts are multiples of ``WGRAD_CHUNK_TOKENS``
   reproduce the full-batch dB bitwise. Appending zero rows leaves dB unchanged.
 """
@@ -94,16 +94,19 @@ def _wgrad_abstract_eval(acc, a, dc, *, chunk_tokens):
     return jax.core.ShapedArray(acc.shape, acc.dtype)
 
 
-def _wgrad_batch(args, dims, *, chunk_tokens):
-    size = next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
-    moved = [
-        jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
-        for x, d in zip(args, dims)
-    ]
-    L = moved[0].shape[1]
-    flat = [x.reshape((size * L,) + x.shape[2:]) for x in moved]
-    out = wgrad_p.bind(*flat, chunk_tokens=chunk_tokens)
-    return out.reshape((size, L) + out.shape[1:]), 0
+def _wgrad_batching_rule(prim):
+    def rule(args, dims, *, chunk_tokens):
+        size = next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
+        moved = [
+            jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
+            for x, d in zip(args, dims)
+        ]
+        L = moved[0].shape[1]
+        flat = [x.reshape((size * L,) + x.shape[2:]) for x in moved]
+        out = prim().bind(*flat, chunk_tokens=chunk_tokens)
+        return out.reshape((size, L) + out.shape[1:]), 0
+
+    return rule
 
 
 wgrad_p = _ffi.define_primitive(
@@ -111,8 +114,25 @@ wgrad_p = _ffi.define_primitive(
     "jaxdet_gemm_wgrad",
     _wgrad_abstract_eval,
     attributes=lambda chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),
-    batching_rule=_wgrad_batch,
+    batching_rule=_wgrad_batching_rule(lambda: wgrad_p),
     operand_output_aliases={0: 0},
+)
+
+
+# ---- Primitive 3: jaxdet_gemm_wgrad_init. a [L, T, K], dc [L, T, N] -> f32 [L, K, N]: the same
+# chunk sequence with no accumulator to start from: chunk 0's partial is written as it is (no zero
+# fill, no accumulator read), every later chunk adds. ----
+
+def _wgrad_init_abstract_eval(a, dc, *, chunk_tokens):
+    return jax.core.ShapedArray((a.shape[0], a.shape[2], dc.shape[2]), jnp.float32)
+
+
+wgrad_init_p = _ffi.define_primitive(
+    "jaxdet_gemm_wgrad_init",
+    "jaxdet_gemm_wgrad_init",
+    _wgrad_init_abstract_eval,
+    attributes=lambda chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),
+    batching_rule=_wgrad_batching_rule(lambda: wgrad_init_p),
 )
 
 
@@ -147,12 +167,15 @@ def _gemm(a3, b3, out_dtype, transpose_b=False):
 
 
 def _wgrad(acc3, a3, dc3):
-    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N], chunk by chunk."""
+    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N], chunk by chunk; acc3 None: from chunk 0's partial."""
     T, K = a3.shape[-2:]
     N = dc3.shape[-1]
     Kp, Np = _padded(K, a3.dtype), _padded(N, a3.dtype)
-    out = wgrad_p.bind(_pad_last2(acc3, Kp, Np), _pad_last2(a3, T, Kp), _pad_last2(dc3, T, Np),
-                       chunk_tokens=WGRAD_CHUNK_TOKENS)
+    a3, dc3 = _pad_last2(a3, T, Kp), _pad_last2(dc3, T, Np)
+    if acc3 is None:
+        out = wgrad_init_p.bind(a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS)
+    else:
+        out = wgrad_p.bind(_pad_last2(acc3, Kp, Np), a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS)
     return out if (Kp, Np) == (K, N) else out[..., :K, :N]
 
 
@@ -173,7 +196,7 @@ def _matmul3_bwd(out_dtype, res, g):
     da = _gemm(g, b3, a3.dtype, transpose_b=True)  # dC . B^T, B read transposed in place
     L, _, K = a3.shape
     N = b3.shape[-1]
-    db = _wgrad(jnp.zeros((b3.shape[0], K, N), jnp.float32), a3, g).astype(b3.dtype)
+    db = _wgrad(None, a3, g).astype(b3.dtype)
     return da, db
 
 
@@ -272,7 +295,7 @@ def matmul_weight_grad(a, dc, acc=None):
     Args:
       a: ``[..., K]`` activations (all leading dims are tokens, flattened row-major).
       dc: ``[..., N]`` output cotangents with the same leading dims, in a's dtype.
-      acc: float32 ``[K, N]`` running accumulator, or None for zeros.
+      acc: float32 ``[K, N]`` running accumulator, or None to start from the first chunk's partial.
 
     Returns the updated float32 ``[K, N]`` accumulator. The tokens are reduced as a fixed sequence
     of chunk GEMMs of ``WGRAD_CHUNK_TOKENS`` tokens (the last may be shorter), in order; each chunk
@@ -298,9 +321,7 @@ def matmul_weight_grad(a, dc, acc=None):
             f"a[..., K] and dc[..., N] must have the same token dims, got a{list(a_shape)} dc{list(dc_shape)}"
         )
     K, N = a_shape[-1], dc_shape[-1]
-    if acc is None:
-        acc = jnp.zeros((K, N), jnp.float32)
-    else:
+    if acc is not None:
         if not (hasattr(acc, "dtype") and hasattr(acc, "shape")) or np.dtype(acc.dtype) != _F32:
             raise TypeError(f"acc must be a float32 array, got {getattr(acc, 'dtype', type(acc).__name__)}")
         if tuple(acc.shape) != (K, N):
@@ -308,10 +329,10 @@ def matmul_weight_grad(a, dc, acc=None):
         acc = jnp.asarray(acc)
     T = math.prod(a_shape[:-1])
     if T == 0 or K == 0 or N == 0:
-        return acc
+        return jnp.zeros((K, N), jnp.float32) if acc is None else acc
     a3 = jnp.asarray(a).reshape(1, T, K)
     dc3 = jnp.asarray(dc).reshape(1, T, N)
-    return _wgrad(acc.reshape(1, K, N), a3, dc3).reshape(K, N)
+    return _wgrad(None if acc is None else acc.reshape(1, K, N), a3, dc3).reshape(K, N)
 
 
 # `jaxdet.matmul` is the function (the package exports it), so the chunk size is reachable from it too.
