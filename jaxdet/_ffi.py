@@ -41,13 +41,16 @@ def _missing_cuda_lowering(target: str):
     return lowering
 
 
-def define_primitive(name: str, target: str, abstract_eval, attributes, batching_rule=None, **lowering_kwargs):
-    """A primitive that lowers to the FFI target `target` on cpu and cuda.
+def define_primitive(target: str, abstract_eval, attributes, batching_rule=None, *, multiple_results=False,
+                     operand_output_aliases=None):
+    """A primitive named `target` that lowers to the FFI target of that name on cpu and cuda.
 
     `attributes(**params)` maps the primitive's parameters to the FFI call's attributes.
-    `lowering_kwargs` go to `jax.ffi.ffi_lowering` (e.g. operand_output_aliases).
+    `operand_output_aliases` is a dict {operand: result}, or a function of the operand count
+    returning one (for variadic primitives such as clipping, whose aliases follow its leaves).
     """
-    prim = jex_core.Primitive(name)
+    prim = jex_core.Primitive(target)
+    prim.multiple_results = multiple_results
     prim.def_abstract_eval(abstract_eval)
 
     @functools.partial(jax.jit, static_argnames=("params",))
@@ -57,10 +60,10 @@ def define_primitive(name: str, target: str, abstract_eval, attributes, batching
     # Eager calls run through jit of the primitive, so eager and jit are the same compiled kernel.
     prim.def_impl(lambda *args, **params: _jitted(*args, params=tuple(sorted(params.items()))))
 
-    ffi_rule = jax.ffi.ffi_lowering(target, **lowering_kwargs)
-
     def lowering(ctx, *args, **params):
-        return ffi_rule(ctx, *args, **attributes(**params))
+        aliases = operand_output_aliases(len(args)) if callable(operand_output_aliases) else operand_output_aliases
+        rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases) if aliases else jax.ffi.ffi_lowering(target)
+        return rule(ctx, *args, **attributes(**params))
 
     mlir.register_lowering(prim, lowering, platform="cpu")
     if target in CUDA_TARGETS:

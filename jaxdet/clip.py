@@ -25,7 +25,6 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import mlir
 
 from jaxdet import _ffi
 from jaxdet._checks import is_traced  # noqa: F401 (re-exported for jaxdet.optax)
@@ -54,9 +53,8 @@ def _global_norm_abstract_eval(*leaves):
 
 
 global_norm_p = _ffi.define_primitive(
-    "jaxdet_global_norm", "jaxdet_global_norm", _global_norm_abstract_eval, attributes=lambda: {}
+    "jaxdet_global_norm", _global_norm_abstract_eval, attributes=lambda: {}, multiple_results=True
 )
-global_norm_p.multiple_results = True
 
 
 def _clip_abstract_eval(max_norm, *leaves, nonfinite):
@@ -68,28 +66,16 @@ def _clip_abstract_eval(max_norm, *leaves, nonfinite):
     )
 
 
+# Operands (max_norm, *leaves); results (norm, scratch, *clipped). Every clipped leaf aliases its
+# input buffer, so clipping allocates no gradient-sized buffer (XLA copies only an operand that is
+# still live afterwards, e.g. a non-donated jit argument).
 clip_p = _ffi.define_primitive(
-    "jaxdet_clip_global_norm",
     "jaxdet_clip_global_norm",
     _clip_abstract_eval,
     attributes=lambda nonfinite: dict(nonfinite=np.int32(nonfinite)),
+    multiple_results=True,
+    operand_output_aliases=lambda num_operands: {i: i + 1 for i in range(1, num_operands)},
 )
-clip_p.multiple_results = True
-
-
-def _clip_lowering(ctx, max_norm, *leaves, nonfinite):
-    # Operands (max_norm, *leaves); results (norm, scratch, *clipped). Every clipped leaf aliases
-    # its input buffer, so clipping allocates no gradient-sized buffer (XLA copies only an operand
-    # that is still live afterwards, e.g. a non-donated jit argument).
-    aliases = {1 + i: 2 + i for i in range(len(leaves))}
-    rule = jax.ffi.ffi_lowering("jaxdet_clip_global_norm", operand_output_aliases=aliases)
-    return rule(ctx, max_norm, *leaves, nonfinite=np.int32(nonfinite))
-
-
-# The alias map depends on the leaf count, so the clip primitive lowers through its own rule.
-mlir.register_lowering(clip_p, _clip_lowering, platform="cpu")
-if "jaxdet_clip_global_norm" in _ffi.CUDA_TARGETS:
-    mlir.register_lowering(clip_p, _clip_lowering, platform="cuda")
 
 
 # ---- Argument checks --------------------------------------------------------------------------

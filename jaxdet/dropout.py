@@ -61,7 +61,6 @@ def _dropout_batch(args, dims, **params):
 
 dropout_p = _ffi.define_primitive(
     "jaxdet_dropout",
-    "jaxdet_dropout",
     _dropout_abstract_eval,
     attributes=lambda drop_threshold, offset, scale, mask_strides: dict(
         drop_threshold=np.uint32(drop_threshold),

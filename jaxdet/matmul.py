@@ -78,7 +78,6 @@ def _gemm_batch(args, dims, *, transpose_a, transpose_b, out_dtype):
 
 gemm_p = _ffi.define_primitive(
     "jaxdet_gemm",
-    "jaxdet_gemm",
     _gemm_abstract_eval,
     attributes=lambda transpose_a, transpose_b, out_dtype: dict(
         transpose_a=bool(transpose_a), transpose_b=bool(transpose_b)
@@ -111,7 +110,6 @@ def _wgrad_batching_rule(prim):
 
 wgrad_p = _ffi.define_primitive(
     "jaxdet_gemm_wgrad",
-    "jaxdet_gemm_wgrad",
     _wgrad_abstract_eval,
     attributes=lambda chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),
     batching_rule=_wgrad_batching_rule(lambda: wgrad_p),
@@ -128,7 +126,6 @@ def _wgrad_init_abstract_eval(a, dc, *, chunk_tokens):
 
 
 wgrad_init_p = _ffi.define_primitive(
-    "jaxdet_gemm_wgrad_init",
     "jaxdet_gemm_wgrad_init",
     _wgrad_init_abstract_eval,
     attributes=lambda chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),

@@ -56,7 +56,6 @@ def _philox_batch(args, dims):
 
 philox_p = _ffi.define_primitive(
     "jaxdet_philox4x32_10",
-    "jaxdet_philox4x32_10",
     _philox_abstract_eval,
     attributes=lambda: {},
     batching_rule=_philox_batch,

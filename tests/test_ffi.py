@@ -20,7 +20,7 @@ def test_a_gpu_lowering_without_cuda_kernels_raises_a_clear_error():
     # A primitive whose target has no CUDA handler (what every primitive is in a CPU-only build):
     # exporting it for CUDA must fail loudly, never fall back to another implementation.
     prim = _ffi.define_primitive(
-        "jaxdet_test_cpu_only", "jaxdet_test_no_cuda_handler",
+        "jaxdet_test_no_cuda_handler",
         lambda x: jax.core.ShapedArray(x.shape, x.dtype), attributes=lambda: {})
     f = jax.jit(lambda x: prim.bind(x))
     with pytest.raises(_ffi.CudaNotBuiltError, match="no CUDA kernels"):
