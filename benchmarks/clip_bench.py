@@ -3,6 +3,7 @@
     python benchmarks/clip_bench.py                 # GPU: markdown table for benchmarks/RESULTS.md
     python benchmarks/clip_bench.py --sanitize      # each kernel once on small trees (compute-sanitizer)
     python benchmarks/clip_bench.py --allow-cpu     # smoke-test the script without a GPU
+    python benchmarks/clip_bench.py --trace         # where the in-jit loop's time goes (profiler)
 
 Trees: the GPT-2-small gradient tree (148 float32 leaves, 124.4M values; shapes from
 /work/shared/reference/baselines.md) and a seeded 1000-leaf tree of mixed sizes (1 .. 2^20 values,
@@ -26,6 +27,7 @@ with `x * 1.5` on a 1 GiB float32 array (GPU) (read + write bytes / time).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -34,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxdet
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxdet  # noqa: E402
 
 GPT2_BLOCK = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,), (768, 3072), (3072,),
               (3072, 768), (768,)]
@@ -188,6 +191,29 @@ def bench(args):
           "(XLA copies the tree first to honour jaxdet's in-place aliasing).")
 
 
+def trace(args):
+    """Profiler view of the in-jit loops (device busy vs span, kernels, host events)."""
+    import optax
+
+    from trace_summary import traced
+
+    device = jax.devices()[0]
+    down = 1 if device.platform == "gpu" else 64
+    loops = {
+        "jaxdet": loop_fn(lambda t, m: jaxdet.clip_by_global_norm(t, m)[0], args.loop),
+        "optax": loop_fn(lambda t, m: (lambda tx: tx.update(t, tx.init(t))[0])(optax.clip_by_global_norm(m)),
+                         args.loop),
+    }
+    for name, make in (("GPT-2-small", lambda: gpt2_tree(device, down)),
+                       ("1000 leaves mixed", lambda: mixed_tree(device, scale_down=down))):
+        for impl, fn in loops.items():
+            tree = make()
+            # the loop donates its argument: hand each of the two calls its own copy
+            copies = iter([copy_of(tree), copy_of(tree)])
+            print(f"\n#### trace: {impl}, {name}, in-jit loop of {args.loop}\n")
+            print(traced(lambda t: fn(next(copies)), (None,)))
+
+
 def sanitize():
     """Each kernel once, small: partial and whole chunks, all dtypes, empty and 0-d leaves, > 1024
     leaves (several launches), identity / multiply / zero modes, global_norm."""
@@ -224,9 +250,12 @@ def main():
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--loop", type=int, default=20, help="clips per dispatch in the in-jit loop mode")
+    p.add_argument("--trace", action="store_true", help="profile the in-jit loops (jax.profiler) and exit")
     args = p.parse_args()
     if args.sanitize:
         sanitize()
+    elif args.trace:
+        trace(args)
     else:
         bench(args)
 

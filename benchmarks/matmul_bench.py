@@ -2,6 +2,7 @@
 
     python benchmarks/matmul_bench.py [--ms 1,16,128,1024,4096,16384] [--shapes all|4096x4096,...]
                                       [--ops fwd,dA,dB] [--reps 20] [--raw] [--out results.md]
+                                      [--chunk-tokens 8192]
 
 Uses `jaxdet.matmul` (forward and its VJP) when it exists (and --raw is not given), else the raw
 FFI targets: fwd = jaxdet_gemm(A, B); dA = jaxdet_gemm(dC, B, transpose_b=True);
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import statistics
 import sys
@@ -45,6 +47,9 @@ def parse():
     p.add_argument("--inner", type=int, default=5)
     p.add_argument("--raw", action="store_true")
     p.add_argument("--out", default="")
+    p.add_argument("--chunk-tokens", type=int, default=0,
+                   help="measure dB with this WGRAD_CHUNK_TOKENS instead of the library's (an experiment: "
+                        "it changes dB's bits and its micro-batch granularity)")
     return p.parse_args()
 
 
@@ -83,10 +88,15 @@ def main():
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ops = args.ops.split(",")
     use_api = hasattr(jaxdet, "matmul") and not args.raw
+    if args.chunk_tokens:
+        # read when the dB function is traced, so set it before anything is jitted
+        importlib.import_module("jaxdet.matmul").WGRAD_CHUNK_TOKENS = args.chunk_tokens
+    chunk_tokens = importlib.import_module("jaxdet.matmul").WGRAD_CHUNK_TOKENS if use_api else 2048
     dt = jnp.bfloat16
     dev = jax.devices()[0]
     head = (f"# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\ndevice: {dev.device_kind}; jax {jax.__version__}; "
             f"{datetime.date.today()}; jaxdet via {'jaxdet.matmul' if use_api else 'raw FFI targets'}; "
+            f"dB chunk_tokens {chunk_tokens}; "
             f"median of {args.reps} x {args.inner} back-to-back calls\n")
     print(head, flush=True)
     rows = []

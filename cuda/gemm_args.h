@@ -45,17 +45,23 @@ using Status = std::string;
 #define JAXDET_GEMM_LAUNCHER(name) Status name(const GemmArgs& args, cudaStream_t stream)
 
 // Hopper (sm_90a), CUTLASS 3.x TMA warp-specialized, persistent data-parallel scheduler:
-// cooperative 128x256x64, cluster 1x1x1, for nn, nt and the weight gradient (tn, f32 C/D).
+// cooperative 128x256x64, cluster 1x1x1, for nn, nt and the weight gradient (tn). The tn
+// launchers differ only in their epilogue's C and D types: the mainloop, and so every partial
+// sum, is the same kernel configuration.
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nn_bf16);
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nn_f32);
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nt_bf16);
 JAXDET_GEMM_LAUNCHER(sm90_bf16_nt_f32);
-JAXDET_GEMM_LAUNCHER(sm90_bf16_tn_f32acc);  // D = C + A^T B, f32 C/D (weight gradient)
+JAXDET_GEMM_LAUNCHER(sm90_bf16_tn_f32acc);  // D = C + A^T B, f32 C/D (weight gradient chunks)
+JAXDET_GEMM_LAUNCHER(sm90_bf16_tn_bf16);    // D = A^T B, bf16 D (a weight gradient of one chunk)
+JAXDET_GEMM_LAUNCHER(sm90_bf16_tn_f32acc_bf16);  // D = C + A^T B, f32 C, bf16 D (its last chunk)
 JAXDET_GEMM_LAUNCHER(sm90_f16_nn_f16);
 JAXDET_GEMM_LAUNCHER(sm90_f16_nn_f32);
 JAXDET_GEMM_LAUNCHER(sm90_f16_nt_f16);
 JAXDET_GEMM_LAUNCHER(sm90_f16_nt_f32);
 JAXDET_GEMM_LAUNCHER(sm90_f16_tn_f32acc);
+JAXDET_GEMM_LAUNCHER(sm90_f16_tn_f16);
+JAXDET_GEMM_LAUNCHER(sm90_f16_tn_f32acc_f16);
 
 // sm_80 and later (CUTLASS 2.x multistage tensor-op kernels, mma.sync), all four layouts; the
 // *_f32 launchers also take beta = 1 with an f32 C (the weight gradient off Hopper).

@@ -337,11 +337,11 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-// The weight-gradient chunk sequence; `acc` null: chunk 0's partial is written as it is and every
-// later chunk adds (the CUDA target does the same).
+// The weight-gradient chunk sequence into the float32 accumulator `dst` [L, K, N]; `acc` null:
+// chunk 0's partial is written as it is and every later chunk adds (the CUDA target does the same).
 ffi::Error WgradChunks(const char* op, const float* acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
-                       ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t chunk_tokens) {
-  const auto ad = a.dimensions(), dd = dc.dimensions(), od = out->dimensions();
+                       ffi::Span<const int64_t> od, float* dst, int64_t chunk_tokens) {
+  const auto ad = a.dimensions(), dd = dc.dimensions();
   if (ad.size() != 3 || dd.size() != 3 || od.size() != 3) {
     return ffi::Error::InvalidArgument(std::string(op) + ": a, dc and out must be rank 3");
   }
@@ -355,7 +355,6 @@ ffi::Error WgradChunks(const char* op, const float* acc, ffi::AnyBuffer a, ffi::
   if (ad[0] != L || ad[2] != K || dd[0] != L || dd[1] != T || dd[2] != N) {
     return ffi::Error::InvalidArgument(std::string(op) + ": inconsistent shapes");
   }
-  float* dst = out->typed_data();
   if (acc != nullptr && dst != acc) std::memcpy(dst, acc, sizeof(float) * L * K * N);
   if (acc == nullptr && T == 0) std::fill(dst, dst + L * K * N, 0.0f);
   const size_t esize = at == GemmDtype::kF32 ? 4 : 2;
@@ -387,12 +386,40 @@ ffi::Error GemmWgradCpu(ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuf
   if (cd.size() != od.size() || !std::equal(cd.begin(), cd.end(), od.begin())) {
     return ffi::Error::InvalidArgument(std::string(op) + ": acc and out must have the same shape [L,K,N]");
   }
-  return WgradChunks(op, acc.typed_data(), a, dc, out, chunk_tokens);
+  return WgradChunks(op, acc.typed_data(), a, dc, od, out->typed_data(), chunk_tokens);
 }
 
-ffi::Error GemmWgradInitCpu(ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                            int64_t chunk_tokens) {
-  return WgradChunks("jaxdet_gemm_wgrad_init", nullptr, a, dc, out, chunk_tokens);
+// dB with no accumulator, in the result's dtype: float32, or a's bfloat16/float16 (the float32
+// accumulator cast once, RNE, as astype does; the CUDA target casts in the last chunk's epilogue).
+// `workspace` is the float32 accumulator XLA provides when the tokens span several chunks (the
+// CUDA target needs it); here a one-chunk call accumulates into a temporary.
+ffi::Error GemmWgradInitCpu(ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t chunk_tokens) {
+  const char* op = "jaxdet_gemm_wgrad_init";
+  GemmDtype at, ot;
+  if (!to_gemm_dtype(a.element_type(), &at) || !to_gemm_dtype(out->element_type(), &ot) ||
+      (ot != at && ot != GemmDtype::kF32)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": the result must be float32 or a's dtype");
+  }
+  const auto od = out->dimensions();
+  if (ot == GemmDtype::kF32) {
+    return WgradChunks(op, nullptr, a, dc, od, static_cast<float*>(out->untyped_data()), chunk_tokens);
+  }
+  const int64_t n = static_cast<int64_t>(out->element_count());
+  std::vector<float> temporary;
+  float* acc = workspace->typed_data();
+  if (static_cast<int64_t>(workspace->element_count()) != n) {
+    temporary.resize(n);
+    acc = temporary.data();
+  }
+  if (auto err = WgradChunks(op, nullptr, a, dc, od, acc, chunk_tokens); err.failure()) return err;
+  uint16_t* dst = static_cast<uint16_t*>(out->untyped_data());
+  if (ot == GemmDtype::kBF16) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(acc[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16(acc[i]);
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace matmul_cpu
@@ -434,5 +461,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu, jaxdet::matmul_cpu::Ge
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int64_t>("chunk_tokens"));

@@ -11,6 +11,8 @@
 //   - JAXDET_GEMM_FORCE_SM80=1 (read once per process) makes a Hopper GPU run the sm_80 kernels: a
 //     testing knob. It changes which kernel runs, so, like the GPU model, it is part of the
 //     "device" that the bits may depend on.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "cuda_common.h"
 #include "gemm_args.h"
@@ -225,11 +228,18 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   return launch(op, pick_gemm(d, dt, transpose_a, transpose_b, out_f32), g, stream);
 }
 
-// The weight-gradient chunk sequence. `acc` is the running float32 accumulator to add into, or
-// null for a call that starts from nothing: then chunk 0's partial is written as it is (beta = 0,
-// no accumulator read and no zero fill) and every later chunk adds, exactly as the CPU target does.
-ffi::Error WgradChunks(cudaStream_t stream, const char* op, const float* acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
-                       ffi::Result<ffi::Buffer<ffi::F32>>& out, int64_t chunk_tokens) {
+// One weight gradient's operands: a [L, T, K] read in place as A' = a^T (column-major [K, T]) and
+// dc [L, T, N] (row-major), reduced over the T tokens chunk by chunk.
+struct WgradOperands {
+  ffi::DataType dt;
+  int64_t L = 0, T = 0, K = 0, N = 0;
+  const char* a = nullptr;
+  const char* dc = nullptr;
+  size_t esize = 0;
+};
+
+ffi::Error decode_wgrad(const char* op, ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Span<const int64_t> out_dims,
+                        int64_t chunk_tokens, WgradOperands* w) {
   const ffi::DataType dt = a.element_type();
   if (dt != ffi::F32 && dt != ffi::BF16 && dt != ffi::F16) {
     return invalid(op, "a must be float32, bfloat16 or float16");
@@ -237,58 +247,92 @@ ffi::Error WgradChunks(cudaStream_t stream, const char* op, const float* acc, ff
   if (dc.element_type() != dt) return invalid(op, "a and dc must have the same dtype");
   if (chunk_tokens <= 0) return invalid(op, "chunk_tokens must be positive");
   int64_t L, K, N, La, T, Ka, Ld, Td, Nd;
-  if (!dims3(out->dimensions(), &L, &K, &N) || !dims3(a.dimensions(), &La, &T, &Ka) ||
+  if (!dims3(out_dims, &L, &K, &N) || !dims3(a.dimensions(), &La, &T, &Ka) ||
       !dims3(dc.dimensions(), &Ld, &Td, &Nd)) {
     return invalid(op, "a, dc and the result must be rank 3");
   }
   if (La != L || Ld != L || Ka != K || Nd != N || Td != T) {
     return invalid(op, "shapes must be a [L,T,K], dc [L,T,N], result (and acc) [L,K,N]");
   }
-  float* d_ptr = out->typed_data();
-  if (acc != nullptr && static_cast<const void*>(acc) != static_cast<const void*>(d_ptr) && out->size_bytes() > 0) {
-    // The result is meant to alias acc; if XLA handed a separate buffer, start it from acc.
-    const cudaError_t e = cudaMemcpyAsync(d_ptr, acc, out->size_bytes(), cudaMemcpyDeviceToDevice, stream);
-    if (e != cudaSuccess) return cuda_error(op, e);
-  }
-  if (acc == nullptr && T == 0 && out->size_bytes() > 0) {
-    const cudaError_t e = cudaMemsetAsync(d_ptr, 0, out->size_bytes(), stream);  // no tokens: dB = 0
-    if (e != cudaSuccess) return cuda_error(op, e);
-  }
-  if (L == 0 || K == 0 || N == 0 || T == 0) return ffi::Error::Success();
-  if (dt != ffi::F32 && (K % 8 != 0 || N % 8 != 0)) {
+  if (dt != ffi::F32 && L > 0 && T > 0 && (K % 8 != 0 || N % 8 != 0)) {
     return invalid(op, "bfloat16/float16 operands need K and N to be multiples of 8 elements (K=" +
                            std::to_string(K) + ", N=" + std::to_string(N) + "); pad with zeros");
   }
-  DeviceInfo d;
-  if (auto err = check_device(op, &d); err.failure()) return err;
-  const Launcher fn = pick_wgrad(d, dt);
-  const size_t esize = dt == ffi::F32 ? 4 : 2;
-  const char* pa = static_cast<const char*>(a.untyped_data());
-  const char* pdc = static_cast<const char*>(dc.untyped_data());
+  w->dt = dt;
+  w->L = L;
+  w->T = T;
+  w->K = K;
+  w->N = N;
+  w->a = static_cast<const char*>(a.untyped_data());
+  w->dc = static_cast<const char*>(dc.untyped_data());
+  w->esize = dt == ffi::F32 ? 4 : 2;
+  return ffi::Error::Success();
+}
 
+bool wgrad_is_empty(const WgradOperands& w) { return w.L == 0 || w.K == 0 || w.N == 0 || w.T == 0; }
+
+// The GEMM of the chunk that starts at token t0: D = A'[:, t0:t0+tc] . dc[t0:t0+tc, :] (+ C when
+// beta == 1). C and D are [L, K, N] row-major.
+GemmArgs chunk_args(const DeviceInfo& d, const WgradOperands& w, int64_t t0, int64_t chunk_tokens, const void* c,
+                    float beta, void* dst) {
   GemmArgs g;
   g.device = d.device;
   g.sm_count = d.sms;
-  g.m = K;
-  g.n = N;
-  g.l = L;
-  g.lda = K;  // A' = a^T: column-major [K, T] stored as a [T, K]
-  g.batch_a = T * K;
-  g.ldb = N;  // B' = dc [T, N], row-major
-  g.batch_b = T * N;
-  g.c = d_ptr;
-  g.d = d_ptr;
-  g.ldc = g.ldd = N;
-  g.batch_c = g.batch_d = K * N;
-  // A fixed sequence of chunk GEMMs over the token dimension, in order: acc += a[c]^T dc[c].
-  for (int64_t t0 = 0; t0 < T; t0 += chunk_tokens) {
-    g.beta = (acc == nullptr && t0 == 0) ? 0.0f : 1.0f;
-    g.k = std::min(chunk_tokens, T - t0);
-    g.a = pa + static_cast<size_t>(t0 * K) * esize;
-    g.b = pdc + static_cast<size_t>(t0 * N) * esize;
-    if (auto err = launch(op, fn, g, stream); err.failure()) return err;
+  g.m = w.K;
+  g.n = w.N;
+  g.k = std::min(chunk_tokens, w.T - t0);
+  g.l = w.L;
+  g.a = w.a + static_cast<size_t>(t0 * w.K) * w.esize;
+  g.lda = w.K;
+  g.batch_a = w.T * w.K;
+  g.b = w.dc + static_cast<size_t>(t0 * w.N) * w.esize;
+  g.ldb = w.N;
+  g.batch_b = w.T * w.N;
+  g.c = c;
+  g.beta = beta;
+  g.ldc = w.N;
+  g.batch_c = w.K * w.N;
+  g.d = dst;
+  g.ldd = w.N;
+  g.batch_d = w.K * w.N;
+  return g;
+}
+
+// Chunks with t0 < t_end, in order, into the float32 accumulator `acc` (C = D = acc): each adds its
+// partial once; with `fresh`, chunk 0's partial is written as it is (beta = 0: no read, no zero fill).
+ffi::Error wgrad_f32_chunks(cudaStream_t stream, const char* op, const DeviceInfo& d, const WgradOperands& w,
+                            int64_t chunk_tokens, float* acc, bool fresh, int64_t t_end) {
+  const Launcher fn = pick_wgrad(d, w.dt);
+  for (int64_t t0 = 0; t0 < t_end; t0 += chunk_tokens) {
+    const float beta = (fresh && t0 == 0) ? 0.0f : 1.0f;
+    if (auto err = launch(op, fn, chunk_args(d, w, t0, chunk_tokens, acc, beta, acc), stream); err.failure()) {
+      return err;
+    }
   }
   return ffi::Error::Success();
+}
+
+// float32 -> bfloat16/float16, round to nearest even: the cast of the accumulator off Hopper,
+// where the last chunk's epilogue cannot take a float32 C with a half D.
+template <typename Half>
+__global__ void CastF32Kernel(const float* __restrict__ in, Half* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
+      out[i] = __float2bfloat16_rn(in[i]);
+    } else {
+      out[i] = __float2half_rn(in[i]);
+    }
+  }
+}
+
+ffi::Error cast_f32(cudaStream_t stream, const char* op, ffi::DataType dt, const float* in, void* out, int64_t n) {
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{current_sm_count()} * 16));
+  if (dt == ffi::BF16) {
+    CastF32Kernel<<<grid, 256, 0, stream>>>(in, static_cast<__nv_bfloat16*>(out), n);
+  } else {
+    CastF32Kernel<<<grid, 256, 0, stream>>>(in, static_cast<__half*>(out), n);
+  }
+  return last_launch_error(op);
 }
 
 ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
@@ -298,12 +342,70 @@ ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::An
   if (ad.size() != od.size() || !std::equal(ad.begin(), ad.end(), od.begin())) {
     return invalid(op, "acc and the result must have the same shape [L,K,N]");
   }
-  return WgradChunks(stream, op, acc.typed_data(), a, dc, out, chunk_tokens);
+  WgradOperands w;
+  if (auto err = decode_wgrad(op, a, dc, od, chunk_tokens, &w); err.failure()) return err;
+  float* dst = out->typed_data();
+  if (acc.typed_data() != dst && out->size_bytes() > 0) {
+    // The result is meant to alias acc; if XLA handed a separate buffer, start it from acc.
+    const cudaError_t e = cudaMemcpyAsync(dst, acc.typed_data(), out->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return cuda_error(op, e);
+  }
+  if (wgrad_is_empty(w)) return ffi::Error::Success();
+  DeviceInfo d;
+  if (auto err = check_device(op, &d); err.failure()) return err;
+  return wgrad_f32_chunks(stream, op, d, w, chunk_tokens, dst, /*fresh=*/false, w.T);
 }
 
-ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dc,
-                             ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
-  return WgradChunks(stream, "jaxdet_gemm_wgrad_init", nullptr, a, dc, out, chunk_tokens);
+// dB with no accumulator to start from, in the result's dtype: float32 (the accumulator itself) or
+// the inputs' bfloat16/float16 (the accumulator cast once, RNE). For a half result the earlier
+// chunks accumulate in `workspace` (float32 [L, K, N]; empty when the tokens fit in one chunk) and
+// the last chunk's epilogue adds its partial and casts: the same float32 additions, in the same
+// order, as the float32 result followed by astype.
+ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t chunk_tokens) {
+  constexpr const char* op = "jaxdet_gemm_wgrad_init";
+  WgradOperands w;
+  if (auto err = decode_wgrad(op, a, dc, out->dimensions(), chunk_tokens, &w); err.failure()) return err;
+  const ffi::DataType odt = out->element_type();
+  if (odt != ffi::F32 && odt != w.dt) {
+    return invalid(op, std::string("the result must be float32 or ") + dtype_name(w.dt));
+  }
+  if (wgrad_is_empty(w)) {
+    if (out->size_bytes() == 0) return ffi::Error::Success();
+    const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);  // no tokens: 0
+    return e == cudaSuccess ? ffi::Error::Success() : cuda_error(op, e);
+  }
+  DeviceInfo d;
+  if (auto err = check_device(op, &d); err.failure()) return err;
+  if (odt == ffi::F32) {
+    return wgrad_f32_chunks(stream, op, d, w, chunk_tokens, static_cast<float*>(out->untyped_data()),
+                            /*fresh=*/true, w.T);
+  }
+  const bool bf16 = w.dt == ffi::BF16;
+  const bool hopper = use_sm90(d);
+  const int64_t last = ((w.T - 1) / chunk_tokens) * chunk_tokens;  // first token of the last chunk
+  if (last == 0) {  // one chunk: D = partial, cast in the epilogue
+    const Launcher fn = hopper ? (bf16 ? gemm::sm90_bf16_tn_bf16 : gemm::sm90_f16_tn_f16)
+                               : (bf16 ? gemm::sm80_bf16_tn_bf16 : gemm::sm80_f16_tn_f16);
+    return launch(op, fn, chunk_args(d, w, 0, chunk_tokens, nullptr, 0.0f, out->untyped_data()), stream);
+  }
+  const int64_t n_out = w.L * w.K * w.N;
+  if (static_cast<int64_t>(workspace->element_count()) != n_out) {
+    return invalid(op, "the float32 workspace must be [L,K,N] when the tokens span several chunks");
+  }
+  float* acc = workspace->typed_data();
+  if (auto err = wgrad_f32_chunks(stream, op, d, w, chunk_tokens, acc, /*fresh=*/true, last); err.failure()) {
+    return err;
+  }
+  if (hopper) {  // D (half) = C (f32) + partial: the last addition and the cast in one epilogue
+    const Launcher fn = bf16 ? gemm::sm90_bf16_tn_f32acc_bf16 : gemm::sm90_f16_tn_f32acc_f16;
+    return launch(op, fn, chunk_args(d, w, last, chunk_tokens, acc, 1.0f, out->untyped_data()), stream);
+  }
+  if (auto err = launch(op, pick_wgrad(d, w.dt), chunk_args(d, w, last, chunk_tokens, acc, 1.0f, acc), stream);
+      err.failure()) {
+    return err;
+  }
+  return cast_f32(stream, op, w.dt, acc, out->untyped_data(), n_out);
 }
 
 }  // namespace
@@ -331,6 +433,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda, GemmWgradInitCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("chunk_tokens"));
 

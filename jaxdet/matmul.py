@@ -93,43 +93,62 @@ def _wgrad_abstract_eval(acc, a, dc, *, chunk_tokens):
     return jax.core.ShapedArray(acc.shape, acc.dtype)
 
 
-def _wgrad_batching_rule(prim):
-    def rule(args, dims, *, chunk_tokens):
-        size = next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
-        moved = [
-            jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
-            for x, d in zip(args, dims)
-        ]
-        L = moved[0].shape[1]
-        flat = [x.reshape((size * L,) + x.shape[2:]) for x in moved]
-        out = prim().bind(*flat, chunk_tokens=chunk_tokens)
-        return out.reshape((size, L) + out.shape[1:]), 0
+def _fold_mapped_axis(args, dims):
+    """Moves the vmapped axis of every operand to the front and folds it into L: [size * L, ...]."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
+    moved = [
+        jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
+        for x, d in zip(args, dims)
+    ]
+    L = moved[0].shape[1]
+    return size, L, [x.reshape((size * L,) + x.shape[2:]) for x in moved]
 
-    return rule
+
+def _wgrad_batch(args, dims, *, chunk_tokens):
+    size, L, flat = _fold_mapped_axis(args, dims)
+    out = wgrad_p.bind(*flat, chunk_tokens=chunk_tokens)
+    return out.reshape((size, L) + out.shape[1:]), 0
 
 
 wgrad_p = _ffi.define_primitive(
     "jaxdet_gemm_wgrad",
     _wgrad_abstract_eval,
     attributes=lambda chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),
-    batching_rule=_wgrad_batching_rule(lambda: wgrad_p),
+    batching_rule=_wgrad_batch,
     operand_output_aliases={0: 0},
 )
 
 
-# ---- Primitive 3: jaxdet_gemm_wgrad_init. a [L, T, K], dc [L, T, N] -> f32 [L, K, N]: the same
-# chunk sequence with no accumulator to start from: chunk 0's partial is written as it is (no zero
-# fill, no accumulator read), every later chunk adds. ----
+# ---- Primitive 3: jaxdet_gemm_wgrad_init. a [L, T, K], dc [L, T, N] -> (dB [L, K, N] of out_dtype,
+# workspace f32): the same chunk sequence with no accumulator to start from: chunk 0's partial is
+# written as it is (no zero fill, no accumulator read), every later chunk adds. A bfloat16/float16
+# dB is the float32 result cast once (RNE); on the GPU the earlier chunks accumulate in the float32
+# workspace and the last chunk's epilogue adds and casts, so no float32 dB is written and cast
+# afterwards. The workspace is [L, K, N] only when a half dB spans several chunks, else [L, 0, 0]. ----
 
-def _wgrad_init_abstract_eval(a, dc, *, chunk_tokens):
-    return jax.core.ShapedArray((a.shape[0], a.shape[2], dc.shape[2]), jnp.float32)
+def _wgrad_init_shapes(L, T, K, N, chunk_tokens, out_dtype):
+    needs_workspace = np.dtype(out_dtype) != _F32 and T > chunk_tokens
+    return (L, K, N), (L, K, N) if needs_workspace else (L, 0, 0)
+
+
+def _wgrad_init_abstract_eval(a, dc, *, chunk_tokens, out_dtype):
+    L, T, K = a.shape
+    out_shape, ws_shape = _wgrad_init_shapes(L, T, K, dc.shape[2], chunk_tokens, out_dtype)
+    return (jax.core.ShapedArray(out_shape, out_dtype), jax.core.ShapedArray(ws_shape, jnp.float32))
+
+
+def _wgrad_init_batch(args, dims, *, chunk_tokens, out_dtype):
+    size, L, flat = _fold_mapped_axis(args, dims)
+    outs = wgrad_init_p.bind(*flat, chunk_tokens=chunk_tokens, out_dtype=out_dtype)
+    return [o.reshape((size, L) + o.shape[1:]) for o in outs], [0, 0]
 
 
 wgrad_init_p = _ffi.define_primitive(
     "jaxdet_gemm_wgrad_init",
     _wgrad_init_abstract_eval,
-    attributes=lambda chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),
-    batching_rule=_wgrad_batching_rule(lambda: wgrad_init_p),
+    attributes=lambda chunk_tokens, out_dtype: dict(chunk_tokens=np.int64(chunk_tokens)),
+    batching_rule=_wgrad_init_batch,
+    multiple_results=True,
 )
 
 
@@ -163,14 +182,18 @@ def _gemm(a3, b3, out_dtype, transpose_b=False):
     return out if Np == N else out[..., :N]
 
 
-def _wgrad(acc3, a3, dc3):
-    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N], chunk by chunk; acc3 None: from chunk 0's partial."""
+def _wgrad(acc3, a3, dc3, out_dtype=_F32):
+    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N], chunk by chunk, in float32.
+
+    acc3 None: from chunk 0's partial, and the result is cast once to `out_dtype` (float32 or the
+    inputs' dtype); otherwise the result is the float32 accumulator.
+    """
     T, K = a3.shape[-2:]
     N = dc3.shape[-1]
     Kp, Np = _padded(K, a3.dtype), _padded(N, a3.dtype)
     a3, dc3 = _pad_last2(a3, T, Kp), _pad_last2(dc3, T, Np)
     if acc3 is None:
-        out = wgrad_init_p.bind(a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS)
+        out, _ = wgrad_init_p.bind(a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS, out_dtype=np.dtype(out_dtype))
     else:
         out = wgrad_p.bind(_pad_last2(acc3, Kp, Np), a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS)
     return out if (Kp, Np) == (K, N) else out[..., :K, :N]
@@ -191,9 +214,7 @@ def _matmul3_bwd(out_dtype, res, g):
     # with preferred_element_type=float32 is rounded once to the input dtype).
     g = g.astype(a3.dtype)
     da = _gemm(g, b3, a3.dtype, transpose_b=True)  # dC . B^T, B read transposed in place
-    L, _, K = a3.shape
-    N = b3.shape[-1]
-    db = _wgrad(None, a3, g).astype(b3.dtype)
+    db = _wgrad(None, a3, g, out_dtype=b3.dtype)  # the float32 chunk sequence, cast once
     return da, db
 
 

@@ -90,6 +90,13 @@ def check_db_contract(dtype, k=64, n=48):
         ap = jnp.concatenate([a, jnp.zeros((pad, k), dtype)])
         gp = jnp.concatenate([g, jnp.zeros((pad, n), dtype)])
         assert_bitwise(_db(ap, b, gp), full)
+    # one chunk (on the GPU the cast to the weight's dtype happens in the GEMM's epilogue), and the
+    # same tokens padded with zero rows into a second chunk (the last chunk's epilogue adds and casts)
+    one = _db(a[: c - 3], b, g[: c - 3])
+    assert_bitwise(one, jaxdet.matmul_weight_grad(a[: c - 3], g[: c - 3]).astype(dtype))
+    ap = jnp.concatenate([a[: c - 3], jnp.zeros((10, k), dtype)])
+    gp = jnp.concatenate([g[: c - 3], jnp.zeros((10, n), dtype)])
+    assert_bitwise(_db(ap, b, gp), one)
     # micro-batches of multiples of WGRAD_CHUNK_TOKENS, accumulated with matmul_weight_grad
     acc = None
     for lo, hi in ((0, c), (c, 2 * c), (2 * c, t)):

@@ -2,12 +2,15 @@
 # One device call: build with CUDA, run the GPU tests (and the rest of the suite with the GPU as the
 # default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $OUT.
 #   tools/gpu_session.sh [tests|report|dropout|clip|matmul|ncu-dropout|all] ...
+#   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
+#   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192").
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 what=("$@"); [ ${#what[@]} -eq 0 ] && what=(all)
 has() { for w in "${what[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
+asked() { for w in "${what[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
 repo=$(pwd)
 
 if [ -d .whl ]; then
@@ -69,4 +72,17 @@ if has matmul; then
   echo "== matmul benchmark"
   timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --out "$OUT/bench_matmul.md" > "$OUT/bench_matmul.log" 2>&1
   echo "rc=$?"; grep -E "^\|" "$OUT/bench_matmul.log" | head -90; sed -n '/Row 0 bits/,$p' "$OUT/bench_matmul.log"
+fi
+if asked clip-trace; then
+  echo "== clip in-jit loops under the profiler"
+  timeout 240 python3 benchmarks/clip_bench.py --trace > "$OUT/clip_trace.txt" 2>&1; echo "rc=$?"
+  grep -E "^(/|####)|^ +[0-9]" "$OUT/clip_trace.txt" | head -120
+fi
+if asked db-chunks; then
+  for c in ${DB_CHUNKS:-2048 8192}; do
+    echo "== dB with WGRAD_CHUNK_TOKENS=$c"
+    timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --ops dB --chunk-tokens "$c" \
+      --ms ${DB_MS:-1,128,1024,4096,16384} --reps 10 --inner 3 --out "$OUT/bench_db_$c.md" > "$OUT/bench_db_$c.log" 2>&1
+    echo "rc=$?"; grep -E "^dB" "$OUT/bench_db_$c.log"
+  done
 fi
