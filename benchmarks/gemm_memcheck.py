@@ -1,7 +1,7 @@
 """Small calls of every GEMM kernel family, for `compute-sanitizer --tool memcheck`.
 
 Edge tiles in every dimension (M, N, K not multiples of the tiles), batches, b broadcast and the
-chunked weight gradient. Prints the relative errors; the sanitizer reports memory errors.
+chunked weight gradient (accumulating, and from nothing in every result dtype). Prints the relative errors; the sanitizer reports memory errors.
 """
 
 from __future__ import annotations
@@ -44,4 +44,14 @@ for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
     r = wgrad(acc, a, dc, 128)
     ref = f64(acc) + np.einsum("ltk,ltn->lkn", f64(a), f64(dc))
     worst = max(worst, np.linalg.norm(f64(r) - ref) / np.linalg.norm(ref))
+    # jaxdet_gemm_wgrad_init in every result dtype, one chunk and several (the last chunk's epilogue
+    # reads the float32 workspace and writes the half result)
+    for out_dt in ((dt, jnp.float32) if dt != jnp.float32 else (dt,)):
+        for T in (100, 300):
+            out = jax.ShapeDtypeStruct((2, 136, 264), out_dt)
+            ws = jax.ShapeDtypeStruct((2, 136, 264) if (out_dt != jnp.float32 and T > 128) else (2, 0, 0),
+                                      jnp.float32)
+            r, _ = jax.ffi.ffi_call("jaxdet_gemm_wgrad_init", (out, ws))(a[:, :T], dc[:, :T], chunk_tokens=np.int64(128))
+            ref = np.einsum("ltk,ltn->lkn", f64(a[:, :T]), f64(dc[:, :T]))
+            worst = max(worst, np.linalg.norm(f64(r) - ref) / np.linalg.norm(ref))
 print(f"memcheck run done; worst relerr {worst:.2e}", flush=True)
