@@ -142,6 +142,12 @@ def copy_bandwidth(device, reps):
     return 2 * x.size * 4 / (ms * 1e-3)  # bytes/s, read + write
 
 
+def progress(row):
+    name, _, _, _, mode, t_jd, t_ox, floor_ms, *_ = row
+    print(f"[{time.strftime('%H:%M:%S')}] {name}, {mode}: jaxdet {t_jd:.3f} ms, optax {t_ox:.3f} ms, "
+          f"floor {floor_ms:.3f} ms", file=sys.stderr, flush=True)
+
+
 def bench(args):
     import optax
 
@@ -178,11 +184,13 @@ def bench(args):
         t_ox = time_per_clip(loop_clips["optax"], lambda: copy_of(tree), args.loop, max(3, args.reps // 3))
         rows.append((name, len(tree), n_values, nbytes, "in-jit loop", t_jd, t_ox, floor_ms,
                      float(norm), err))
+        progress(rows[-1])
         for mode in ("donated", "kept"):
             make = (lambda: copy_of(tree)) if mode == "donated" else (lambda: tree)
             t_jd = time_calls(lambda t: fns["jaxdet"][mode](t), make, args.calls, args.reps)
             t_ox = time_calls(lambda t: fns["optax"][mode](t), make, args.calls, args.reps)
             rows.append((name, len(tree), n_values, nbytes, mode, t_jd, t_ox, floor_ms, float(norm), err))
+            progress(rows[-1])
 
     dev = f"{device.device_kind} ({device.platform})"
     bw_mib = 1024 if device.platform == "gpu" else 64

@@ -1,5 +1,7 @@
 // CUDA targets of the batch-invariant GEMM: jaxdet_gemm (forward, dA and the general transposed
-// forms) and jaxdet_gemm_wgrad (dB as a fixed sequence of chunk GEMMs accumulated in float32).
+// forms), jaxdet_gemm_wgrad (dB as a fixed sequence of chunk GEMMs accumulated in float32) and
+// jaxdet_gemm_wgrad_init (the same sequence from nothing, its result cast to bf16/f16 by the last
+// chunk's epilogue).
 //
 // Which kernel runs is chosen from (dtype, layout, output dtype, device) alone, never from M, N,
 // K or the batch: see gemm_args.h for the launchers and docs/matmul_cuda.md for the contract.

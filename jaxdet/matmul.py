@@ -30,7 +30,7 @@ __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYP
 
 # Tokens per chunk GEMM of the weight gradient (the same on CPU and GPU). Micro-batches whose token
 # counts are multiples of this reproduce the full-batch dB bitwise (see matmul_weight_grad).
-WGRAD_CHUNK_TOKENS = 2048
+WGRAD_CHUNK_TOKENS = 8192
 
 SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _F32 = np.dtype(jnp.float32)

@@ -362,7 +362,7 @@ def test_errors():
 
 
 def test_chunk_size_constant():
-    assert jaxdet.WGRAD_CHUNK_TOKENS == jaxdet.matmul.WGRAD_CHUNK_TOKENS == 2048
+    assert jaxdet.WGRAD_CHUNK_TOKENS == jaxdet.matmul.WGRAD_CHUNK_TOKENS == 8192
 
 
 # ---- GPU: the same invariance checks on the GPU device (`pytest -m gpu`) ----
