@@ -34,7 +34,7 @@ export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
 rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
   && cp pyproject.toml README.md /tmp/
 # From /tmp so that the installed package (not the source folder) is imported.
-run_pytest() { (cd /tmp && python3 -m pytest -q -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
+run_pytest() { (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
 
 if has tests; then
   files=(); for f in ${TEST_FILES:-}; do files+=("/tmp/jaxdet-tests/$f"); done
