@@ -97,6 +97,20 @@ Stride make_stride3(int64_t s0, int64_t s1, int64_t s2) {
 // GPU: identical output hashes for swizzle 1 and 8, cluster 1x1 and 2x1).
 constexpr int kSwizzle = 8;
 
+// The raster order of the persistent scheduler (along M or N first): like the swizzle it only
+// decides which CTA computes which tile. CUTLASS's heuristic by default; JAXDET_GEMM_RASTER=m or n
+// (read once per process) forces one, to measure them (benchmarks/matmul_bench.py --raster).
+inline cutlass::gemm::kernel::detail::RasterOrderOptions raster_order() {
+  using R = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  static const R order = [] {
+    const char* v = std::getenv("JAXDET_GEMM_RASTER");
+    if (v != nullptr && (v[0] == 'm' || v[0] == 'M')) return R::AlongM;
+    if (v != nullptr && (v[0] == 'n' || v[0] == 'N')) return R::AlongN;
+    return R::Heuristic;
+  }();
+  return order;
+}
+
 inline bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
 
 template <class Cfg>
@@ -131,6 +145,7 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
       {{}, static_cast<const typename Kernel::ElementC*>(g.c), sc, static_cast<ElementD*>(g.d), sd},
       hw};
   args.scheduler.max_swizzle_size = kSwizzle;  // which CTA takes which tile: not the numerics
+  args.scheduler.raster_order = raster_order();  // the same
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = g.beta;
 

@@ -4,7 +4,8 @@
 #   tools/gpu_session.sh [tests|report|dropout|clip|matmul|ncu-dropout|all] ...
 #   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device).
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
-#   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192").
+#   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), raster (the persistent scheduler's
+#   raster order: heuristic, along M, along N; timings and result hashes).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
 mkdir -p "$OUT"
@@ -97,4 +98,17 @@ if asked db-chunks; then
       --ms ${DB_MS:-1,128,1024,4096,16384} --reps 10 --inner 3 --out "$OUT/bench_db_$c.md" > "$OUT/bench_db_$c.log" 2>&1
     echo "rc=$?"; grep -E "^dB" "$OUT/bench_db_$c.log"
   done
+fi
+if asked raster; then
+  for r in heuristic m n; do
+    echo "== raster order: $r"
+    env JAXDET_GEMM_RASTER=$r timeout 200 python3 benchmarks/matmul_bench.py --ops ${RASTER_OPS:-fwd,dA,dB} \
+      --shapes ${RASTER_SHAPES:-4096x4096,4096x14336,14336x4096,4096x128256} --ms ${RASTER_MS:-4096,16384} \
+      --reps 10 --inner 3 > "$OUT/bench_raster_$r.log" 2>&1; echo "rc=$?"
+    grep -E "^(fwd|dA |dB )" "$OUT/bench_raster_$r.log"
+    env JAXDET_GEMM_RASTER=$r python3 benchmarks/gemm_schedule_bits.py > "$OUT/bits_raster_$r.txt" 2>&1
+  done
+  echo "result hashes, heuristic vs m vs n (no diff output = the same bits):"
+  diff "$OUT/bits_raster_heuristic.txt" "$OUT/bits_raster_m.txt"; diff "$OUT/bits_raster_heuristic.txt" "$OUT/bits_raster_n.txt"
+  wc -l < "$OUT/bits_raster_heuristic.txt"
 fi
