@@ -1,8 +1,9 @@
 """Hashes of GEMM results, to show that a scheduling knob does not change any bit.
 
+    python benchmarks/gemm_schedule_bits.py > default.txt
     JAXDET_GEMM_RASTER=m python benchmarks/gemm_schedule_bits.py > m.txt
     JAXDET_GEMM_RASTER=n python benchmarks/gemm_schedule_bits.py > n.txt
-    diff m.txt n.txt   # empty: the same bits whichever CTA computed which tile
+    diff default.txt m.txt; diff default.txt n.txt   # empty: the same bits
 
 Runs the forward, dA and dB of `jaxdet.matmul` (bfloat16) on fixed random inputs whose tile grids
 are taller than wide and wider than tall (the scheduler's raster order flips between them) and
