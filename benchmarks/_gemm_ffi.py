@@ -36,3 +36,15 @@ def wgrad(acc, a, dc, chunk_tokens=2048):
         "jaxdet_gemm_wgrad", jax.ShapeDtypeStruct(acc.shape, jnp.float32), input_output_aliases={0: 0}
     )(acc, a, dc, chunk_tokens=np.int64(chunk_tokens))
     return r[0] if squeeze else r
+
+
+def wgrad_init(a, dc, chunk_tokens, out_dtype):
+    """The chunk sequence from nothing, result in out_dtype (f32, or a's dtype: cast once, RNE)."""
+    L, T, K = a.shape
+    N = dc.shape[2]
+    half = np.dtype(out_dtype) != np.dtype(jnp.float32)
+    ws = (L, K, N) if half and T > chunk_tokens else (L, 0, 0)
+    out, _ = jax.ffi.ffi_call(
+        "jaxdet_gemm_wgrad_init", (jax.ShapeDtypeStruct((L, K, N), out_dtype), jax.ShapeDtypeStruct(ws, jnp.float32))
+    )(a, dc, chunk_tokens=np.int64(chunk_tokens))
+    return out

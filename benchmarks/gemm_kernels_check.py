@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_ffi import gemm, wgrad  # noqa: E402
+from _gemm_ffi import gemm, wgrad, wgrad_init  # noqa: E402
 
 QUICK = "--quick" in sys.argv
 FAILS = []
@@ -194,6 +194,25 @@ def check_wgrad():
     report("wgrad T=0 leaves acc unchanged", bool(np.array_equal(np.asarray(out), np.asarray(acc0))))
 
 
+def check_wgrad_init():
+    # From nothing, in each result dtype: the float32 result is the chunk sequence into a zero
+    # accumulator, and a half result is that float32 result cast once (Hopper: in the last chunk's
+    # epilogue; sm_80: a cast kernel), bit for bit.
+    key = jax.random.PRNGKey(6)
+    for dt in (jnp.bfloat16, jnp.float16):
+        for T in (100, 128, 300):  # one chunk, exactly one, several
+            key, k1, k2 = jax.random.split(key, 3)
+            a = rand(k1, (2, T, 136), dt)
+            dc = rand(k2, (2, T, 72), dt)
+            f32 = jax.jit(lambda a, dc: wgrad_init(a, dc, 128, jnp.float32))(a, dc)
+            zero_acc = jax.jit(lambda a, dc: wgrad(jnp.zeros((2, 136, 72), jnp.float32), a, dc, 128))(a, dc)
+            half = jax.jit(lambda a, dc: wgrad_init(a, dc, 128, dt))(a, dc)
+            same_f32 = bool(np.array_equal(np.asarray(f32), np.asarray(zero_acc)))
+            same_cast = bool(np.array_equal(row_bits(half), row_bits(f32.astype(dt))))
+            report(f"wgrad_init {NAMES[dt]} T={T} chunk=128", same_f32 and same_cast,
+                   f"f32==zero-acc sequence:{same_f32} half==f32.astype:{same_cast}")
+
+
 def check_edges():
     key = jax.random.PRNGKey(9)
     a = rand(key, (1, 4, 0), jnp.bfloat16)
@@ -222,5 +241,6 @@ if __name__ == "__main__":
     check_tf32_absent()
     check_row_invariance()
     check_wgrad()
+    check_wgrad_init()
     print(f"[{TAG}] SUMMARY: {'ALL PASS' if not FAILS else 'FAILED: ' + '; '.join(FAILS)}", flush=True)
     sys.exit(1 if FAILS else 0)
