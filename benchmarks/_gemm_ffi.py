@@ -5,6 +5,8 @@ Used by the kernel checks and, when `jaxdet.matmul` is not there, by the benchma
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,10 +43,11 @@ def wgrad(acc, a, dc, chunk_tokens=2048):
 def wgrad_init(a, dc, chunk_tokens, out_dtype):
     """The chunk sequence from nothing, result in out_dtype (f32, or a's dtype: cast once, RNE)."""
     L, T, K = a.shape
-    N = dc.shape[2]
-    half = np.dtype(out_dtype) != np.dtype(jnp.float32)
-    ws = (L, K, N) if half and T > chunk_tokens else (L, 0, 0)
+    # the result and workspace shapes the primitive declares (jaxdet/matmul.py)
+    out_shape, ws_shape = importlib.import_module("jaxdet.matmul")._wgrad_init_shapes(
+        L, T, K, dc.shape[2], chunk_tokens, out_dtype)
     out, _ = jax.ffi.ffi_call(
-        "jaxdet_gemm_wgrad_init", (jax.ShapeDtypeStruct((L, K, N), out_dtype), jax.ShapeDtypeStruct(ws, jnp.float32))
+        "jaxdet_gemm_wgrad_init",
+        (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct(ws_shape, jnp.float32)),
     )(a, dc, chunk_tokens=np.int64(chunk_tokens))
     return out

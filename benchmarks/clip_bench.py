@@ -110,6 +110,16 @@ def loop_fn(clip, iters):
     return jax.jit(run, donate_argnums=0)
 
 
+def loop_bodies():
+    """The clip of each implementation as a loop body: (tree, max_norm) -> clipped tree."""
+    import optax
+
+    return {
+        "jaxdet": lambda t, m: jaxdet.clip_by_global_norm(t, m)[0],
+        "optax": lambda t, m: (lambda tx: tx.update(t, tx.init(t))[0])(optax.clip_by_global_norm(m)),
+    }
+
+
 def time_loop(fn, make_input, iters, reps):
     """Median wall time of one call of fn (a jitted loop of `iters` clips), in ms."""
     jax.block_until_ready(fn(make_input()))
@@ -159,10 +169,7 @@ def bench(args):
     jd = lambda t: jaxdet.clip_by_global_norm(t, max_norm)  # noqa: E731
     ox_tx = optax.clip_by_global_norm(max_norm)
     ox = lambda t: ox_tx.update(t, ox_tx.init(t))[0]  # noqa: E731
-    loop_clips = {
-        "jaxdet": lambda t, m: jaxdet.clip_by_global_norm(t, m)[0],
-        "optax": lambda t, m: (lambda tx: tx.update(t, tx.init(t))[0])(optax.clip_by_global_norm(m)),
-    }
+    loop_clips = loop_bodies()
     fns = {
         "jaxdet": {"donated": jax.jit(jd, donate_argnums=0), "kept": jax.jit(jd)},
         "optax": {"donated": jax.jit(ox, donate_argnums=0), "kept": jax.jit(ox)},
@@ -230,11 +237,7 @@ def trace(args):
 
     device = jax.devices()[0]
     down = 1 if device.platform == "gpu" else 64
-    loops = {
-        "jaxdet": loop_fn(lambda t, m: jaxdet.clip_by_global_norm(t, m)[0], args.loop),
-        "optax": loop_fn(lambda t, m: (lambda tx: tx.update(t, tx.init(t))[0])(optax.clip_by_global_norm(m)),
-                         args.loop),
-    }
+    loops = {impl: loop_fn(clip, args.loop) for impl, clip in loop_bodies().items()}
     for name, make in (("GPT-2-small", lambda: gpt2_tree(device, down)),
                        ("1000 leaves mixed", lambda: mixed_tree(device, scale_down=down))):
         for impl, fn in loops.items():
