@@ -44,6 +44,78 @@ using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
+// The builder's cooperative mainloop, except that a consumer warpgroup whose rows of the tile all
+// lie at or beyond M issues no wgmma: it waits for and releases each stage as the builder's mma()
+// would (the producer needs both warpgroups' releases), and hands the epilogue zero accumulators
+// for rows that the TMA store clips anyway. This happens only when M <= 64, where every tile is the
+// first M tile, so the second warpgroup's 64 rows are all out of bounds: the SM's tensor cores then
+// serve the first warpgroup alone, which halves the time of small-M GEMMs with a long reduction
+// (decode steps). The kernel, tile, instruction and K-tile sequence are those of every other M,
+// and the first warpgroup's instructions are untouched, so no in-bounds element changes: the
+// skipped work is the work whose results are never stored, as with TMA's zero fill and clipping.
+template <class Base>
+struct MainloopSkippingRowlessWarpgroups : Base {
+  using typename Base::TileShape;
+  using typename Base::TiledMma;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+
+  static constexpr int kWarpgroups = cute::size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kRowsPerWarpgroup = cute::size<0>(TileShape{}) / kWarpgroups;
+  // Warpgroup w holds rows [w * kRowsPerWarpgroup, (w + 1) * kRowsPerWarpgroup) of the tile: the
+  // tiled MMA stacks its warpgroup atoms along M only, and Base::mma() slices by thread / 128.
+  static_assert(cute::size<1>(typename TiledMma::ThrLayoutVMNK{}) == kWarpgroups &&
+                    cute::size<2>(typename TiledMma::ThrLayoutVMNK{}) == 1,
+                "the consumer warpgroups must split the tile along M");
+
+  struct Params : Base::Params {
+    int rows;  // M of the problem
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape,
+                                        typename Base::Arguments const& args, void* workspace) {
+    return Params{Base::to_underlying_arguments(problem_shape, args, workspace),
+                  static_cast<int>(cute::get<0>(problem_shape))};
+  }
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors,
+                          Params const& params) {
+    const int warp_group_idx =
+        __shfl_sync(0xFFFFFFFF, thread_idx / static_cast<int>(cutlass::NumThreadsPerWarpGroup), 0);
+    // With M <= kRowsPerWarpgroup * w there is one M tile, and warpgroup w's rows lie beyond M.
+    rowless_ = params.rows <= warp_group_idx * kRowsPerWarpgroup;
+    if (!rowless_) {
+      Base::mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, params);
+      return;
+    }
+    cute::clear(accum);
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.consumer_wait(smem_pipe_read);
+      pipeline.consumer_release(smem_pipe_read);
+      ++smem_pipe_read;
+    }
+  }
+
+  // Base::mma_tail waits for the wgmma in flight and releases the stages that Base::mma() kept; a
+  // rowless warpgroup has released every stage already. It still waits (on nothing), so that on
+  // every path the accumulators are settled before the epilogue reads them: otherwise ptxas
+  // cannot prove it and injects a warpgroup.wait into the mainloop (C7517).
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState smem_pipe_release,
+                               int k_tile_count) {
+    if (rowless_) {
+      cute::warpgroup_wait<0>();
+      return;
+    }
+    Base::mma_tail(pipeline, smem_pipe_release, k_tile_count);
+  }
+
+  bool rowless_ = false;
+};
+
 // ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C.
 // ClusterM, the schedules and the tile are template parameters so that variants can be measured;
 // each launcher fixes them at compile time.
@@ -68,12 +140,13 @@ struct Config {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC,
       ElementD, LayoutD, kAlignD, ESchedule, Fusion>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuilderMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
       LayoutB, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       KSchedule>::CollectiveOp;
+  using Mainloop = MainloopSkippingRowlessWarpgroups<BuilderMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, TileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

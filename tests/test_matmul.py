@@ -113,6 +113,32 @@ def check_db_contract(dtype, k=64, n=48):
     assert_bitwise(_db(a3, b, g3), _db(a[: 2 * c], b, g[: 2 * c]))
 
 
+def check_rows_around_warpgroup_boundaries(dtype, k=1024, n=512):
+    """Row counts around the GPU tile's warpgroup boundaries (64 and 128 rows). With M <= 64 the
+    Hopper kernel skips the wgmma of the warpgroup whose rows all lie beyond M; no row changes."""
+    m = 300
+    a = rand((m, k), dtype, 17)
+    b = rand((k, n), dtype, 18)
+    g = rand((m, n), dtype, 19)
+    full = jaxdet.matmul(a, b)
+    full_da = _da(a, b, g)
+    for rows in (1, 2, 63, 64, 65, 127, 128, 129, 192, 193):
+        assert_bitwise(jaxdet.matmul(a[:rows], b), full[:rows])
+        assert_bitwise(jaxdet.matmul(a[m - rows :], b), full[m - rows :])
+        assert_bitwise(_da(a[:rows], b, g[:rows]), full_da[:rows])
+    # a batched b (one GEMM per batch element) with few rows each
+    bs = rand((2, k, n), dtype, 20)
+    a2 = a[:200].reshape(2, 100, k)
+    batched = jaxdet.matmul(a2, bs)
+    for rows in (1, 64, 65):
+        assert_bitwise(jaxdet.matmul(a2[:, :rows], bs), batched[:, :rows])
+    # the weight gradient's rows are a's columns: the same rows of dB with fewer columns of a
+    tokens = 200
+    db = jaxdet.matmul_weight_grad(a[:tokens], g[:tokens])
+    for cols in (8, 64, 72, 128, 136):
+        assert_bitwise(jaxdet.matmul_weight_grad(a[:tokens, :cols], g[:tokens]), db[:cols])
+
+
 def check_vmap(dtype):
     a = rand((3, 40, K), dtype, 12)
     b = rand((K, N), dtype, 13)
@@ -164,6 +190,11 @@ def test_row_invariance_da(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_db_padding_and_microbatch_accumulation(dtype):
     check_db_contract(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rows_around_warpgroup_boundaries(dtype):
+    check_rows_around_warpgroup_boundaries(dtype, k=K, n=N)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -374,6 +405,7 @@ def test_gpu_row_invariance_forward_and_da(dtype, gpu):
         check_row_invariance_forward(dtype, k=4096, n=512, m=1024)
         check_row_invariance_forward(dtype)
         check_row_invariance_da(dtype)
+        check_rows_around_warpgroup_boundaries(dtype)
 
 
 @pytest.mark.gpu

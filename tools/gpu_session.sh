@@ -2,7 +2,8 @@
 # One device call: build with CUDA, run the GPU tests (and the rest of the suite with the GPU as the
 # default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $OUT.
 #   tools/gpu_session.sh [tests|report|dropout|clip|matmul|ncu-dropout|all] ...
-#   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device).
+#   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device);
+#   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: benchmark options); SANITIZE=0 skips the sanitizers.
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), raster (the persistent scheduler's
 #   raster order: heuristic, along M, along N; timings and result hashes).
@@ -82,9 +83,14 @@ fi
 if has matmul; then
   # (The raw-kernel checks, default and sm_80-forced, run as tests/test_gemm_cuda_kernels.py.)
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' memcheck python3 benchmarks/gemm_memcheck.py
-  echo "== matmul benchmark"
-  timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --out "$OUT/bench_matmul.md" > "$OUT/bench_matmul.log" 2>&1
-  echo "rc=$?"; grep -E "^\|" "$OUT/bench_matmul.log" | head -90; sed -n '/Row 0 bits/,$p' "$OUT/bench_matmul.log"
+  sanitize matmul 'cutlass|Gemm|gemm|Sgemm' racecheck python3 benchmarks/gemm_memcheck.py
+  if [ "${MATMUL_BENCH:-1}" = 1 ]; then
+    echo "== matmul benchmark"
+    timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${MATMUL_BENCH_ARGS:-} --out "$OUT/bench_matmul.md" > "$OUT/bench_matmul.log" 2>&1
+    echo "rc=$?"; grep -E "^\|" "$OUT/bench_matmul.log" | head -90; sed -n '/Row 0 bits/,$p' "$OUT/bench_matmul.log"
+  else
+    echo "matmul benchmark: skipped (MATMUL_BENCH=0)"
+  fi
 fi
 if asked clip-trace; then
   echo "== clip in-jit loops under the profiler"
