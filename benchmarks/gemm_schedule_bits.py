@@ -6,8 +6,9 @@
     diff default.txt m.txt; diff default.txt n.txt   # empty: the same bits
 
 Runs the forward, dA and dB of `jaxdet.matmul` (bfloat16) on fixed random inputs whose tile grids
-are taller than wide and wider than tall (the scheduler's raster order flips between them) and
-prints one SHA-256 per result.
+are taller than wide and wider than tall (the scheduler's raster order flips between them), and
+with few rows and a long reduction (where the producer's L2 prefetch matters most), and prints one
+SHA-256 per result. `JAXDET_GEMM_PREFETCH=<K tiles>` is compared the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 
 import jaxdet
 
-SHAPES = [(4096, 128256, 2048), (4096, 4096, 8192), (14336, 4096, 1000)]  # (K, N, M)
+# (K, N, M): tile grids taller than wide and wider than tall, and small M with a long reduction
+SHAPES = [(4096, 128256, 2048), (4096, 4096, 8192), (14336, 4096, 1000), (14336, 4096, 40), (4096, 128256, 16)]
 
 
 def sha(x):
