@@ -7,8 +7,7 @@
 
 Runs the forward, dA and dB of `jaxdet.matmul` (bfloat16) on fixed random inputs whose tile grids
 are taller than wide and wider than tall (the scheduler's raster order flips between them), and
-with few rows and a long reduction (where the producer's L2 prefetch matters most), and prints one
-SHA-256 per result. `JAXDET_GEMM_PREFETCH=<K tiles>` is compared the same way.
+with few rows and a long reduction, and prints one SHA-256 per result.
 """
 
 from __future__ import annotations

@@ -44,130 +44,6 @@ using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
-// The builder's cooperative mainloop, except that a consumer warpgroup whose rows of the tile all
-// lie at or beyond M issues no wgmma: it waits for and releases each stage as the builder's mma()
-// would (the producer needs both warpgroups' releases), and hands the epilogue zero accumulators
-// for rows that the TMA store clips anyway. This happens only when M <= 64, where every tile is the
-// first M tile, so the second warpgroup's 64 rows are all out of bounds: the SM's tensor cores then
-// serve the first warpgroup alone, which halves the time of small-M GEMMs with a long reduction
-// (decode steps). The kernel, tile, instruction and K-tile sequence are those of every other M,
-// and the first warpgroup's instructions are untouched, so no in-bounds element changes: the
-// skipped work is the work whose results are never stored, as with TMA's zero fill and clipping.
-template <class Base>
-struct CooperativeMainloop : Base {
-  using typename Base::TileShape;
-  using typename Base::TiledMma;
-  using typename Base::MainloopPipeline;
-  using typename Base::PipelineState;
-  using typename Base::TensorStorage;
-
-  static constexpr int kWarpgroups = cute::size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
-  static constexpr int kRowsPerWarpgroup = cute::size<0>(TileShape{}) / kWarpgroups;
-  // Warpgroup w holds rows [w * kRowsPerWarpgroup, (w + 1) * kRowsPerWarpgroup) of the tile: the
-  // tiled MMA stacks its warpgroup atoms along M only, and Base::mma() slices by thread / 128.
-  static_assert(cute::size<1>(typename TiledMma::ThrLayoutVMNK{}) == kWarpgroups &&
-                    cute::size<2>(typename TiledMma::ThrLayoutVMNK{}) == 1,
-                "the consumer warpgroups must split the tile along M");
-
-  struct Params : Base::Params {
-    int rows;              // M of the problem
-    int prefetch_k_tiles;  // L2 prefetch distance of the producer, in K tiles (0: none)
-  };
-
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem_shape,
-                                        typename Base::Arguments const& args, void* workspace) {
-    return Params{Base::to_underlying_arguments(problem_shape, args, workspace),
-                  static_cast<int>(cute::get<0>(problem_shape)), 0};
-  }
-
-  // The producer: the builder's TMA loads, one K tile per Base::load() call, each preceded by an
-  // L2 prefetch (cp.async.bulk.prefetch.tensor) of the A and B boxes prefetch_k_tiles ahead. The
-  // shared-memory stages bound how many bytes one SM has in flight; when few tiles exist (small M,
-  // long reduction) each SM streams its whole K extent and waits on that bound. A prefetch moves
-  // data into L2 only: what the wgmma reads, and in which order, does not change.
-  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
-  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
-                           PipelineState smem_pipe_write,
-                           cute::tuple<TensorA, TensorB> const& load_inputs,
-                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                           int thread_idx, uint32_t block_rank_in_cluster,
-                           TensorStorage& shared_tensors) {
-    const int distance = params.prefetch_k_tiles;
-    if (distance <= 0) {
-      Base::load(params, pipeline, smem_pipe_write, load_inputs, blk_coord, k_tile_iter,
-                 k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
-      return;
-    }
-    using cute::_;
-    static_assert(cute::size(typename Base::DispatchPolicy::ClusterShape{}) == 1,
-                  "the prefetching producer assumes no TMA multicast (cluster 1x1x1)");
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    auto tAgA = params.tma_load_a.get_slice(0).partition_S(
-        cute::get<0>(load_inputs)(_, _, m_coord, _, l_coord));  // (TMA,TMA_M,TMA_K,k)
-    auto tBgB = params.tma_load_b.get_slice(0).partition_S(
-        cute::get<1>(load_inputs)(_, _, n_coord, _, l_coord));  // (TMA,TMA_N,TMA_K,k)
-    const bool elected = cute::elect_one_sync();
-    auto prefetch_k_tile = [&](int k) {
-      if (elected) {
-        cute::prefetch(params.tma_load_a, tAgA(_, _, _, k));
-        cute::prefetch(params.tma_load_b, tBgB(_, _, _, k));
-      }
-    };
-    auto prefetch_iter = k_tile_iter;
-    int prefetched = 0;
-    for (; prefetched < distance && prefetched < k_tile_count; ++prefetched, ++prefetch_iter) {
-      prefetch_k_tile(*prefetch_iter);
-    }
-    for (int i = 0; i < k_tile_count; ++i) {
-      if (prefetched < k_tile_count) {
-        prefetch_k_tile(*prefetch_iter);
-        ++prefetch_iter;
-        ++prefetched;
-      }
-      Base::load(params, pipeline, smem_pipe_write, load_inputs, blk_coord, k_tile_iter, 1,
-                 thread_idx, block_rank_in_cluster, shared_tensors);
-      ++k_tile_iter;
-      ++smem_pipe_write;
-    }
-  }
-
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors,
-                          Params const& params) {
-    const int warp_group_idx =
-        __shfl_sync(0xFFFFFFFF, thread_idx / static_cast<int>(cutlass::NumThreadsPerWarpGroup), 0);
-    // With M <= kRowsPerWarpgroup * w there is one M tile, and warpgroup w's rows lie beyond M.
-    rowless_ = params.rows <= warp_group_idx * kRowsPerWarpgroup;
-    if (!rowless_) {
-      Base::mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, params);
-      return;
-    }
-    cute::clear(accum);
-    for (; k_tile_count > 0; --k_tile_count) {
-      pipeline.consumer_wait(smem_pipe_read);
-      pipeline.consumer_release(smem_pipe_read);
-      ++smem_pipe_read;
-    }
-  }
-
-  // Base::mma_tail waits for the wgmma in flight and releases the stages that Base::mma() kept; a
-  // rowless warpgroup has released every stage already. It still waits (on nothing), so that on
-  // every path the accumulators are settled before the epilogue reads them: otherwise ptxas
-  // cannot prove it and injects a warpgroup.wait into the mainloop (C7517).
-  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState smem_pipe_release,
-                               int k_tile_count) {
-    if (rowless_) {
-      cute::warpgroup_wait<0>();
-      return;
-    }
-    Base::mma_tail(pipeline, smem_pipe_release, k_tile_count);
-  }
-
-  bool rowless_ = false;
-};
-
 // ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C.
 // ClusterM, the schedules and the tile are template parameters so that variants can be measured;
 // each launcher fixes them at compile time.
@@ -192,13 +68,12 @@ struct Config {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC,
       ElementD, LayoutD, kAlignD, ESchedule, Fusion>::CollectiveOp;
-  using BuilderMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
       LayoutB, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       KSchedule>::CollectiveOp;
-  using Mainloop = CooperativeMainloop<BuilderMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, TileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -249,20 +124,6 @@ inline cutlass::gemm::kernel::detail::RasterOrderOptions raster_order(bool along
     case 3: return R::Heuristic;
     default: return along_n_default ? R::AlongN : R::Heuristic;
   }
-}
-
-// The producer's L2 prefetch distance in K tiles (CooperativeMainloop::load). Like the raster
-// order it changes when data arrive, never what a tile computes. JAXDET_GEMM_PREFETCH=<k tiles>
-// (read once per process) overrides the default, to measure others.
-constexpr int kPrefetchKTiles = 0;
-inline int prefetch_k_tiles() {
-  static const int tiles = [] {
-    const char* v = std::getenv("JAXDET_GEMM_PREFETCH");
-    if (v == nullptr || *v == '\0') return kPrefetchKTiles;
-    const int t = std::atoi(v);
-    return t < 0 ? 0 : (t > 1024 ? 1024 : t);
-  }();
-  return tiles;
 }
 
 inline bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
@@ -327,7 +188,6 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
   }
 
   typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
-  params.mainloop.prefetch_k_tiles = prefetch_k_tiles();  // where data waits, not what is computed
   const cutlass::Status st = Gemm::run(params, stream);
   if (st != cutlass::Status::kSuccess) {
     return std::string("CUTLASS launch failed: ") + cutlassGetStatusString(st);

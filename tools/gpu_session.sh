@@ -6,8 +6,7 @@
 #   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: benchmark options); SANITIZE=0 skips the sanitizers.
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), raster (the persistent scheduler's
-#   raster order: heuristic, along M, along N; timings and result hashes), prefetch (the producer's
-#   L2 prefetch distance, $PREFETCHES K tiles; timings and result hashes).
+#   raster order: heuristic, along M, along N; timings and result hashes).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
 mkdir -p "$OUT"
@@ -105,20 +104,6 @@ if asked db-chunks; then
       --ms ${DB_MS:-1,128,1024,4096,16384} --reps 10 --inner 3 --out "$OUT/bench_db_$c.md" > "$OUT/bench_db_$c.log" 2>&1
     echo "rc=$?"; grep -E "^dB" "$OUT/bench_db_$c.log"
   done
-fi
-if asked prefetch; then  # the producer's L2 prefetch distance (JAXDET_GEMM_PREFETCH, K tiles)
-  for p in ${PREFETCHES:-0 4 8 16}; do
-    echo "== L2 prefetch distance: $p K tiles"
-    env JAXDET_GEMM_PREFETCH=$p timeout 200 python3 benchmarks/matmul_bench.py --ops ${PREFETCH_OPS:-fwd,dA} \
-      --shapes ${PREFETCH_SHAPES:-14336x4096,4096x14336,4096x128256} --ms ${PREFETCH_MS:-1,16,128,4096} \
-      --reps 8 --inner 3 > "$OUT/bench_prefetch_$p.log" 2>&1; echo "rc=$?"
-    grep -E "^(fwd|dA |dB )" "$OUT/bench_prefetch_$p.log"
-    env JAXDET_GEMM_PREFETCH=$p python3 benchmarks/gemm_schedule_bits.py > "$OUT/bits_prefetch_$p.txt" 2>&1
-  done
-  echo "result hashes vs the first distance (no diff output = the same bits):"
-  set -- ${PREFETCHES:-0 4 8 16}; first=$1; shift
-  for p in "$@"; do diff "$OUT/bits_prefetch_$first.txt" "$OUT/bits_prefetch_$p.txt"; done
-  wc -l < "$OUT/bits_prefetch_$first.txt"
 fi
 if asked raster; then  # RASTER_BENCH=0: only the result hashes
   for r in default heuristic m n; do
