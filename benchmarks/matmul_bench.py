@@ -11,7 +11,8 @@ jnp.dot(A, B), jnp.dot(dC, B.T) and jnp.dot(A.T, dC) (bfloat16 out, what jax's g
 computes), or the VJP of jnp.dot when jaxdet.matmul is used.
 
 Timing: jitted functions, warm-up, then the median over `--reps` timings of `--inner` back-to-back
-calls each (block_until_ready at the end); inputs rotate among several copies when they are small
+calls each (block_until_ready at the end), the jnp and jaxdet repetitions alternating (a long cell
+heats the GPU: measuring one side after the other gave the second a lower clock); inputs rotate among several copies when they are small
 enough, so that repeated calls do not run from L2. "bits" columns: how many bits-differing elements
 of output row 0 between M=1 and M=4096 (jnp.dot vs jaxdet), per (K, N), forward.
 """
@@ -82,6 +83,27 @@ def timeit(fn, argsets, reps, inner, chain=False):
     return 1e3 * statistics.median(times)
 
 
+def timeit_pair(fn_ref, fn_det, argsets_ref, argsets_det, reps, inner):
+    """Median ms per call of two functions, measured in alternating repetitions (and alternating
+    which goes first), so that clock and power drifts during a long cell hit both alike."""
+    fns = ((fn_ref, argsets_ref), (fn_det, argsets_det))
+    for fn, argsets in fns:
+        out = None
+        for s in argsets:
+            out = fn(*s)
+        jax.block_until_ready(out)
+    times = ([], [])
+    for rep in range(reps):
+        for j in ((0, 1) if rep % 2 == 0 else (1, 0)):
+            fn, argsets = fns[j]
+            t0 = time.perf_counter()
+            for i in range(inner):
+                out = fn(*argsets[i % len(argsets)])
+            jax.block_until_ready(out)
+            times[j].append((time.perf_counter() - t0) / inner)
+    return tuple(1e3 * statistics.median(t) for t in times)
+
+
 def main():
     args = parse()
     ms = [int(x) for x in args.ms.split(",")]
@@ -97,7 +119,7 @@ def main():
     head = (f"# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\ndevice: {dev.device_kind}; jax {jax.__version__}; "
             f"{datetime.date.today()}; jaxdet via {'jaxdet.matmul' if use_api else 'raw FFI targets'}; "
             f"dB chunk_tokens {chunk_tokens}; "
-            f"median of {args.reps} x {args.inner} back-to-back calls\n")
+            f"median of {args.reps} x {args.inner} back-to-back calls, jnp and jaxdet repetitions alternating\n")
     print(head, flush=True)
     rows = []
     key = jax.random.PRNGKey(0)
@@ -139,16 +161,15 @@ def main():
             for op in ops:
                 flops = 2.0 * M * K * N
                 if op == "fwd":
-                    t_ref = timeit(fwd_ref, [(s[0], s[1]) for s in sets], args.reps, args.inner)
-                    t_det = timeit(fwd_det, [(s[0], s[1]) for s in sets], args.reps, args.inner)
+                    ab = [(s[0], s[1]) for s in sets]
+                    t_ref, t_det = timeit_pair(fwd_ref, fwd_det, ab, ab, args.reps, args.inner)
                 elif op == "dA":
-                    t_ref = timeit(da_ref, sets, args.reps, args.inner)
-                    t_det = timeit(da_det, sets, args.reps, args.inner)
+                    t_ref, t_det = timeit_pair(da_ref, da_det, sets, sets, args.reps, args.inner)
                 else:
-                    t_ref = timeit(db_ref, sets, args.reps, args.inner)
                     if use_api:
-                        t_det = timeit(db_det, sets, args.reps, args.inner)
+                        t_ref, t_det = timeit_pair(db_ref, db_det, sets, sets, args.reps, args.inner)
                     else:
+                        t_ref = timeit(db_ref, sets, args.reps, args.inner)
                         acc = jnp.zeros((K, N), jnp.float32)
                         t_det = timeit(db_det_chain, [(acc, s[0], s[2]) for s in sets], args.reps, args.inner, chain=True)
                 r = (op, K, N, M, t_ref, t_det, t_ref / t_det, flops / t_ref / 1e9, flops / t_det / 1e9)
