@@ -11,8 +11,8 @@ jnp.dot(A, B), jnp.dot(dC, B.T) and jnp.dot(A.T, dC) (bfloat16 out, what jax's g
 computes), or the VJP of jnp.dot when jaxdet.matmul is used.
 
 Timing: jitted functions, warm-up, then the median over `--reps` timings of `--inner` back-to-back
-calls each (block_until_ready at the end), the jnp and jaxdet repetitions alternating (a long cell
-heats the GPU: measuring one side after the other gave the second a lower clock); inputs rotate among several copies when they are small
+calls each (block_until_ready at the end), the jnp and jaxdet repetitions alternating (so that a clock
+or power drift during a long cell hits both sides alike); inputs rotate among several copies when they are small
 enough, so that repeated calls do not run from L2. "bits" columns: how many bits-differing elements
 of output row 0 between M=1 and M=4096 (jnp.dot vs jaxdet), per (K, N), forward.
 """
