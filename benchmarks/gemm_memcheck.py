@@ -1,7 +1,9 @@
 """Small calls of every GEMM kernel family, for `compute-sanitizer --tool memcheck`.
 
 Edge tiles in every dimension (M, N, K not multiples of the tiles), M <= 64 (one tile whose second
-consumer warpgroup holds no row), batches, b broadcast and the chunked weight gradient (accumulating, and from nothing in every result dtype). Prints the relative errors; the sanitizer reports memory errors.
+consumer warpgroup holds no row), batches, b broadcast and the chunked weight gradient (accumulating,
+and from nothing in every result dtype). Prints the relative errors; the sanitizer reports memory
+errors.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ jnp.dot(A, B), jnp.dot(dC, B.T) and jnp.dot(A.T, dC) (bfloat16 out, what jax's g
 computes), or the VJP of jnp.dot when jaxdet.matmul is used.
 
 Timing: jitted functions, warm-up, then the median over `--reps` timings of `--inner` back-to-back
-calls each (block_until_ready at the end), the jnp and jaxdet repetitions alternating (so that a clock
-or power drift during a long cell hits both sides alike); inputs rotate among several copies when they are small
-enough, so that repeated calls do not run from L2. "bits" columns: how many bits-differing elements
+calls each (block_until_ready at the end), the jnp and jaxdet repetitions alternating (so that a
+clock or power drift during a long cell hits both sides alike); inputs rotate among several copies
+when they are small enough, so that repeated calls do not run from L2. "bits" columns: how many bits-differing elements
 of output row 0 between M=1 and M=4096 (jnp.dot vs jaxdet), per (K, N), forward.
 """
 
@@ -83,11 +83,12 @@ def timeit(fn, argsets, reps, inner, chain=False):
     return 1e3 * statistics.median(times)
 
 
-def timeit_pair(fn_ref, fn_det, argsets_ref, argsets_det, reps, inner):
-    """Median ms per call of two functions, measured in alternating repetitions (and alternating
-    which goes first), so that clock and power drifts during a long cell hit both alike."""
-    fns = ((fn_ref, argsets_ref), (fn_det, argsets_det))
-    for fn, argsets in fns:
+def timeit_pair(fn_ref, fn_det, argsets, reps, inner):
+    """Median ms per call of two functions on the same inputs, measured in alternating repetitions
+    (and alternating which goes first), so that clock and power drifts during a long cell hit both
+    alike."""
+    fns = (fn_ref, fn_det)
+    for fn in fns:
         out = None
         for s in argsets:
             out = fn(*s)
@@ -95,7 +96,7 @@ def timeit_pair(fn_ref, fn_det, argsets_ref, argsets_det, reps, inner):
     times = ([], [])
     for rep in range(reps):
         for j in ((0, 1) if rep % 2 == 0 else (1, 0)):
-            fn, argsets = fns[j]
+            fn = fns[j]
             t0 = time.perf_counter()
             for i in range(inner):
                 out = fn(*argsets[i % len(argsets)])
@@ -162,12 +163,12 @@ def main():
                 flops = 2.0 * M * K * N
                 if op == "fwd":
                     ab = [(s[0], s[1]) for s in sets]
-                    t_ref, t_det = timeit_pair(fwd_ref, fwd_det, ab, ab, args.reps, args.inner)
+                    t_ref, t_det = timeit_pair(fwd_ref, fwd_det, ab, args.reps, args.inner)
                 elif op == "dA":
-                    t_ref, t_det = timeit_pair(da_ref, da_det, sets, sets, args.reps, args.inner)
+                    t_ref, t_det = timeit_pair(da_ref, da_det, sets, args.reps, args.inner)
                 else:
                     if use_api:
-                        t_ref, t_det = timeit_pair(db_ref, db_det, sets, sets, args.reps, args.inner)
+                        t_ref, t_det = timeit_pair(db_ref, db_det, sets, args.reps, args.inner)
                     else:
                         t_ref = timeit(db_ref, sets, args.reps, args.inner)
                         acc = jnp.zeros((K, N), jnp.float32)

@@ -114,8 +114,8 @@ def check_db_contract(dtype, k=64, n=48):
 
 
 def check_rows_around_warpgroup_boundaries(dtype, k=1024, n=512):
-    """Row counts around the Hopper tile's boundaries: 128 rows per tile, 64 per consumer warpgroup
-    (and the CPU kernel's row blocks). Every row keeps its bits, whatever part of a tile it fills."""
+    """Row counts around the Hopper tile's boundaries (128 rows per tile, 64 per consumer
+    warpgroup): every row keeps its bits, whatever part of a tile it fills."""
     m = 300
     a = rand((m, k), dtype, 17)
     b = rand((k, n), dtype, 18)

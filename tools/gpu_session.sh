@@ -3,7 +3,8 @@
 # default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $OUT.
 #   tools/gpu_session.sh [tests|report|dropout|clip|matmul|ncu-dropout|all] ...
 #   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device);
-#   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: benchmark options); SANITIZE=0 skips the sanitizers.
+#   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: options for the
+#   benchmark); SANITIZE=0 skips the sanitizers.
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), raster (the persistent scheduler's
 #   raster order: heuristic, along M, along N; timings and result hashes).
