@@ -1,5 +1,26 @@
 """jaxdet: bitwise-reproducible training primitives for JAX (XLA FFI kernels on CPU and CUDA)."""
 
+
+def _require_compiled_extension():
+    # From a source checkout's root, `python -m jaxdet` or `import jaxdet` finds the source folder
+    # first (the current directory leads sys.path), and it has no compiled kernels.
+    import importlib.util
+    import pathlib
+
+    if importlib.util.find_spec("jaxdet._native") is not None:
+        return
+    here = pathlib.Path(__file__).resolve().parent
+    if (here.parent / "CMakeLists.txt").exists():
+        raise ImportError(
+            f"jaxdet was imported from its source folder {here}, which holds no compiled kernels. "
+            "Install it (`pip install .`), then run `jaxdet report` (works from any directory), or "
+            "`python -m jaxdet` / `import jaxdet` from a directory other than the source checkout's root."
+        )
+    raise ImportError(f"jaxdet's compiled extension (jaxdet._native) is missing from {here}; reinstall jaxdet")
+
+
+_require_compiled_extension()
+
 from jaxdet import random
 from jaxdet._ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet.dropout import dropout

@@ -1,4 +1,4 @@
-"""Invariance facts of jaxdet.matmul for the main-job report, measured on the default device.
+"""Invariance facts of jaxdet.matmul for the report, measured on the default device.
 
 ``report_checks()`` returns ``[(name, fn)]``; each ``fn()`` returns ``(ok, detail)``. ``ok`` is the
 jaxdet property; the jnp.dot figures in ``detail`` are context (what the contract protects against).
@@ -12,15 +12,7 @@ import numpy as np
 
 import jaxdet
 from jaxdet.matmul import WGRAD_CHUNK_TOKENS
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
-
-
-def _count_diff(x, y) -> int:
-    return int(np.count_nonzero(_bits(x) != _bits(y)))
+from jaxdet.testing import count_bit_differences as _count_diff
 
 
 def _rand(shape, dtype, seed):
@@ -123,10 +115,3 @@ def report_checks():
         ("matmul dB unchanged by appended zero rows", _db_padding),
         ("matmul vmap equals per-example calls", _vmap_loop),
     ]
-
-
-if __name__ == "__main__":
-    print(f"device: {jax.devices()[0]}")
-    for name, fn in report_checks():
-        ok, detail = fn()
-        print(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}")

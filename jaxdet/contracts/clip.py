@@ -1,4 +1,4 @@
-"""Self-checks of global-norm clipping for the main-job report (``python -m jaxdet``).
+"""Self-checks of global-norm clipping for the report (``jaxdet report``).
 
 ``report_checks()`` returns ``[(name, fn)]``; ``fn()`` returns ``(ok, detail)``, measured on the
 current default device (docs/clipping.md states each contract; tests/test_clip.py proves it).
@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxdet import _clip_reference as ref
 from jaxdet import clip as _clip
+from jaxdet.testing import same_bits as _same_bits
 
 
 def _tree(seed=0, scale=3.0):
@@ -24,16 +25,6 @@ def _tree(seed=0, scale=3.0):
 
     return [r((), jnp.float32), r((0, 3), jnp.float32), r((3,), jnp.bfloat16), r((4096,), jnp.float32),
             r((5, 1000), jnp.float16), r((9000,), jnp.bfloat16), r((300, 1031), jnp.float32)]
-
-
-def _bits(x):
-    a = np.asarray(x)
-    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
-
-
-def _same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_bits(a), _bits(b))
 
 
 def _device():
@@ -64,7 +55,7 @@ def check_canonical_order():
 def check_cpu_equals_device():
     dev = _device()
     if dev.platform == "cpu":
-        return True, "default device is the CPU (CPU == GPU is checked on a GPU device)"
+        return None, "the default device is the CPU: nothing to compare with (run on a GPU device)"
     tree = _tree(3)
     f = jax.jit(lambda t: _clip.clip_by_global_norm(t, 1.0))
     c_cpu, n_cpu = f(jax.device_put(tree, jax.devices("cpu")[0]))

@@ -1,5 +1,5 @@
 """Determinism facts about Philox and dropout, measured on the current default device for
-`python -m jaxdet`. Each check returns (ok, detail); ok is None when it cannot be measured here."""
+`jaxdet report`. Each check returns (ok, detail); ok is None when it cannot be measured here."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 
 import jaxdet
 from jaxdet import random as jr
+from jaxdet.testing import bits as _bits
 
 _KAT = [  # Random123 tests/kat_vectors, philox4x32 10 rounds
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
@@ -16,11 +17,6 @@ _KAT = [  # Random123 tests/kat_vectors, philox4x32 10 rounds
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
 
 
 def _x(shape, dtype=jnp.float32, seed=0):
