@@ -27,6 +27,7 @@ from jaxdet.dropout import dropout
 from jaxdet.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet.clip import clip_by_global_norm, global_norm
 from jaxdet import optax  # noqa: E402 (imports optax lazily)
+from jaxdet import export, testing  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "clip_by_global_norm",
     "global_norm",
     "optax",
+    "export",
+    "testing",
     "random",
     "WITH_CUDA",
     "CudaNotBuiltError",
