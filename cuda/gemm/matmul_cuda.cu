@@ -27,7 +27,7 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda_common.h"
+#include "common/cuda_common.h"
 #include "gemm_args.h"
 
 namespace jaxdet {

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "matmul_cpu.h"
+#include "gemm/matmul_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;

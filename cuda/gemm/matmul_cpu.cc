@@ -25,9 +25,9 @@
 
 #include <immintrin.h>
 
-#include "ffi_common.h"
+#include "common/ffi_common.h"
 #include "matmul_cpu.h"
-#include "philox.h"
+#include "common/philox.h"
 
 namespace jaxdet {
 namespace matmul_cpu {
