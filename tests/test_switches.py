@@ -60,3 +60,24 @@ def test_native_code_refuses_an_unknown_cpu_variant():
     r = _run(code, "cpu_gemm=sse2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ERROR" in r.stdout and "JAXDET_TESTING has cpu_gemm=sse2" in r.stdout, r.stdout
+
+
+def test_a_mistyped_switch_fails_at_import(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, **{TESTING_ENV: "gemm=sm90"})
+    proc = subprocess.run([sys.executable, "-c", "import jaxdet"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "JAXDET_TESTING" in proc.stderr and "gemm=sm80" in proc.stderr, proc.stderr
+
+
+def test_the_report_names_active_overrides(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, **{TESTING_ENV: "cpu_gemm=generic"})
+    proc = subprocess.run([sys.executable, "-m", "jaxdet", "report", "-k", "philox"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "testing overrides active (JAXDET_TESTING=cpu_gemm=generic)" in proc.stdout
