@@ -49,15 +49,17 @@ def test_native_code_reads_the_switch_once_per_process():
 
 
 def test_native_code_refuses_an_unknown_cpu_variant():
-    """Never a silent fallback: the CPU GEMM fails with the variable's name."""
+    """Never a silent fallback: past the import-time check (the variable set after `import jaxdet`,
+    before the native code first reads it), the CPU GEMM fails with the variable's name."""
     code = (
-        "import jax.numpy as jnp, jaxdet\n"
+        "import os, jax.numpy as jnp, jaxdet\n"
+        "os.environ['JAXDET_TESTING'] = 'cpu_gemm=sse2'\n"
         "try:\n"
         "    jaxdet.matmul(jnp.ones((2, 3)), jnp.ones((3, 4))).block_until_ready()\n"
         "except Exception as e:\n"
         "    print('ERROR', e)\n"
     )
-    r = _run(code, "cpu_gemm=sse2")
+    r = _run(code, "")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ERROR" in r.stdout and "JAXDET_TESTING has cpu_gemm=sse2" in r.stdout, r.stdout
 
