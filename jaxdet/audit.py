@@ -1,0 +1,826 @@
+"""``jaxdet.audit``: the operations of a JAX function that can break bitwise reproducibility.
+
+``audit(fn, *example_args)`` traces ``fn`` to a jaxpr (the program ``jax.jit(fn)`` compiles),
+walks every equation, nested ones included (jit, custom_jvp/custom_vjp, scan/while/cond bodies,
+shard_map, remat), and reports each operation that can change a row's bits with the batch, change
+bits from run to run, or change a cross-device/cross-row sum with the device count on the audited
+backend: with its shapes, its source line, why, and the jaxdet op or XLA flag that fixes it.
+The rules and what each finding means are in docs/audit.md (proven by tests/test_audit.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+__all__ = ["audit", "AuditReport", "Finding", "BATCH", "RUN", "DEVICES", "CPU_GPU"]
+
+# What a finding can break (its `breaks`).
+BATCH = "batch"  # a row's bits depend on the batch it is in (its size, its position, the other rows)
+RUN = "run-to-run"  # the same program on the same inputs can give other bits (atomics, autotuning)
+DEVICES = "device-count"  # a sum over rows or devices whose order changes with the device count/micro-batching
+CPU_GPU = "cpu-gpu"  # CPU and GPU give different bits
+
+_DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true (XLA_FLAGS): run-to-run only, not batch invariance"
+
+# ---------------------------------------------------------------------------------------------
+# Findings and the report.
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One operation of the audited program that can break an invariance on the audited backend.
+
+    ``blocking`` findings make ``AuditReport.ok`` false; the others (``kind == "unverified"`` outside
+    strict mode) are operations the audit cannot see into.
+    """
+
+    kind: str  # dot, conv, reduce, softmax-backward, cumulative, scatter, attention, collective, rng, ...
+    primitive: str
+    shapes: str  # "f32[16,256] x f32[256,128] -> f32[16,128]"
+    file: str
+    line: int
+    function: str
+    breaks: tuple[str, ...]
+    why: str
+    fix: str
+    origin: str = ""  # the library function the user called, e.g. "jax.nn.log_softmax"
+    backward: bool = False  # produced by differentiation (a transposed/linearized equation)
+    path: str = ""  # the nesting of the equation: "jit(step) > scan > checkpoint"
+    blocking: bool = True
+    count: int = 1  # identical equations (same op, shapes and line) reported once
+
+    @property
+    def location(self) -> str:
+        return f"{self.file}:{self.line}" if self.line else self.file
+
+    def __str__(self) -> str:
+        where = f"{_short_path(self.file)}:{self.line}" if self.line else "<unknown source>"
+        head = f"{self.primitive} {self.shapes}" + (f" (x{self.count})" if self.count > 1 else "")
+        tags = [t for t in (f"via {self.origin}" if self.origin else "", "backward" if self.backward else "") if t]
+        lines = [
+            f"{head}",
+            f"    at {where} in {self.function}" + (f" [{', '.join(tags)}]" if tags else ""),
+            f"    breaks: {', '.join(self.breaks) if self.breaks else '-'}" + ("" if self.blocking else " (not blocking)"),
+            f"    why: {self.why}",
+            f"    fix: {self.fix}",
+        ]
+        if self.path:
+            lines.insert(2, f"    inside: {self.path}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """The findings of ``jaxdet.audit``; ``ok`` is true when none of them is blocking."""
+
+    findings: tuple[Finding, ...]
+    backend: str
+    strict: bool
+    ignored: tuple[Finding, ...] = ()
+    batch_axes: bool = False  # whether batch axes were known (batch_argnums given and the doubled trace matched)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.blocking for f in self.findings)
+
+    @property
+    def blocking(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.blocking)
+
+    def kinds(self) -> set[str]:
+        return {f.kind for f in self.findings}
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    def __iter__(self):
+        return iter(self.findings)
+
+    def __str__(self) -> str:
+        n_block = len(self.blocking)
+        head = (
+            f"jaxdet.audit ({self.backend}{', strict' if self.strict else ''}): "
+            + ("OK, " if self.ok else "NOT OK, ")
+            + f"{len(self.findings)} finding(s), {n_block} blocking"
+            + (f", {len(self.ignored)} ignored" if self.ignored else "")
+            + ("" if self.batch_axes else " (batch axes unknown: pass batch_argnums for a precise audit)")
+        )
+        if not self.findings:
+            return head
+        rows = [("#", "kind", "op", "source", "breaks")]
+        for i, f in enumerate(self.findings, 1):
+            src = f"{_short_path(f.file)}:{f.line}" if f.line else "?"
+            rows.append((str(i), f.kind, f.primitive + (" (bwd)" if f.backward else ""), src,
+                         ",".join(f.breaks) + ("" if f.blocking else " (note)")))
+        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+        table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        details = [f"{i}. {f}" for i, f in enumerate(self.findings, 1)]
+        return "\n".join([head, "", *table, "", *details])
+
+    __repr__ = __str__
+
+
+def _short_path(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+# ---------------------------------------------------------------------------------------------
+# Where an equation comes from: the user's source line and the library function called there.
+
+
+def _package_roots() -> dict[str, str]:
+    roots = {}
+    for pkg in ("jax", "jaxlib", "flax", "optax", "numpy", "chex", "equinox", "haiku", "ml_dtypes", "jaxdet"):
+        try:
+            spec = importlib.util.find_spec(pkg)
+        except (ImportError, ValueError):
+            continue
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            roots[os.path.realpath(loc) + os.sep] = pkg
+    return roots
+
+
+_ROOTS = _package_roots()
+# Frames of these files only route calls (tracing, jit, module plumbing): never "the function called".
+_PLUMBING = (
+    "jax/_src/pjit.py", "jax/_src/api.py", "jax/_src/api_util.py", "jax/_src/traceback_util.py",
+    "jax/_src/core.py", "jax/_src/linear_util.py", "jax/_src/source_info_util.py",
+    "jax/_src/custom_derivatives.py", "jax/_src/ad_checkpoint.py", "jax/_src/dispatch.py",
+    "jax/_src/profiler.py", "jax/_src/util.py", "jax/_src/interpreters/", "jax/_src/config.py",
+    "jax/_src/tree_util.py", "jax/_src/numpy/util.py", "jax/_src/deprecations.py",
+    "flax/linen/module.py", "flax/linen/transforms.py", "flax/core/", "flax/nnx/graph.py",
+    "flax/nnx/object.py", "flax/nnx/module.py", "flax/nnx/transforms/", "flax/nnx/pytreelib.py",
+    "flax/nnx/variablelib.py",
+)
+_PREFIXES = (
+    ("jax/_src/nn/", "jax.nn."), ("jax/_src/numpy/", "jnp."), ("jax/_src/lax/", "lax."),
+    ("jax/_src/random", "jax.random."), ("jax/_src/ops/", "jax.ops."), ("jax/_src/scipy/", "jax.scipy."),
+    ("jax/_src/cudnn/", "jax.nn."), ("optax/", "optax."), ("flax/", "flax:"), ("jaxdet/", "jaxdet."),
+)
+
+
+def _library_path(file_name: str) -> str | None:
+    """'jax/_src/nn/functions.py' for a library frame, None for the user's code."""
+    real = os.path.realpath(file_name)
+    for root, pkg in _ROOTS.items():
+        if real.startswith(root):
+            return pkg + "/" + real[len(root):].replace(os.sep, "/")
+    return None
+
+
+def _api_name(lib_path: str, function: str) -> str:
+    for prefix, shown in _PREFIXES:
+        if lib_path.startswith(prefix):
+            return shown + function
+    return lib_path.split("/", 1)[0] + "." + function
+
+
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    file: str = ""
+    line: int = 0
+    function: str = ""
+    apis: tuple[str, ...] = ()  # library functions on the way, outermost (closest to the user) first
+
+
+def _locate(eqn) -> tuple[_Where | None, tuple[str, ...]]:
+    """The innermost user frame of an equation (None if its traceback has none) and the library
+    functions between that frame and the equation, outermost first."""
+    tb = getattr(eqn.source_info, "traceback", None)
+    frames = list(getattr(tb, "frames", ()) or ())  # innermost first
+    apis: list[str] = []
+    for fr in frames:
+        lib = _library_path(fr.file_name)
+        if lib is None:
+            return _Where(fr.file_name, int(getattr(fr, "line_num", 0)), fr.function_name), tuple(reversed(apis))
+        if not any(lib.startswith(p) for p in _PLUMBING) and not fr.function_name.startswith("<"):
+            name = _api_name(lib, fr.function_name)
+            if not apis or apis[-1] != name:
+                apis.append(name)
+    return None, tuple(reversed(apis))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch axes: the axes whose length changes with the batch. `audit` traces the function twice, with
+# the batch arguments' leading axis at its size and at twice its size, and compares every
+# equation's shapes; None where that comparison is not available (no batch_argnums, or the two
+# traces differ in structure).
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    ins: tuple  # per operand: frozenset of batch axes, or None
+    outs: tuple
+
+    @property
+    def known(self) -> bool:
+        return all(m is not None for m in self.ins + self.outs)
+
+    def batchy(self) -> bool:
+        return any(m for m in self.ins + self.outs if m)
+
+
+def _diff_axes(a1, a2):
+    s1 = getattr(getattr(a1, "aval", None), "shape", None)
+    s2 = getattr(getattr(a2, "aval", None), "shape", None)
+    if s1 is None or s2 is None or len(s1) != len(s2):
+        return None
+    return frozenset(i for i, (x, y) in enumerate(zip(s1, s2)) if x != y)
+
+
+def _axes(e1, e2) -> _Axes:
+    if e2 is None:
+        return _Axes((None,) * len(e1.invars), (None,) * len(e1.outvars))
+    return _Axes(tuple(_diff_axes(a, b) for a, b in zip(e1.invars, e2.invars)),
+                 tuple(_diff_axes(a, b) for a, b in zip(e1.outvars, e2.outvars)))
+
+
+def _same_structure(j1, j2) -> bool:
+    return j2 is not None and len(j1.eqns) == len(j2.eqns) and all(
+        a.primitive.name == b.primitive.name and len(a.invars) == len(b.invars) for a, b in zip(j1.eqns, j2.eqns)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules: which primitives are hazards on which backend (docs/audit.md states them).
+
+# Exact whatever the order or the shape: elementwise math, data movement, comparisons, max/min
+# reductions, integer ops, key handling, state and sharding annotations.
+_SAFE = set(
+    """
+    abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz
+    conj convert_element_type copy cos cosh digamma div eq eq_to erf erf_inv erfc exp exp2 expm1 floor ge
+    gt igamma igamma_grad_a igammac imag integer_pow is_finite le le_to lgamma log log1p logistic lt lt_to
+    max min mul mulhi ne neg nextafter not or polygamma population_count pow real reduce_precision rem
+    round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
+    sub tan tanh xor zeta regularized_incomplete_beta random_gamma_grad _copysign copysign reciprocal
+    complex bitcast_convert_type iota broadcast_in_dim broadcast_to reshape transpose squeeze expand_dims
+    rev slice dynamic_slice dynamic_update_slice concatenate pad gather select_and_gather_add split tile
+    stack unstack stop_gradient optimization_barrier sharding_constraint reshard device_put mesh_cast
+    layout_constraint shard_alike inspect_sharding pvary pcast pbroadcast preduced vary_unreduced_cast_p
+    reduced_vary_cast_p all_gather all_gather_invariant all_to_all ragged_all_to_all ppermute psend precv
+    axis_index axis_size pmax pmin reduce_max reduce_min reduce_and reduce_or reduce_xor reduce_window_max
+    reduce_window_min argmax argmin cummax cummin top_k random_seed random_wrap random_unwrap random_split
+    random_fold_in random_clone threefry2x32 threefry4x32 philox2x32 philox4x32 iota_2x32_shape
+    create_token after_all debug_callback debug_print empty empty2 zeros_like tie get swap addupdate
+    accum_grad_in_ref new_ref empty_ref free_ref freeze box_get box_set new_box pin unpin dce_sink name
+    stage shape_assertion dimension_size dim_as_value to_edtype from_edtype unreachable
+    lu_pivots_to_permutation log_extend log_read new_log
+    """.split()
+)
+_DOTS = {"dot_general", "ragged_dot", "ragged_dot_general", "symmetric_product"}
+_LINALG = {"cholesky", "cholesky_update", "eigh", "eig", "svd", "qr", "householder_product", "lu", "triangular_solve",
+           "tridiagonal_solve", "tridiagonal", "schur", "hessenberg", "geqrf", "geqp3", "orgqr", "ormqr"}
+_PSUMS = {"psum", "psum_invariant", "psum_start", "psum_invariant_start", "reduce_scatter", "reduce_scatter_start",
+          "unreduced_psum", "unreduced_psum_start", "unreduced_reduce_scatter", "unreduced_reduce_scatter_start",
+          "all_gather_reduced", "all_gather_reduced_start", "all_reduce"}
+_ATTENTION = {"dot_product_attention_fwd", "dot_product_attention_bwd", "dot_product_attention_fwd_wrapper",
+              "dot_product_attention_bwd_wrapper", "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
+              "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper"}
+_UNSEEN = {"pallas_call", "ffi_call", "custom_call", "pure_callback", "io_callback", "tpu_custom_call",
+           "triton_kernel_call", "cudnn_fusion", "custom_partitioning", "mosaic_gpu_call", "buffer_callback",
+           "call_exported", "scaled_matmul", "scaled_matmul_wrapper", "scaled_dot"}
+_SOFTMAXES = {"softmax", "log_softmax", "_softmax", "_log_softmax", "_softmax_deprecated"}
+
+_ATTENTION_FIX = ("jaxdet.matmul for QKᵀ and PV (batch dims allowed) with jaxdet.softmax, until jaxdet's fused "
+                  "attention (Step 8)")
+_MATMUL_FIX = "jaxdet.matmul(a, b) (rows invariant; its weight gradient follows jaxdet.matmul_weight_grad's chunk contract)"
+_ONE_HOT_FIX = ("one-hot rows through jaxdet.matmul (an embedding lookup as one_hot(ids) @ table; its gradient is "
+                "then jaxdet.matmul_weight_grad's chunk sequence)")
+_DROPOUT_FIX = ("jaxdet.dropout(x, key, rate, offset=...) with jaxdet.random keys: the mask is a function of "
+                "(key, global element index, rate), identical on CPU and GPU, with an offset for micro-batches; "
+                "per-example keys under vmap give each row its own mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hit:
+    kind: str
+    breaks: tuple[str, ...]
+    why: str
+    fix: str
+    blocking: bool = True
+
+
+def _is_float(aval) -> bool:
+    dt = getattr(aval, "dtype", None)
+    try:
+        return dt is not None and np.issubdtype(np.dtype(dt), np.inexact)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
+
+
+def _short(aval) -> str:
+    try:
+        return aval.str_short(short_dtypes=True)
+    except Exception:  # noqa: BLE001 - aval printing differs across jax versions
+        return str(aval)
+
+
+def _avals_str(eqn) -> str:
+    ins = " x ".join(_short(a.aval) for a in eqn.invars if getattr(getattr(a, "aval", None), "shape", None) is not None)
+    return f"{ins} -> {', '.join(_short(v.aval) for v in eqn.outvars)}"
+
+
+def _axes_str(axes) -> str:
+    return ", ".join(str(a) for a in sorted(axes))
+
+
+def _api_fix(apis: Sequence[str], where: _Where) -> str | None:
+    """The jaxdet op that replaces the library function (or user helper) an equation comes from."""
+    names = [a.rsplit(".", 1)[-1].split(":")[-1] for a in apis] + [where.function or ""]
+    joined = " ".join(n.lower() for n in names)
+    if "attention" in joined:
+        return _ATTENTION_FIX
+    if "cross_entropy" in joined:
+        return "jaxdet.softmax_cross_entropy(logits, labels) (per-token losses, row-invariant forward and backward)"
+    if "log_softmax" in joined or "logsumexp" in joined:
+        return "jaxdet.log_softmax(x)"
+    if "softmax" in joined:
+        return "jaxdet.softmax(x)"
+    if "rms" in joined:
+        return "jaxdet.rms_norm(x, scale, eps)"
+    if "layer_norm" in joined or "layernorm" in joined:
+        return "jaxdet.layer_norm(x, scale, bias, eps)"
+    if "global_norm" in joined:
+        return "jaxdet.clip_by_global_norm / jaxdet.global_norm (jaxdet.optax.clip_by_global_norm in optax chains)"
+    return None
+
+
+def _with_run(fix: str, gpu_run: bool) -> str:
+    return fix + (f"; run-to-run only: {_DETERMINISTIC_FLAG}" if gpu_run else "")
+
+
+def _reduce_hit(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
+    x = eqn.invars[0]
+    if not _is_float(x.aval):
+        return None
+    shape = tuple(x.aval.shape)
+    red = set(eqn.params.get("axes", ()))
+    n = int(np.prod([shape[a] for a in red])) if red else 1
+    if n <= 2:
+        return None  # a + b == b + a: at most two terms are exact in any order
+    gpu = backend == "gpu"
+    row_reduction = (len(shape) - 1) in red
+    long = gpu and n > (16384 if row_reduction else 4096)
+    bx = axes.ins[0]
+    across = bx is not None and bool(bx & red)
+    within = bx is not None and bool(bx) and not across
+    desc = f"sums {n} elements over axis {_axes_str(red)} of {_short(x.aval)}"
+    if across:
+        desc += f" (across rows: axis {_axes_str(bx & red)} grows with the batch)"
+    elif within:
+        desc += f" (within rows: the batch is axis {_axes_str(bx)})"
+    if gpu:
+        order = ("XLA:GPU's reduction emitter picks its tiling and how the reduced axis is split over threads from "
+                 "the whole shape")
+        if long:
+            bound = "16384 for a row" if row_reduction else "4096 for a column"
+            order += (f"; {n} terms exceed XLA's race-free bound ({bound} reduction), so partial sums may be "
+                      "combined with atomics or by a rewritten tree")
+    else:
+        order = ("XLA:CPU vectorizes reductions and rewrites long ones into a tree (TreeReductionRewriter) from the "
+                 "whole shape (measured here: a 256-wide row mean changed at batch 16, a 100000-wide row sum at "
+                 "batch 4)")
+    fix = _api_fix(apis, where)
+    if across:
+        breaks = (DEVICES, RUN) if long else (DEVICES,)
+        why = (f"{desc}: the result depends on every row by design, but the order of the additions is XLA's "
+               f"({order}), so splitting the batch into micro-batches or over devices changes its bits")
+        fix = fix or ("a sum in an order you fix: jaxdet.parallel.tree_sum over per-row or per-micro-batch values "
+                      "(the canonical tree, device-count invariant), or jaxdet.matmul_weight_grad(ones[T, 1], x) "
+                      "(token chunks of 8192 in order)")
+    elif within or bx is None:
+        breaks = (BATCH, RUN) if long else (BATCH,)
+        why = f"{desc}: {order}, so a row's bits can change with the batch size"
+        if bx is None:
+            breaks += (DEVICES,)
+            why += ("; if the reduced axis carries rows, the sum also changes with micro-batching and the device "
+                    "count (pass batch_argnums to tell)")
+        fix = fix or ("the jaxdet op it implements (rms_norm, layer_norm, softmax, log_softmax, softmax_cross_entropy); "
+                      "any other row sum as jaxdet.matmul(x, ones[K, 1]) (K summed in ascending order in every row)")
+    elif long:
+        breaks = (RUN,)
+        why = f"{desc}, which does not depend on the batch; but {order}"
+        fix = fix or "keep the reduced extent within XLA's race-free bound, or"
+        return _Hit("reduce", breaks, why, _with_run(fix, True))
+    else:
+        return None
+    if backward and eqn.primitive.name == "reduce_sum" and any(a.rsplit(".", 1)[-1] in _SOFTMAXES for a in apis):
+        measured = ("measured on an H100 at vocab 128256: 1615-43630 elements of row 0 changed between batch 1 and "
+                    "4-64, and run to run (0 with --xla_gpu_deterministic_ops=true: atomics)" if gpu else
+                    "measured on this CPU: 236 of 256 elements of row 0 changed at batch 16")
+        return _Hit("softmax-backward", breaks if RUN in breaks or not gpu else breaks + (RUN,),
+                    f"the backward of softmax/log_softmax reduces each row of the cotangent: {why}; {measured}",
+                    _with_run(fix, gpu))
+    return _Hit("reduce", breaks, why, _with_run(fix, long))
+
+
+def _batch_breaks(axes: _Axes, gpu_run: bool, across: bool = False) -> tuple[str, ...] | None:
+    """BATCH when a shape depends on the batch (or unknown), DEVICES when rows are summed, RUN on a
+    GPU where the op is not run-to-run deterministic; None when nothing breaks."""
+    breaks = ()
+    if across:
+        breaks = (DEVICES,)
+    elif not axes.known or axes.batchy():
+        breaks = (BATCH,)
+    if gpu_run:
+        breaks += (RUN,)
+    return breaks or None
+
+
+def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
+    name = eqn.primitive.name
+    p = eqn.params
+    gpu = backend == "gpu"
+    if name.startswith("jaxdet_") or (name == "ffi_call" and str(p.get("target_name", "")).startswith("jaxdet_")):
+        return None
+    if name in _SAFE or (name not in _UNSEEN and any(True for _ in jex_core.jaxprs_in_params(p))):
+        return None  # exact, or a call whose body the walk visits
+    in_float = any(_is_float(getattr(a, "aval", None)) for a in eqn.invars)
+    in_float = in_float or any(_is_float(v.aval) for v in eqn.outvars)
+
+    if name in _DOTS:
+        if not in_float:
+            return None
+        k, across = 2, False
+        dn = p.get("dimension_numbers")
+        try:
+            (lc, rc), _ = dn
+            k = int(np.prod([eqn.invars[0].aval.shape[a] for a in lc])) if lc else 1
+            across = bool((axes.ins[0] or set()) & set(lc)) or bool((axes.ins[1] or set()) & set(rc))
+        except (TypeError, IndexError, ValueError, AttributeError):
+            pass
+        if name == "dot_general" and k <= 1:
+            return None  # an outer product: one exact multiply per element
+        breaks = _batch_breaks(axes, gpu, across)
+        if breaks is None:
+            return None
+        attention = any("attention" in a for a in apis)
+        why = (f"a GEMM with contraction length {k} by "
+               + ("cuBLAS(Lt) or a Triton fusion, whose tiling and split-K XLA's autotuner picks from the whole shape "
+                  "(so the choice can also differ between compilations)" if gpu else
+                  "Eigen/XLA:CPU, whose blocking and GEMV/GEMM paths depend on the number of rows (measured here: a "
+                  "float32 jnp.dot row changed at 4 rows)"))
+        if across:
+            why = "contracts over rows (a weight gradient): " + why
+        elif axes.known and not axes.batchy():
+            why = "its shapes do not depend on the batch, but " + why
+        return _Hit("attention" if attention else "dot", breaks, why,
+                    _with_run(_ATTENTION_FIX if attention else _MATMUL_FIX, gpu))
+
+    if name == "conv_general_dilated":
+        if not in_float:
+            return None
+        breaks = _batch_breaks(axes, gpu)
+        if breaks is None:
+            return None
+        why = "a convolution by " + ("cuDNN, whose algorithm XLA's autotuner picks from the whole shape; some "
+                                     "algorithms (backward data/filter) accumulate with atomics" if gpu else
+                                     "Eigen/oneDNN, whose blocking depends on the batch size")
+        return _Hit("conv", breaks, why, _with_run(
+            "no jaxdet convolution yet: lax.conv_general_dilated_patches, then jaxdet.matmul of the patches with the "
+            "reshaped kernel", gpu))
+
+    if name in _ATTENTION:
+        return _Hit("attention", _batch_breaks(axes, True) or (RUN,),
+                    "cuDNN fused attention: its kernel choice and the backward's dQ/dK/dV accumulation are cuDNN's "
+                    "(measured on an H100: the backward changed 3 elements of a row at batch 16, 0 with the flag)",
+                    _with_run(_ATTENTION_FIX + " (implementation='xla' still runs jnp einsums)", True))
+
+    if name in ("reduce_sum", "reduce_prod", "reduce"):
+        return _reduce_hit(eqn, axes, apis, where, backend, backward)
+
+    if name in ("reduce_window_sum", "reduce_window"):
+        if not in_float or (name == "reduce_window" and not _window_adds(p)):
+            return None
+        breaks = _batch_breaks(axes, False)
+        return None if breaks is None else _Hit(
+            "reduce", breaks, "a windowed float sum (pooling) whose loop XLA emits from the whole shape",
+            "jaxdet.matmul of the windows (lax.conv_general_dilated_patches) with a ones vector")
+
+    if name in ("cumsum", "cumprod", "cumlogsumexp"):
+        if not in_float:
+            return None
+        ax = p.get("axis", 0)
+        across = axes.ins[0] is not None and ax in axes.ins[0]
+        breaks = _batch_breaks(axes, False, across)
+        if breaks is None:
+            return None
+        how = "a CUB scan or a reduce-window tree" if gpu else "a reduce-window that XLA rewrites into a tree"
+        return _Hit("cumulative", breaks,
+                    f"a float prefix {name[3:]} along axis {ax}"
+                    + (" (the batch axis: each row adds up the rows before it)" if across else "")
+                    + f", lowered to {how} that depends on the array's shape: position t's bits can change with the "
+                    "scanned length (prefill vs decode, padding) and the batch",
+                    "a sequential lax.scan along the axis, or jaxdet.matmul(jnp.tril(ones[S, S]), x) (every prefix "
+                    "summed in ascending order)")
+
+    if name.startswith("scatter") or name in ("select_and_scatter_add", "select_and_scatter"):
+        return _scatter_hit(eqn, axes, name, in_float, gpu)
+
+    if name in _PSUMS:
+        if not in_float:
+            return None
+        return _Hit("collective", (DEVICES,),
+                    f"{name} across devices: the order of the sum is the collective's (XLA's all-reduce or NCCL's "
+                    "ring/tree/NVLS schedule for this message size, topology and device count), so its bits change "
+                    "with the number of devices",
+                    "jaxdet.parallel.tree_psum(x, axis_name) (the canonical tree over the device index, data "
+                    "movement only: the same bits for 1, 2, 4, ... devices)")
+
+    if name in ("random_bits", "rng_bit_generator", "rng_uniform", "random_gamma"):
+        return _rng_hit(eqn, axes, name)
+
+    if name in _LINALG or name == "fft":
+        if not in_float:
+            return None
+        breaks = _batch_breaks(axes, False)
+        lib = "DUCC/cuFFT: the plan is made for the whole batched transform" if name == "fft" else (
+            "LAPACK/cuSOLVER: batched and single problems can take different algorithms (e.g. batched Jacobi for "
+            "small matrices on a GPU)")
+        return None if breaks is None else _Hit(
+            "linalg", breaks, f"{name} by {lib}",
+            "no jaxdet equivalent: keep it out of the reproducible path, or run it with a fixed batch shape")
+
+    if name == "sort":
+        if p.get("is_stable", True) or len(eqn.invars) <= p.get("num_keys", 1):
+            return None
+        breaks = _batch_breaks(axes, gpu)
+        return None if breaks is None else _Hit(
+            "sort", breaks, "an unstable sort carrying payloads: the order of equal keys depends on the algorithm, "
+            "its size and the backend", "is_stable=True (jnp.argsort and lax.sort with stable ordering)")
+
+    if name == "approx_top_k":
+        breaks = _batch_breaks(axes, False)
+        return None if breaks is None else _Hit(
+            "sort", breaks, "approximate top-k: which elements it keeps depends on the whole shape",
+            "lax.top_k (exact; ties go to the lower index)")
+
+    return _Hit("unverified", (), f"{name}: a primitive the audit does not know or cannot look into (a custom "
+                "kernel, callback or new JAX primitive); its determinism is its author's contract",
+                f"check it with jaxdet.testing.assert_batch_invariant / assert_deterministic, then ignore=[{name!r}]",
+                blocking=False)
+
+
+def _window_adds(params) -> bool:
+    j = params.get("jaxpr")
+    jaxpr = getattr(j, "jaxpr", j)
+    return any(e.primitive.name in ("add", "add_any") for e in getattr(jaxpr, "eqns", ()))
+
+
+def _scatter_hit(eqn, axes: _Axes, name, in_float, gpu) -> _Hit | None:
+    p = eqn.params
+    if not in_float:
+        return None
+    if name.startswith("select_and_scatter"):
+        breaks = _batch_breaks(axes, gpu)
+        return None if breaks is None else _Hit(
+            "scatter", breaks, "the gradient of max pooling: overlapping windows add into the same input element"
+            + ("; XLA:GPU has no deterministic select-and-scatter" if gpu else ""),
+            "non-overlapping windows (stride == window), or pooling written with jaxdet.matmul")
+    if p.get("unique_indices"):
+        return None
+    combiner = name.split("-", 1)[1] if "-" in name else name[len("scatter_"):] if "_" in name else ""
+    updates = axes.ins[2] if len(axes.ins) > 2 else None
+    across = updates is None or bool(updates)  # updates that grow with the batch meet in shared indices
+    if combiner in ("add", "mul", "sub"):
+        what = (f"scatter-{combiner} with possibly repeated indices (e.g. the gradient of an embedding lookup "
+                "jnp.take / x[idx], .at[].add, segment_sum)")
+        if gpu:
+            return _Hit("scatter", (RUN, DEVICES) if across else (RUN,),
+                        f"{what}: XLA:GPU combines the updates with atomics, in whatever order threads arrive",
+                        _with_run(_ONE_HOT_FIX, True) + " (a sort-based deterministic scatter)")
+        if not across:
+            return None
+        return _Hit("scatter", (DEVICES,),
+                    f"{what}: XLA:CPU applies the updates one by one in update order (deterministic here), so a "
+                    "repeated index sums over the rows in batch order, and micro-batching or devices change it; on a "
+                    "GPU it uses atomics", _ONE_HOT_FIX)
+    if combiner == "" and gpu:
+        return _Hit("scatter", (RUN,), "a scatter with possibly repeated indices: on a GPU, which update wins is a race",
+                    _with_run("unique indices (pass unique_indices=True when they are)", True))
+    return None
+
+
+def _rng_hit(eqn, axes: _Axes, name) -> _Hit | None:
+    key = eqn.invars[0] if eqn.invars else None
+    key_dtype = str(getattr(getattr(key, "aval", None), "dtype", ""))
+    key_shape = tuple(getattr(getattr(key, "aval", None), "shape", ()) or ())
+    rbg = name in ("rng_bit_generator", "rng_uniform") or "rbg" in key_dtype
+    if rbg:
+        return _Hit("rng", _batch_breaks(axes, False) or (BATCH,),
+                    f"{name} ({key_dtype or 'XLA RngBitGenerator'}): XLA's RngBitGenerator, whose bits are defined "
+                    "per backend and per shape (not the same on CPU and GPU, nor guaranteed across JAX versions)",
+                    _DROPOUT_FIX)
+    if axes.known and not axes.batchy():
+        return None  # the same bits whatever the batch: threefry is a pure function of (key, shape)
+    partitionable = bool(getattr(jax.config, "jax_threefry_partitionable", True))
+    if not partitionable:
+        why = ("threefry bits with jax_threefry_partitionable=False: every element's bits depend on the whole "
+               "array's shape, so a row's mask changes with the batch size")
+    elif key_shape and axes.known and axes.ins[0]:
+        return None  # one key per example (vmap): each row's bits depend on its key only
+    else:
+        why = ("threefry bits from one key for the whole array: element (i, j) gets the bits of its flat index, so a "
+               "row's mask depends on its position in the batch (alone it gets row 0's) and on the global flag "
+               "jax_threefry_partitionable; nothing reproduces one micro-batch's share")
+    return _Hit("rng", (BATCH,), why, _DROPOUT_FIX)
+
+
+# ---------------------------------------------------------------------------------------------
+# The walk.
+
+
+class _Walker:
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.found: list[Finding] = []
+
+    def jaxpr(self, j1, j2, where: _Where, apis: tuple[str, ...], backward: bool, path: tuple[str, ...]):
+        eqns2 = j2.eqns if _same_structure(j1, j2) else None
+        for k, eqn in enumerate(j1.eqns):
+            e2 = eqns2[k] if eqns2 is not None else None
+            own, own_apis = _locate(eqn)
+            # A library's nested equations carry tracebacks that stop inside the library: keep the
+            # caller's line and the outer library function's name.
+            here = own or where
+            eq_apis = own_apis if own is not None else apis + tuple(a for a in own_apis if a not in apis)
+            if not own_apis and own is not None and isinstance(eqn.params.get("name"), str):
+                eq_apis = (eqn.params["name"],)
+            bwd = backward or "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
+            name = eqn.primitive.name
+            hit = _classify(eqn, _axes(eqn, e2), eq_apis, here, self.backend, bwd)
+            if hit is not None:
+                self.found.append(Finding(
+                    kind=hit.kind, primitive=name, shapes=_avals_str(eqn), file=here.file, line=here.line,
+                    function=here.function, breaks=hit.breaks, why=hit.why, fix=hit.fix,
+                    origin=eq_apis[0] if eq_apis else "", backward=bwd, path=" > ".join(path), blocking=hit.blocking,
+                ))
+            label = f"{name}({eqn.params['name']})" if isinstance(eqn.params.get("name"), str) else name
+            subs2 = list(jex_core.jaxprs_in_params(e2.params)) if e2 is not None else []
+            for i, sub in enumerate(jex_core.jaxprs_in_params(eqn.params)):
+                self.jaxpr(sub, subs2[i] if i < len(subs2) else None, here, eq_apis, bwd, (*path, label))
+
+
+# ---------------------------------------------------------------------------------------------
+# The public function.
+
+
+def _backend(backend: str | None) -> str:
+    b = (backend or jax.default_backend()).lower()
+    if b == "cpu":
+        return "cpu"
+    if b in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    raise ValueError(f"backend must be 'cpu' or 'gpu' (or 'cuda'/'rocm'), or None for jax.default_backend(); got "
+                     f"{b!r}: jaxdet audits XLA:CPU and XLA:GPU programs")
+
+
+def _matcher(ignore) -> Callable[[Finding], bool]:
+    if ignore is None:
+        return lambda f: False
+    if callable(ignore) or isinstance(ignore, str):
+        ignore = [ignore]
+    if not isinstance(ignore, Iterable):
+        raise TypeError("ignore must be a kind, a primitive name, a 'file.py:line' or 'file.py' string, a callable "
+                        f"Finding -> bool, or a list of them; got {type(ignore).__name__}")
+    rules = list(ignore)
+    for r in rules:
+        if not (callable(r) or isinstance(r, str)):
+            raise TypeError(f"ignore entries must be strings or callables (Finding -> bool), got {r!r}")
+
+    def match(f: Finding) -> bool:
+        for r in rules:
+            if callable(r):
+                if r(f):
+                    return True
+            elif r in (f.kind, f.primitive) or (":" in r and f.location.endswith(r)) or (
+                r.endswith(".py") and f.file.endswith(r)
+            ):
+                return True
+        return False
+
+    return match
+
+
+def _merge(findings: list[Finding]) -> list[Finding]:
+    merged: dict[tuple, Finding] = {}
+    for f in findings:
+        key = (f.kind, f.primitive, f.shapes, f.file, f.line, f.backward, f.path, f.blocking)
+        merged[key] = dataclasses.replace(merged[key], count=merged[key].count + 1) if key in merged else f
+    return list(merged.values())
+
+
+def _dce(closed):
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+        return jaxpr
+    except Exception:  # noqa: BLE001 - a private API: without it, dead equations are audited too
+        return closed.jaxpr
+
+
+def _doubled(x):
+    shape = tuple(np.shape(x))
+    if not shape:
+        return x
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    return jax.ShapeDtypeStruct((max(2 * shape[0], 1),) + shape[1:], dtype)
+
+
+def _index_list(value, name, nargs, *, allow_none=False):
+    if value is None and allow_none:
+        return None
+    items = (value,) if isinstance(value, int) else tuple(value)
+    for i in items:
+        if not isinstance(i, int) or isinstance(i, bool) or not -nargs <= i < nargs:
+            raise ValueError(f"{name} must index the example arguments 0..{nargs - 1} (int or sequence of ints), "
+                             f"got {value!r}")
+    return tuple(sorted({i % nargs for i in items}))
+
+
+def audit(fn: Callable, *example_args, backend: str | None = None, batch_argnums: int | Sequence[int] | None = None,
+          ignore=None, strict: bool = False, invariants: Sequence[str] = (BATCH, RUN, DEVICES),
+          static_argnums: int | Sequence[int] = (), **example_kwargs) -> AuditReport:
+    """List the operations of ``fn`` that can break batch invariance, run-to-run determinism or
+    device-count invariance on ``backend``, with their source lines and fixes.
+
+    Args:
+      fn: the function you jit, called as ``fn(*example_args, **example_kwargs)``. To audit the
+        backward pass, pass the function that differentiates (the whole train step, or
+        ``jax.grad(loss)``): a forward function's jaxpr has no backward.
+      example_args: arrays or ``jax.ShapeDtypeStruct``s of the shapes you run; only shapes and dtypes
+        are used, nothing is computed.
+      backend: ``'cpu'`` or ``'gpu'`` (default ``jax.default_backend()``): whose rules apply. The
+        jaxpr is the one traced here (a GPU-only choice such as cuDNN attention shows up only when
+        traced on a GPU).
+      batch_argnums: the arguments whose leaves carry the batch on their leading axis. With it,
+        ``fn`` is traced again at twice the batch, and only operations whose shapes grow with the
+        batch are batch hazards (the optimizer's reductions over parameters are not); reductions
+        are reported as within rows or across rows. Without it, every float reduction and GEMM is
+        reported.
+      ignore: findings to drop: a kind (``"rng"``), a primitive (``"dot_general"``), a location
+        (``"model.py:42"`` or ``"model.py"``), a callable ``Finding -> bool``, or a list of them.
+      strict: also fail on operations the audit cannot see into (custom calls, Pallas kernels,
+        callbacks, unknown primitives); by default they are listed as notes.
+      invariants: which of ``"batch"``, ``"run-to-run"``, ``"device-count"`` to audit (default all):
+        e.g. ``("batch", "run-to-run")`` for inference, where no sum runs across rows or devices.
+      static_argnums: as in ``jax.jit``.
+      example_kwargs: keyword arguments for ``fn`` (traced as constants).
+
+    Returns an ``AuditReport`` (``.findings``, ``.ok``, a readable ``str``). In CI:
+    ``report = jaxdet.audit(step, params, batch, batch_argnums=1); assert report.ok, report``.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {strict!r}")
+    wanted = (invariants,) if isinstance(invariants, str) else tuple(invariants)
+    if not wanted or any(w not in (BATCH, RUN, DEVICES) for w in wanted):
+        raise ValueError(f"invariants must be a non-empty subset of {(BATCH, RUN, DEVICES)}, got {invariants!r}")
+    name = _backend(backend)
+    match = _matcher(ignore)
+    nargs = len(example_args)
+    static = _index_list(static_argnums, "static_argnums", nargs) if nargs else ()
+    batch = _index_list(batch_argnums, "batch_argnums", nargs, allow_none=True) if nargs or batch_argnums else None
+    if batch is not None and set(batch) & set(static):
+        raise ValueError(f"batch_argnums {batch_argnums!r} names a static argument ({static_argnums!r})")
+    dyn = [i for i in range(nargs) if i not in static]
+
+    def call(*dyn_args):
+        args = list(example_args)
+        for i, a in zip(dyn, dyn_args):
+            args[i] = a
+        return fn(*args, **example_kwargs)
+
+    jaxpr = _dce(jax.make_jaxpr(call)(*[example_args[i] for i in dyn]))
+    doubled = None
+    if batch:
+        args2 = [jax.tree.map(_doubled, example_args[i]) if i in batch else example_args[i] for i in dyn]
+        try:
+            doubled = _dce(jax.make_jaxpr(call)(*args2))
+        except Exception:  # noqa: BLE001 - fn may accept only this batch size: then batch axes are unknown
+            doubled = None
+    walker = _Walker(name)
+    walker.jaxpr(jaxpr, doubled, _Where(), (), False, ())
+    findings = []
+    for f in _merge(walker.found):
+        if f.blocking and f.breaks and not set(f.breaks) & set(wanted):
+            continue
+        findings.append(dataclasses.replace(f, breaks=tuple(b for b in f.breaks if b in wanted) or f.breaks,
+                                            blocking=f.blocking or strict))
+    kept = tuple(f for f in findings if not match(f))
+    return AuditReport(findings=kept, backend=name, strict=strict, ignored=tuple(f for f in findings if match(f)),
+                       batch_axes=batch is not None and doubled is not None)
