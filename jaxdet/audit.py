@@ -204,7 +204,8 @@ def _locate(eqn) -> tuple[_Where | None, tuple[str, ...]]:
         lib = _library_path(fr.file_name)
         if lib is None:
             return _Where(fr.file_name, int(getattr(fr, "line_num", 0)), fr.function_name), tuple(reversed(apis))
-        if not any(lib.startswith(p) for p in _PLUMBING) and not fr.function_name.startswith("<"):
+        public = not any(part.startswith(("_", "<")) for part in fr.function_name.split("."))
+        if public and not any(lib.startswith(p) for p in _PLUMBING):
             name = _api_name(lib, fr.function_name)
             if not apis or apis[-1] != name:
                 apis.append(name)
@@ -390,8 +391,7 @@ def _reduce_hit(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None
                       "combined with atomics or by a rewritten tree")
     else:
         order = ("XLA:CPU vectorizes reductions and rewrites long ones into a tree (TreeReductionRewriter) from the "
-                 "whole shape (measured here: a 256-wide row mean changed at batch 16, a 100000-wide row sum at "
-                 "batch 4)")
+                 "whole shape")
     fix = _api_fix(apis, where)
     if across:
         breaks = (DEVICES, RUN) if long else (DEVICES,)
@@ -412,16 +412,15 @@ def _reduce_hit(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None
     elif long:
         breaks = (RUN,)
         why = f"{desc}, which does not depend on the batch; but {order}"
-        fix = fix or "keep the reduced extent within XLA's race-free bound, or"
+        fix = fix or "pieces within the bound, summed in an order you fix"
         return _Hit("reduce", breaks, why, _with_run(fix, True))
     else:
         return None
     if backward and eqn.primitive.name == "reduce_sum" and any(a.rsplit(".", 1)[-1] in _SOFTMAXES for a in apis):
-        measured = ("measured on an H100 at vocab 128256: 1615-43630 elements of row 0 changed between batch 1 and "
-                    "4-64, and run to run (0 with --xla_gpu_deterministic_ops=true: atomics)" if gpu else
-                    "measured on this CPU: 236 of 256 elements of row 0 changed at batch 16")
+        also = ("; on a GPU this backward also changes run to run (atomics; docs/audit.md has measurements)" if gpu
+                else "")
         return _Hit("softmax-backward", breaks if RUN in breaks or not gpu else breaks + (RUN,),
-                    f"the backward of softmax/log_softmax reduces each row of the cotangent: {why}; {measured}",
+                    f"the backward of softmax/log_softmax reduces each row of the cotangent: {why}{also}",
                     _with_run(fix, gpu))
     return _Hit("reduce", breaks, why, _with_run(fix, long))
 
@@ -445,8 +444,8 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
     gpu = backend == "gpu"
     if name.startswith("jaxdet_") or (name == "ffi_call" and str(p.get("target_name", "")).startswith("jaxdet_")):
         return None
-    if name in _SAFE or (name not in _UNSEEN and any(True for _ in jex_core.jaxprs_in_params(p))):
-        return None  # exact, or a call whose body the walk visits
+    if name in _SAFE:
+        return None
     in_float = any(_is_float(getattr(a, "aval", None)) for a in eqn.invars)
     in_float = in_float or any(_is_float(v.aval) for v in eqn.outvars)
 
@@ -470,8 +469,7 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
         why = (f"a GEMM with contraction length {k} by "
                + ("cuBLAS(Lt) or a Triton fusion, whose tiling and split-K XLA's autotuner picks from the whole shape "
                   "(so the choice can also differ between compilations)" if gpu else
-                  "Eigen/XLA:CPU, whose blocking and GEMV/GEMM paths depend on the number of rows (measured here: a "
-                  "float32 jnp.dot row changed at 4 rows)"))
+                  "Eigen/XLA:CPU, whose blocking and GEMV/GEMM paths depend on the number of rows"))
         if across:
             why = "contracts over rows (a weight gradient): " + why
         elif axes.known and not axes.batchy():
@@ -494,8 +492,8 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
 
     if name in _ATTENTION:
         return _Hit("attention", _batch_breaks(axes, True) or (RUN,),
-                    "cuDNN fused attention: its kernel choice and the backward's dQ/dK/dV accumulation are cuDNN's "
-                    "(measured on an H100: the backward changed 3 elements of a row at batch 16, 0 with the flag)",
+                    "cuDNN fused attention: its kernel choice and the backward's dQ/dK/dV accumulation are cuDNN's, "
+                    "chosen for the whole shape",
                     _with_run(_ATTENTION_FIX + " (implementation='xla' still runs jnp einsums)", True))
 
     if name in ("reduce_sum", "reduce_prod", "reduce"):
@@ -567,6 +565,8 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
             "sort", breaks, "approximate top-k: which elements it keeps depends on the whole shape",
             "lax.top_k (exact; ties go to the lower index)")
 
+    if name not in _UNSEEN and any(True for _ in jex_core.jaxprs_in_params(p)):
+        return None  # a call or control flow: the walk visits its body
     return _Hit("unverified", (), f"{name}: a primitive the audit does not know or cannot look into (a custom "
                 "kernel, callback or new JAX primitive); its determinism is its author's contract",
                 f"check it with jaxdet.testing.assert_batch_invariant / assert_deterministic, then ignore=[{name!r}]",
@@ -592,8 +592,8 @@ def _scatter_hit(eqn, axes: _Axes, name, in_float, gpu) -> _Hit | None:
     if p.get("unique_indices"):
         return None
     combiner = name.split("-", 1)[1] if "-" in name else name[len("scatter_"):] if "_" in name else ""
-    updates = axes.ins[2] if len(axes.ins) > 2 else None
-    across = updates is None or bool(updates)  # updates that grow with the batch meet in shared indices
+    local = _row_local(eqn, axes)
+    across = not local and (axes.ins[2] if len(axes.ins) > 2 else None) != frozenset()
     if combiner in ("add", "mul", "sub"):
         what = (f"scatter-{combiner} with possibly repeated indices (e.g. the gradient of an embedding lookup "
                 "jnp.take / x[idx], .at[].add, segment_sum)")
@@ -602,7 +602,7 @@ def _scatter_hit(eqn, axes: _Axes, name, in_float, gpu) -> _Hit | None:
                         f"{what}: XLA:GPU combines the updates with atomics, in whatever order threads arrive",
                         _with_run(_ONE_HOT_FIX, True) + " (a sort-based deterministic scatter)")
         if not across:
-            return None
+            return None  # each row's updates land in that row only, applied in update order
         return _Hit("scatter", (DEVICES,),
                     f"{what}: XLA:CPU applies the updates one by one in update order (deterministic here), so a "
                     "repeated index sums over the rows in batch order, and micro-batching or devices change it; on a "
@@ -611,6 +611,36 @@ def _scatter_hit(eqn, axes: _Axes, name, in_float, gpu) -> _Hit | None:
         return _Hit("scatter", (RUN,), "a scatter with possibly repeated indices: on a GPU, which update wins is a race",
                     _with_run("unique indices (pass unique_indices=True when they are)", True))
     return None
+
+
+def _row_local(eqn, axes: _Axes) -> bool:
+    """Whether every batch axis of a scatter's updates lands in the same row of the operand (a
+    window dimension onto an operand batch axis, or a batching dimension): then no two rows' updates
+    meet (e.g. the gradient of take_along_axis in a cross-entropy)."""
+    try:
+        dn = eqn.params["dimension_numbers"]
+        op_b, upd_b = axes.ins[0], axes.ins[2]
+        if op_b is None or upd_b is None:
+            return False
+        n_op, n_idx, n_upd = (_ndim(eqn.invars[k]) for k in range(3))
+        op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+        idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+        window_op = [d for d in range(n_op) if d not in dn.inserted_window_dims and d not in op_batching]
+        window = dict(zip(dn.update_window_dims, window_op))
+        scatter_dims = [d for d in range(n_upd) if d not in dn.update_window_dims]
+        to_index = dict(zip(scatter_dims, range(max(n_idx - 1, 0))))  # JAX's index vector is the last axis
+        index_to_op = dict(zip(idx_batching, op_batching))
+        for b in upd_b:
+            target = window.get(b, index_to_op.get(to_index.get(b, -1)))
+            if target is None or target not in op_b:
+                return False
+        return True
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return False
+
+
+def _ndim(atom) -> int:
+    return len(getattr(getattr(atom, "aval", None), "shape", ()) or ())
 
 
 def _rng_hit(eqn, axes: _Axes, name) -> _Hit | None:
