@@ -67,7 +67,7 @@ class Finding:
         lines = [
             f"{head}",
             f"    at {where} in {self.function}" + (f" [{', '.join(tags)}]" if tags else ""),
-            f"    breaks: {', '.join(self.breaks) if self.breaks else '-'}" + ("" if self.blocking else " (not blocking)"),
+            f"    breaks: {', '.join(self.breaks) or '-'}" + ("" if self.blocking else " (not blocking)"),
             f"    why: {self.why}",
             f"    fix: {self.fix}",
         ]
@@ -117,8 +117,15 @@ class AuditReport:
         rows = [("#", "kind", "op", "source", "breaks")]
         for i, f in enumerate(self.findings, 1):
             src = f"{_short_path(f.file)}:{f.line}" if f.line else "?"
-            rows.append((str(i), f.kind, f.primitive + (" (bwd)" if f.backward else ""), src,
-                         ",".join(f.breaks) + ("" if f.blocking else " (note)")))
+            rows.append(
+                (
+                    str(i),
+                    f.kind,
+                    f.primitive + (" (bwd)" if f.backward else ""),
+                    src,
+                    ",".join(f.breaks) + ("" if f.blocking else " (note)"),
+                )
+            )
         widths = [max(len(r[c]) for r in rows) for c in range(5)]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         details = [f"{i}. {f}" for i, f in enumerate(self.findings, 1)]
@@ -154,19 +161,44 @@ def _package_roots() -> dict[str, str]:
 _ROOTS = _package_roots()
 # Frames of these files only route calls (tracing, jit, module plumbing): never "the function called".
 _PLUMBING = (
-    "jax/_src/pjit.py", "jax/_src/api.py", "jax/_src/api_util.py", "jax/_src/traceback_util.py",
-    "jax/_src/core.py", "jax/_src/linear_util.py", "jax/_src/source_info_util.py",
-    "jax/_src/custom_derivatives.py", "jax/_src/ad_checkpoint.py", "jax/_src/dispatch.py",
-    "jax/_src/profiler.py", "jax/_src/util.py", "jax/_src/interpreters/", "jax/_src/config.py",
-    "jax/_src/tree_util.py", "jax/_src/numpy/util.py", "jax/_src/deprecations.py",
-    "flax/linen/module.py", "flax/linen/transforms.py", "flax/core/", "flax/nnx/graph.py",
-    "flax/nnx/object.py", "flax/nnx/module.py", "flax/nnx/transforms/", "flax/nnx/pytreelib.py",
+    "jax/_src/pjit.py",
+    "jax/_src/api.py",
+    "jax/_src/api_util.py",
+    "jax/_src/traceback_util.py",
+    "jax/_src/core.py",
+    "jax/_src/linear_util.py",
+    "jax/_src/source_info_util.py",
+    "jax/_src/custom_derivatives.py",
+    "jax/_src/ad_checkpoint.py",
+    "jax/_src/dispatch.py",
+    "jax/_src/profiler.py",
+    "jax/_src/util.py",
+    "jax/_src/interpreters/",
+    "jax/_src/config.py",
+    "jax/_src/tree_util.py",
+    "jax/_src/numpy/util.py",
+    "jax/_src/deprecations.py",
+    "flax/linen/module.py",
+    "flax/linen/transforms.py",
+    "flax/core/",
+    "flax/nnx/graph.py",
+    "flax/nnx/object.py",
+    "flax/nnx/module.py",
+    "flax/nnx/transforms/",
+    "flax/nnx/pytreelib.py",
     "flax/nnx/variablelib.py",
 )
 _PREFIXES = (
-    ("jax/_src/nn/", "jax.nn."), ("jax/_src/numpy/", "jnp."), ("jax/_src/lax/", "lax."),
-    ("jax/_src/random", "jax.random."), ("jax/_src/ops/", "jax.ops."), ("jax/_src/scipy/", "jax.scipy."),
-    ("jax/_src/cudnn/", "jax.nn."), ("optax/", "optax."), ("flax/", "flax:"), ("jaxdet/", "jaxdet."),
+    ("jax/_src/nn/", "jax.nn."),
+    ("jax/_src/numpy/", "jnp."),
+    ("jax/_src/lax/", "lax."),
+    ("jax/_src/random", "jax.random."),
+    ("jax/_src/ops/", "jax.ops."),
+    ("jax/_src/scipy/", "jax.scipy."),
+    ("jax/_src/cudnn/", "jax.nn."),
+    ("optax/", "optax."),
+    ("flax/", "flax:"),
+    ("jaxdet/", "jaxdet."),
 )
 
 
@@ -175,7 +207,7 @@ def _library_path(file_name: str) -> str | None:
     real = os.path.realpath(file_name)
     for root, pkg in _ROOTS.items():
         if real.startswith(root):
-            return pkg + "/" + real[len(root):].replace(os.sep, "/")
+            return pkg + "/" + real[len(root) :].replace(os.sep, "/")
     return None
 
 
@@ -243,13 +275,19 @@ def _diff_axes(a1, a2):
 def _axes(e1, e2) -> _Axes:
     if e2 is None:
         return _Axes((None,) * len(e1.invars), (None,) * len(e1.outvars))
-    return _Axes(tuple(_diff_axes(a, b) for a, b in zip(e1.invars, e2.invars)),
-                 tuple(_diff_axes(a, b) for a, b in zip(e1.outvars, e2.outvars)))
+    return _Axes(
+        tuple(_diff_axes(a, b) for a, b in zip(e1.invars, e2.invars)),
+        tuple(_diff_axes(a, b) for a, b in zip(e1.outvars, e2.outvars)),
+    )
 
 
 def _same_structure(j1, j2) -> bool:
-    return j2 is not None and len(j1.eqns) == len(j2.eqns) and all(
-        a.primitive.name == b.primitive.name and len(a.invars) == len(b.invars) for a, b in zip(j1.eqns, j2.eqns)
+    return (
+        j2 is not None
+        and len(j1.eqns) == len(j2.eqns)
+        and all(
+            a.primitive.name == b.primitive.name and len(a.invars) == len(b.invars) for a, b in zip(j1.eqns, j2.eqns)
+        )
     )
 
 
@@ -281,27 +319,84 @@ _SAFE = set(
     """.split()
 )
 _DOTS = {"dot_general", "ragged_dot", "ragged_dot_general", "symmetric_product"}
-_LINALG = {"cholesky", "cholesky_update", "eigh", "eig", "svd", "qr", "householder_product", "lu", "triangular_solve",
-           "tridiagonal_solve", "tridiagonal", "schur", "hessenberg", "geqrf", "geqp3", "orgqr", "ormqr"}
-_PSUMS = {"psum", "psum_invariant", "psum_start", "psum_invariant_start", "reduce_scatter", "reduce_scatter_start",
-          "unreduced_psum", "unreduced_psum_start", "unreduced_reduce_scatter", "unreduced_reduce_scatter_start",
-          "all_gather_reduced", "all_gather_reduced_start", "all_reduce"}
-_ATTENTION = {"dot_product_attention_fwd", "dot_product_attention_bwd", "dot_product_attention_fwd_wrapper",
-              "dot_product_attention_bwd_wrapper", "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
-              "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper"}
-_UNSEEN = {"pallas_call", "ffi_call", "custom_call", "pure_callback", "io_callback", "tpu_custom_call",
-           "triton_kernel_call", "cudnn_fusion", "custom_partitioning", "mosaic_gpu_call", "buffer_callback",
-           "call_exported", "scaled_matmul", "scaled_matmul_wrapper", "scaled_dot"}
+_LINALG = {
+    "cholesky",
+    "cholesky_update",
+    "eigh",
+    "eig",
+    "svd",
+    "qr",
+    "householder_product",
+    "lu",
+    "triangular_solve",
+    "tridiagonal_solve",
+    "tridiagonal",
+    "schur",
+    "hessenberg",
+    "geqrf",
+    "geqp3",
+    "orgqr",
+    "ormqr",
+}
+_PSUMS = {
+    "psum",
+    "psum_invariant",
+    "psum_start",
+    "psum_invariant_start",
+    "reduce_scatter",
+    "reduce_scatter_start",
+    "unreduced_psum",
+    "unreduced_psum_start",
+    "unreduced_reduce_scatter",
+    "unreduced_reduce_scatter_start",
+    "all_gather_reduced",
+    "all_gather_reduced_start",
+    "all_reduce",
+}
+_ATTENTION = {
+    "dot_product_attention_fwd",
+    "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper",
+    "dot_product_attention_bwd_wrapper",
+    "dot_product_attention_fp8_fwd",
+    "dot_product_attention_fp8_bwd",
+    "dot_product_attention_fp8_fwd_wrapper",
+    "dot_product_attention_fp8_bwd_wrapper",
+}
+_UNSEEN = {
+    "pallas_call",
+    "ffi_call",
+    "custom_call",
+    "pure_callback",
+    "io_callback",
+    "tpu_custom_call",
+    "triton_kernel_call",
+    "cudnn_fusion",
+    "custom_partitioning",
+    "mosaic_gpu_call",
+    "buffer_callback",
+    "call_exported",
+    "scaled_matmul",
+    "scaled_matmul_wrapper",
+    "scaled_dot",
+}
 _SOFTMAXES = {"softmax", "log_softmax", "_softmax", "_log_softmax", "_softmax_deprecated"}
 
-_ATTENTION_FIX = ("jaxdet.matmul for QKᵀ and PV (batch dims allowed) with jaxdet.softmax, until jaxdet's fused "
-                  "attention (Step 8)")
-_MATMUL_FIX = "jaxdet.matmul(a, b) (rows invariant; its weight gradient follows jaxdet.matmul_weight_grad's chunk contract)"
-_ONE_HOT_FIX = ("one-hot rows through jaxdet.matmul (an embedding lookup as one_hot(ids) @ table; its gradient is "
-                "then jaxdet.matmul_weight_grad's chunk sequence)")
-_DROPOUT_FIX = ("jaxdet.dropout(x, key, rate, offset=...) with jaxdet.random keys: the mask is a function of "
-                "(key, global element index, rate), identical on CPU and GPU, with an offset for micro-batches; "
-                "per-example keys under vmap give each row its own mask")
+_ATTENTION_FIX = (
+    "jaxdet.matmul for QKᵀ and PV (batch dims allowed) with jaxdet.softmax, until jaxdet's fused attention (Step 8)"
+)
+_MATMUL_FIX = (
+    "jaxdet.matmul(a, b) (rows invariant; its weight gradient follows jaxdet.matmul_weight_grad's chunk contract)"
+)
+_ONE_HOT_FIX = (
+    "one-hot rows through jaxdet.matmul (an embedding lookup as one_hot(ids) @ table; its gradient is "
+    "then jaxdet.matmul_weight_grad's chunk sequence)"
+)
+_DROPOUT_FIX = (
+    "jaxdet.dropout(x, key, rate, offset=...) with jaxdet.random keys: the mask is a function of "
+    "(key, global element index, rate), identical on CPU and GPU, with an offset for micro-batches; "
+    "per-example keys under vmap give each row its own mask"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,32 +478,47 @@ def _reduce_hit(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None
     elif within:
         desc += f" (within rows: the batch is axis {_axes_str(bx)})"
     if gpu:
-        order = ("XLA:GPU's reduction emitter picks its tiling and how the reduced axis is split over threads from "
-                 "the whole shape")
+        order = (
+            "XLA:GPU's reduction emitter picks its tiling and how the reduced axis is split over threads from "
+            "the whole shape"
+        )
         if long:
             bound = "16384 for a row" if row_reduction else "4096 for a column"
-            order += (f"; {n} terms exceed XLA's race-free bound ({bound} reduction), so partial sums may be "
-                      "combined with atomics or by a rewritten tree")
+            order += (
+                f"; {n} terms exceed XLA's race-free bound ({bound} reduction), so partial sums may be "
+                "combined with atomics or by a rewritten tree"
+            )
     else:
-        order = ("XLA:CPU vectorizes reductions and rewrites long ones into a tree (TreeReductionRewriter) from the "
-                 "whole shape")
+        order = (
+            "XLA:CPU vectorizes reductions and rewrites long ones into a tree (TreeReductionRewriter) from the "
+            "whole shape"
+        )
     fix = _api_fix(apis, where)
     if across:
         breaks = (DEVICES, RUN) if long else (DEVICES,)
-        why = (f"{desc}: the result depends on every row by design, but the order of the additions is XLA's "
-               f"({order}), so splitting the batch into micro-batches or over devices changes its bits")
-        fix = fix or ("a sum in an order you fix: jaxdet.parallel.tree_sum over per-row or per-micro-batch values "
-                      "(the canonical tree, device-count invariant), or jaxdet.matmul_weight_grad(ones[T, 1], x) "
-                      "(token chunks of 8192 in order)")
+        why = (
+            f"{desc}: the result depends on every row by design, but the order of the additions is XLA's "
+            f"({order}), so splitting the batch into micro-batches or over devices changes its bits"
+        )
+        fix = fix or (
+            "a sum in an order you fix: jaxdet.parallel.tree_sum over per-row or per-micro-batch values "
+            "(the canonical tree, device-count invariant), or jaxdet.matmul_weight_grad(ones[T, 1], x) "
+            "(token chunks of 8192 in order)"
+        )
     elif within or bx is None:
         breaks = (BATCH, RUN) if long else (BATCH,)
         why = f"{desc}: {order}, so a row's bits can change with the batch size"
         if bx is None:
             breaks += (DEVICES,)
-            why += ("; if the reduced axis carries rows, the sum also changes with micro-batching and the device "
-                    "count (pass batch_argnums to tell)")
-        fix = fix or ("the jaxdet op it implements (rms_norm, layer_norm, softmax, log_softmax, softmax_cross_entropy); "
-                      "any other row sum as jaxdet.matmul(x, ones[K, 1]) (K summed in ascending order in every row)")
+            why += (
+                "; if the reduced axis carries rows, the sum also changes with micro-batching and the device "
+                "count (pass batch_argnums to tell)"
+            )
+        fix = fix or (
+            "the jaxdet op it implements (rms_norm, layer_norm, softmax, log_softmax, "
+            "softmax_cross_entropy); any other row sum as jaxdet.matmul(x, ones[K, 1]) (K summed in ascending "
+            "order in every row)"
+        )
     elif long:
         breaks = (RUN,)
         why = f"{desc}, which does not depend on the batch; but {order}"
@@ -417,11 +527,15 @@ def _reduce_hit(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None
     else:
         return None
     if backward and eqn.primitive.name == "reduce_sum" and any(a.rsplit(".", 1)[-1] in _SOFTMAXES for a in apis):
-        also = ("; on a GPU this backward also changes run to run (atomics; docs/audit.md has measurements)" if gpu
-                else "")
-        return _Hit("softmax-backward", breaks if RUN in breaks or not gpu else breaks + (RUN,),
-                    f"the backward of softmax/log_softmax reduces each row of the cotangent: {why}{also}",
-                    _with_run(fix, gpu))
+        also = (
+            "; on a GPU this backward also changes run to run (atomics; docs/audit.md has measurements)" if gpu else ""
+        )
+        return _Hit(
+            "softmax-backward",
+            breaks if RUN in breaks or not gpu else breaks + (RUN,),
+            f"the backward of softmax/log_softmax reduces each row of the cotangent: {why}{also}",
+            _with_run(fix, gpu),
+        )
     return _Hit("reduce", breaks, why, _with_run(fix, long))
 
 
@@ -466,16 +580,22 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
         if breaks is None:
             return None
         attention = any("attention" in a for a in apis)
-        why = (f"a GEMM with contraction length {k} by "
-               + ("cuBLAS(Lt) or a Triton fusion, whose tiling and split-K XLA's autotuner picks from the whole shape "
-                  "(so the choice can also differ between compilations)" if gpu else
-                  "Eigen/XLA:CPU, whose blocking and GEMV/GEMM paths depend on the number of rows"))
+        why = f"a GEMM with contraction length {k} by " + (
+            "cuBLAS(Lt) or a Triton fusion, whose tiling and split-K XLA's autotuner picks from the whole shape "
+            "(so the choice can also differ between compilations)"
+            if gpu
+            else "Eigen/XLA:CPU, whose blocking and GEMV/GEMM paths depend on the number of rows"
+        )
         if across:
             why = "contracts over rows (a weight gradient): " + why
         elif axes.known and not axes.batchy():
             why = "its shapes do not depend on the batch, but " + why
-        return _Hit("attention" if attention else "dot", breaks, why,
-                    _with_run(_ATTENTION_FIX if attention else _MATMUL_FIX, gpu))
+        return _Hit(
+            "attention" if attention else "dot",
+            breaks,
+            why,
+            _with_run(_ATTENTION_FIX if attention else _MATMUL_FIX, gpu),
+        )
 
     if name == "conv_general_dilated":
         if not in_float:
@@ -483,18 +603,31 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
         breaks = _batch_breaks(axes, gpu)
         if breaks is None:
             return None
-        why = "a convolution by " + ("cuDNN, whose algorithm XLA's autotuner picks from the whole shape; some "
-                                     "algorithms (backward data/filter) accumulate with atomics" if gpu else
-                                     "Eigen/oneDNN, whose blocking depends on the batch size")
-        return _Hit("conv", breaks, why, _with_run(
-            "no jaxdet convolution yet: lax.conv_general_dilated_patches, then jaxdet.matmul of the patches with the "
-            "reshaped kernel", gpu))
+        why = "a convolution by " + (
+            "cuDNN, whose algorithm XLA's autotuner picks from the whole shape; some "
+            "algorithms (backward data/filter) accumulate with atomics"
+            if gpu
+            else "Eigen/oneDNN, whose blocking depends on the batch size"
+        )
+        return _Hit(
+            "conv",
+            breaks,
+            why,
+            _with_run(
+                "no jaxdet convolution yet: lax.conv_general_dilated_patches, then jaxdet.matmul of the patches "
+                "with the reshaped kernel",
+                gpu,
+            ),
+        )
 
     if name in _ATTENTION:
-        return _Hit("attention", _batch_breaks(axes, True) or (RUN,),
-                    "cuDNN fused attention: its kernel choice and the backward's dQ/dK/dV accumulation are cuDNN's, "
-                    "chosen for the whole shape",
-                    _with_run(_ATTENTION_FIX + " (implementation='xla' still runs jnp einsums)", True))
+        return _Hit(
+            "attention",
+            _batch_breaks(axes, True) or (RUN,),
+            "cuDNN fused attention: its kernel choice and the backward's dQ/dK/dV accumulation are cuDNN's, "
+            "chosen for the whole shape",
+            _with_run(_ATTENTION_FIX + " (implementation='xla' still runs jnp einsums)", True),
+        )
 
     if name in ("reduce_sum", "reduce_prod", "reduce"):
         return _reduce_hit(eqn, axes, apis, where, backend, backward)
@@ -503,9 +636,16 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
         if not in_float or (name == "reduce_window" and not _window_adds(p)):
             return None
         breaks = _batch_breaks(axes, False)
-        return None if breaks is None else _Hit(
-            "reduce", breaks, "a windowed float sum (pooling) whose loop XLA emits from the whole shape",
-            "jaxdet.matmul of the windows (lax.conv_general_dilated_patches) with a ones vector")
+        return (
+            None
+            if breaks is None
+            else _Hit(
+                "reduce",
+                breaks,
+                "a windowed float sum (pooling) whose loop XLA emits from the whole shape",
+                "jaxdet.matmul of the windows (lax.conv_general_dilated_patches) with a ones vector",
+            )
+        )
 
     if name in ("cumsum", "cumprod", "cumlogsumexp"):
         if not in_float:
@@ -516,13 +656,16 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
         if breaks is None:
             return None
         how = "a CUB scan or a reduce-window tree" if gpu else "a reduce-window that XLA rewrites into a tree"
-        return _Hit("cumulative", breaks,
-                    f"a float prefix {name[3:]} along axis {ax}"
-                    + (" (the batch axis: each row adds up the rows before it)" if across else "")
-                    + f", lowered to {how} that depends on the array's shape: position t's bits can change with the "
-                    "scanned length (prefill vs decode, padding) and the batch",
-                    "a sequential lax.scan along the axis, or jaxdet.matmul(jnp.tril(ones[S, S]), x) (every prefix "
-                    "summed in ascending order)")
+        return _Hit(
+            "cumulative",
+            breaks,
+            f"a float prefix {name[3:]} along axis {ax}"
+            + (" (the batch axis: each row adds up the rows before it)" if across else "")
+            + f", lowered to {how} that depends on the array's shape: position t's bits can change with the "
+            "scanned length (prefill vs decode, padding) and the batch",
+            "a sequential lax.scan along the axis, or jaxdet.matmul(jnp.tril(ones[S, S]), x) (every prefix "
+            "summed in ascending order)",
+        )
 
     if name.startswith("scatter") or name in ("select_and_scatter_add", "select_and_scatter"):
         return _scatter_hit(eqn, axes, name, in_float, gpu)
@@ -530,12 +673,15 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
     if name in _PSUMS:
         if not in_float:
             return None
-        return _Hit("collective", (DEVICES,),
-                    f"{name} across devices: the order of the sum is the collective's (XLA's all-reduce or NCCL's "
-                    "ring/tree/NVLS schedule for this message size, topology and device count), so its bits change "
-                    "with the number of devices",
-                    "jaxdet.parallel.tree_psum(x, axis_name) (the canonical tree over the device index, data "
-                    "movement only: the same bits for 1, 2, 4, ... devices)")
+        return _Hit(
+            "collective",
+            (DEVICES,),
+            f"{name} across devices: the order of the sum is the collective's (XLA's all-reduce or NCCL's "
+            "ring/tree/NVLS schedule for this message size, topology and device count), so its bits change "
+            "with the number of devices",
+            "jaxdet.parallel.tree_psum(x, axis_name) (the canonical tree over the device index, data "
+            "movement only: the same bits for 1, 2, 4, ... devices)",
+        )
 
     if name in ("random_bits", "rng_bit_generator", "rng_uniform", "random_gamma"):
         return _rng_hit(eqn, axes, name)
@@ -544,33 +690,64 @@ def _classify(eqn, axes: _Axes, apis, where, backend, backward) -> _Hit | None:
         if not in_float:
             return None
         breaks = _batch_breaks(axes, False)
-        lib = "DUCC/cuFFT: the plan is made for the whole batched transform" if name == "fft" else (
-            "LAPACK/cuSOLVER: batched and single problems can take different algorithms (e.g. batched Jacobi for "
-            "small matrices on a GPU)")
-        return None if breaks is None else _Hit(
-            "linalg", breaks, f"{name} by {lib}",
-            "no jaxdet equivalent: keep it out of the reproducible path, or run it with a fixed batch shape")
+        lib = (
+            "DUCC/cuFFT: the plan is made for the whole batched transform"
+            if name == "fft"
+            else (
+                "LAPACK/cuSOLVER: batched and single problems can take different algorithms (e.g. batched Jacobi for "
+                "small matrices on a GPU)"
+            )
+        )
+        return (
+            None
+            if breaks is None
+            else _Hit(
+                "linalg",
+                breaks,
+                f"{name} by {lib}",
+                "no jaxdet equivalent: keep it out of the reproducible path, or run it with a fixed batch shape",
+            )
+        )
 
     if name == "sort":
         if p.get("is_stable", True) or len(eqn.invars) <= p.get("num_keys", 1):
             return None
         breaks = _batch_breaks(axes, gpu)
-        return None if breaks is None else _Hit(
-            "sort", breaks, "an unstable sort carrying payloads: the order of equal keys depends on the algorithm, "
-            "its size and the backend", "is_stable=True (jnp.argsort and lax.sort with stable ordering)")
+        return (
+            None
+            if breaks is None
+            else _Hit(
+                "sort",
+                breaks,
+                "an unstable sort carrying payloads: the order of equal keys depends on the algorithm, "
+                "its size and the backend",
+                "is_stable=True (jnp.argsort and lax.sort with stable ordering)",
+            )
+        )
 
     if name == "approx_top_k":
         breaks = _batch_breaks(axes, False)
-        return None if breaks is None else _Hit(
-            "sort", breaks, "approximate top-k: which elements it keeps depends on the whole shape",
-            "lax.top_k (exact; ties go to the lower index)")
+        return (
+            None
+            if breaks is None
+            else _Hit(
+                "sort",
+                breaks,
+                "approximate top-k: which elements it keeps depends on the whole shape",
+                "lax.top_k (exact; ties go to the lower index)",
+            )
+        )
 
     if name not in _UNSEEN and any(True for _ in jex_core.jaxprs_in_params(p)):
         return None  # a call or control flow: the walk visits its body
-    return _Hit("unverified", (), f"{name}: a primitive the audit does not know or cannot look into (a custom "
-                "kernel, callback or new JAX primitive); its determinism is its author's contract",
-                f"check it with jaxdet.testing.assert_batch_invariant / assert_deterministic, then ignore=[{name!r}]",
-                blocking=False)
+    return _Hit(
+        "unverified",
+        (),
+        f"{name}: a primitive the audit does not know or cannot look into (a custom "
+        "kernel, callback or new JAX primitive); its determinism is its author's contract",
+        f"check it with jaxdet.testing.assert_batch_invariant / assert_deterministic, then ignore=[{name!r}]",
+        blocking=False,
+    )
 
 
 def _window_adds(params) -> bool:
@@ -585,31 +762,51 @@ def _scatter_hit(eqn, axes: _Axes, name, in_float, gpu) -> _Hit | None:
         return None
     if name.startswith("select_and_scatter"):
         breaks = _batch_breaks(axes, gpu)
-        return None if breaks is None else _Hit(
-            "scatter", breaks, "the gradient of max pooling: overlapping windows add into the same input element"
-            + ("; XLA:GPU has no deterministic select-and-scatter" if gpu else ""),
-            "non-overlapping windows (stride == window), or pooling written with jaxdet.matmul")
+        return (
+            None
+            if breaks is None
+            else _Hit(
+                "scatter",
+                breaks,
+                "the gradient of max pooling: overlapping windows add into the same input element"
+                + ("; XLA:GPU has no deterministic select-and-scatter" if gpu else ""),
+                "non-overlapping windows (stride == window), or pooling written with jaxdet.matmul",
+            )
+        )
     if p.get("unique_indices"):
         return None
-    combiner = name.split("-", 1)[1] if "-" in name else name[len("scatter_"):] if "_" in name else ""
+    combiner = name.split("-", 1)[1] if "-" in name else name[len("scatter_") :] if "_" in name else ""
     local = _row_local(eqn, axes)
     across = not local and (axes.ins[2] if len(axes.ins) > 2 else None) != frozenset()
     if combiner in ("add", "mul", "sub"):
-        what = (f"scatter-{combiner} with possibly repeated indices (e.g. the gradient of an embedding lookup "
-                "jnp.take / x[idx], .at[].add, segment_sum)")
+        what = (
+            f"scatter-{combiner} with possibly repeated indices (e.g. the gradient of an embedding lookup "
+            "jnp.take / x[idx], .at[].add, segment_sum)"
+        )
         if gpu:
-            return _Hit("scatter", (RUN, DEVICES) if across else (RUN,),
-                        f"{what}: XLA:GPU combines the updates with atomics, in whatever order threads arrive",
-                        _with_run(_ONE_HOT_FIX, True) + " (a sort-based deterministic scatter)")
+            return _Hit(
+                "scatter",
+                (RUN, DEVICES) if across else (RUN,),
+                f"{what}: XLA:GPU combines the updates with atomics, in whatever order threads arrive",
+                _with_run(_ONE_HOT_FIX, True) + " (a sort-based deterministic scatter)",
+            )
         if not across:
             return None  # each row's updates land in that row only, applied in update order
-        return _Hit("scatter", (DEVICES,),
-                    f"{what}: XLA:CPU applies the updates one by one in update order (deterministic here), so a "
-                    "repeated index sums over the rows in batch order, and micro-batching or devices change it; on a "
-                    "GPU it uses atomics", _ONE_HOT_FIX)
+        return _Hit(
+            "scatter",
+            (DEVICES,),
+            f"{what}: XLA:CPU applies the updates one by one in update order (deterministic here), so a "
+            "repeated index sums over the rows in batch order, and micro-batching or devices change it; on a "
+            "GPU it uses atomics",
+            _ONE_HOT_FIX,
+        )
     if combiner == "" and gpu:
-        return _Hit("scatter", (RUN,), "a scatter with possibly repeated indices: on a GPU, which update wins is a race",
-                    _with_run("unique indices (pass unique_indices=True when they are)", True))
+        return _Hit(
+            "scatter",
+            (RUN,),
+            "a scatter with possibly repeated indices: on a GPU, which update wins is a race",
+            _with_run("unique indices (pass unique_indices=True when they are)", True),
+        )
     return None
 
 
@@ -649,22 +846,29 @@ def _rng_hit(eqn, axes: _Axes, name) -> _Hit | None:
     key_shape = tuple(getattr(getattr(key, "aval", None), "shape", ()) or ())
     rbg = name in ("rng_bit_generator", "rng_uniform") or "rbg" in key_dtype
     if rbg:
-        return _Hit("rng", _batch_breaks(axes, False) or (BATCH,),
-                    f"{name} ({key_dtype or 'XLA RngBitGenerator'}): XLA's RngBitGenerator, whose bits are defined "
-                    "per backend and per shape (not the same on CPU and GPU, nor guaranteed across JAX versions)",
-                    _DROPOUT_FIX)
+        return _Hit(
+            "rng",
+            _batch_breaks(axes, False) or (BATCH,),
+            f"{name} ({key_dtype or 'XLA RngBitGenerator'}): XLA's RngBitGenerator, whose bits are defined "
+            "per backend and per shape (not the same on CPU and GPU, nor guaranteed across JAX versions)",
+            _DROPOUT_FIX,
+        )
     if axes.known and not axes.batchy():
         return None  # the same bits whatever the batch: threefry is a pure function of (key, shape)
     partitionable = bool(getattr(jax.config, "jax_threefry_partitionable", True))
     if not partitionable:
-        why = ("threefry bits with jax_threefry_partitionable=False: every element's bits depend on the whole "
-               "array's shape, so a row's mask changes with the batch size")
+        why = (
+            "threefry bits with jax_threefry_partitionable=False: every element's bits depend on the whole "
+            "array's shape, so a row's mask changes with the batch size"
+        )
     elif key_shape and axes.known and axes.ins[0]:
         return None  # one key per example (vmap): each row's bits depend on its key only
     else:
-        why = ("threefry bits from one key for the whole array: element (i, j) gets the bits of its flat index, so a "
-               "row's mask depends on its position in the batch (alone it gets row 0's) and on the global flag "
-               "jax_threefry_partitionable; nothing reproduces one micro-batch's share")
+        why = (
+            "threefry bits from one key for the whole array: element (i, j) gets the bits of its flat index, so a "
+            "row's mask depends on its position in the batch (alone it gets row 0's) and on the global flag "
+            "jax_threefry_partitionable; nothing reproduces one micro-batch's share"
+        )
     return _Hit("rng", (BATCH,), why, _DROPOUT_FIX)
 
 
@@ -692,11 +896,23 @@ class _Walker:
             name = eqn.primitive.name
             hit = _classify(eqn, _axes(eqn, e2), eq_apis, here, self.backend, bwd)
             if hit is not None:
-                self.found.append(Finding(
-                    kind=hit.kind, primitive=name, shapes=_avals_str(eqn), file=here.file, line=here.line,
-                    function=here.function, breaks=hit.breaks, why=hit.why, fix=hit.fix,
-                    origin=eq_apis[0] if eq_apis else "", backward=bwd, path=" > ".join(path), blocking=hit.blocking,
-                ))
+                self.found.append(
+                    Finding(
+                        kind=hit.kind,
+                        primitive=name,
+                        shapes=_avals_str(eqn),
+                        file=here.file,
+                        line=here.line,
+                        function=here.function,
+                        breaks=hit.breaks,
+                        why=hit.why,
+                        fix=hit.fix,
+                        origin=eq_apis[0] if eq_apis else "",
+                        backward=bwd,
+                        path=" > ".join(path),
+                        blocking=hit.blocking,
+                    )
+                )
             label = f"{name}({eqn.params['name']})" if isinstance(eqn.params.get("name"), str) else name
             subs2 = list(jex_core.jaxprs_in_params(e2.params)) if e2 is not None else []
             for i, sub in enumerate(jex_core.jaxprs_in_params(eqn.params)):
@@ -713,8 +929,10 @@ def _backend(backend: str | None) -> str:
         return "cpu"
     if b in ("gpu", "cuda", "rocm"):
         return "gpu"
-    raise ValueError(f"backend must be 'cpu' or 'gpu' (or 'cuda'/'rocm'), or None for jax.default_backend(); got "
-                     f"{b!r}: jaxdet audits XLA:CPU and XLA:GPU programs")
+    raise ValueError(
+        f"backend must be 'cpu' or 'gpu' (or 'cuda'/'rocm'), or None for jax.default_backend(); got "
+        f"{b!r}: jaxdet audits XLA:CPU and XLA:GPU programs"
+    )
 
 
 def _matcher(ignore) -> Callable[[Finding], bool]:
@@ -723,8 +941,10 @@ def _matcher(ignore) -> Callable[[Finding], bool]:
     if callable(ignore) or isinstance(ignore, str):
         ignore = [ignore]
     if not isinstance(ignore, Iterable):
-        raise TypeError("ignore must be a kind, a primitive name, a 'file.py:line' or 'file.py' string, a callable "
-                        f"Finding -> bool, or a list of them; got {type(ignore).__name__}")
+        raise TypeError(
+            "ignore must be a kind, a primitive name, a 'file.py:line' or 'file.py' string, a callable "
+            f"Finding -> bool, or a list of them; got {type(ignore).__name__}"
+        )
     rules = list(ignore)
     for r in rules:
         if not (callable(r) or isinstance(r, str)):
@@ -735,8 +955,10 @@ def _matcher(ignore) -> Callable[[Finding], bool]:
             if callable(r):
                 if r(f):
                     return True
-            elif r in (f.kind, f.primitive) or (":" in r and f.location.endswith(r)) or (
-                r.endswith(".py") and f.file.endswith(r)
+            elif (
+                r in (f.kind, f.primitive)
+                or (":" in r and f.location.endswith(r))
+                or (r.endswith(".py") and f.file.endswith(r))
             ):
                 return True
         return False
@@ -776,14 +998,23 @@ def _index_list(value, name, nargs, *, allow_none=False):
     items = (value,) if isinstance(value, int) else tuple(value)
     for i in items:
         if not isinstance(i, int) or isinstance(i, bool) or not -nargs <= i < nargs:
-            raise ValueError(f"{name} must index the example arguments 0..{nargs - 1} (int or sequence of ints), "
-                             f"got {value!r}")
+            raise ValueError(
+                f"{name} must index the example arguments 0..{nargs - 1} (int or sequence of ints), got {value!r}"
+            )
     return tuple(sorted({i % nargs for i in items}))
 
 
-def audit(fn: Callable, *example_args, backend: str | None = None, batch_argnums: int | Sequence[int] | None = None,
-          ignore=None, strict: bool = False, invariants: Sequence[str] = (BATCH, RUN, DEVICES),
-          static_argnums: int | Sequence[int] = (), **example_kwargs) -> AuditReport:
+def audit(
+    fn: Callable,
+    *example_args,
+    backend: str | None = None,
+    batch_argnums: int | Sequence[int] | None = None,
+    ignore=None,
+    strict: bool = False,
+    invariants: Sequence[str] = (BATCH, RUN, DEVICES),
+    static_argnums: int | Sequence[int] = (),
+    **example_kwargs,
+) -> AuditReport:
     """List the operations of ``fn`` that can break batch invariance, run-to-run determinism or
     device-count invariance on ``backend``, with their source lines and fixes.
 
@@ -849,8 +1080,16 @@ def audit(fn: Callable, *example_args, backend: str | None = None, batch_argnums
     for f in _merge(walker.found):
         if f.blocking and f.breaks and not set(f.breaks) & set(wanted):
             continue
-        findings.append(dataclasses.replace(f, breaks=tuple(b for b in f.breaks if b in wanted) or f.breaks,
-                                            blocking=f.blocking or strict))
+        findings.append(
+            dataclasses.replace(
+                f, breaks=tuple(b for b in f.breaks if b in wanted) or f.breaks, blocking=f.blocking or strict
+            )
+        )
     kept = tuple(f for f in findings if not match(f))
-    return AuditReport(findings=kept, backend=name, strict=strict, ignored=tuple(f for f in findings if match(f)),
-                       batch_axes=batch is not None and doubled is not None)
+    return AuditReport(
+        findings=kept,
+        backend=name,
+        strict=strict,
+        ignored=tuple(f for f in findings if match(f)),
+        batch_axes=batch is not None and doubled is not None,
+    )

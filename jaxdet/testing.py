@@ -80,8 +80,10 @@ def describe_bit_differences(x, y, what: str = "arrays", limit: int = 5) -> str 
     for idx in idxs:
         u, v = int(ba[idx]), int(bb[idx])
         ulp = _ulps(u, v, width) if is_float else None
-        shown.append(f"{idx}: {a[idx]} (0x{u:0{2 * width}x}) vs {b[idx]} (0x{v:0{2 * width}x})"
-                     + (f" [{ulp} ulp]" if ulp is not None else ""))
+        shown.append(
+            f"{idx}: {a[idx]!s} (0x{u:0{2 * width}x}) vs {b[idx]!s} (0x{v:0{2 * width}x})"
+            + (f" [{ulp} ulp]" if ulp is not None else "")
+        )
     msg = f"{what}: {n} of {a.size} elements differ bitwise; first: {', '.join(shown)}"
     if is_float:
         with np.errstate(invalid="ignore", over="ignore"):
@@ -118,8 +120,16 @@ def _check_sizes(sizes, name):
     return tuple(int(s) for s in sizes)
 
 
-def assert_batch_invariant(fn: Callable, batch, sizes: Sequence[int] = (1, 4, 16, 64), positions=None, *,
-                           row: int = 0, jit: bool = True, what: str | None = None) -> None:
+def assert_batch_invariant(
+    fn: Callable,
+    batch,
+    sizes: Sequence[int] = (1, 4, 16, 64),
+    positions=None,
+    *,
+    row: int = 0,
+    jit: bool = True,
+    what: str | None = None,
+) -> None:
     """Assert that a row's outputs have the same bits alone and inside batches of other sizes and
     at other positions.
 
@@ -175,7 +185,8 @@ def assert_batch_invariant(fn: Callable, batch, sizes: Sequence[int] = (1, 4, 16
                 raise ValueError(
                     f"{name}: {path} has shape {list(np.shape(leaf))}, but a batch of {n} rows needs "
                     f"outputs with a leading axis of {n} (one row per input row): return per-row values and "
-                    "reduce over the batch outside the function under test")
+                    "reduce over the batch outside the function under test"
+                )
         return named
 
     alone = rows_of(run(take([row])), 1)
@@ -190,15 +201,18 @@ def assert_batch_invariant(fn: Callable, batch, sizes: Sequence[int] = (1, 4, 16
             got = rows_of(run(take(idx)), size)
             for (path, ref), (_, leaf) in zip(alone, got):
                 msg = describe_bit_differences(
-                    np.asarray(leaf)[pos], np.asarray(ref)[0],
-                    f"{name}: {path}, row {row} at position {pos} of a batch of {size} vs alone")
+                    np.asarray(leaf)[pos],
+                    np.asarray(ref)[0],
+                    f"{name}: {path}, row {row} at position {pos} of a batch of {size} vs alone",
+                )
                 if msg is not None:
                     failures.append((size, pos, path, msg))
     if failures:
         summary = ", ".join(f"size {s} position {p} {path}" for s, p, path, _ in failures)
         raise AssertionError(
             f"{name} is not batch invariant: row {row}'s outputs changed in {len(failures)} case(s) ({summary}).\n"
-            f"First: {failures[0][3]}")
+            f"First: {failures[0][3]}"
+        )
 
 
 def _check_positions(positions):
@@ -210,8 +224,9 @@ def _check_positions(positions):
     return tuple(int(p) for p in positions)
 
 
-def assert_deterministic(fn: Callable, *args, runs: int = 3, recompile: bool = False, what: str | None = None,
-                         **kwargs) -> None:
+def assert_deterministic(
+    fn: Callable, *args, runs: int = 3, recompile: bool = False, what: str | None = None, **kwargs
+) -> None:
     """Assert that ``jax.jit(fn)(*args, **kwargs)`` gives the same bits in ``runs`` runs.
 
     Every output leaf of every run is compared bit for bit with the first run's. ``recompile=True``
@@ -244,6 +259,8 @@ def assert_deterministic(fn: Callable, *args, runs: int = 3, recompile: bool = F
             if msg is not None:
                 failures.append(msg)
     if failures:
-        raise AssertionError(f"{name} is not deterministic over {runs} runs"
-                             f"{' (recompiled each run)' if recompile else ''}: {len(failures)} output(s) "
-                             f"differ.\nFirst: {failures[0]}")
+        raise AssertionError(
+            f"{name} is not deterministic over {runs} runs"
+            f"{' (recompiled each run)' if recompile else ''}: {len(failures)} output(s) "
+            f"differ.\nFirst: {failures[0]}"
+        )

@@ -35,6 +35,7 @@ KEY = jax.random.key(0)
 
 # ---- Models that each have one problem. ----
 
+
 def model_dot(x, w):
     return jnp.dot(x, w)  # <dot>
 
@@ -168,6 +169,7 @@ def test_row_reduction_is_within_rows_and_names_the_jaxdet_op():
 
 # ---- Nested jaxprs: scan, remat, custom_vjp, while/cond, shard_map (above). ----
 
+
 def test_findings_inside_scan_and_remat_bodies():
     def step(xs, w):
         def body(carry, x):
@@ -231,6 +233,7 @@ def test_findings_inside_while_and_cond():
 
 # ---- A model of jaxdet ops only is clean, forward and backward. ----
 
+
 def jaxdet_model(params, x, key):
     h = jax.nn.gelu(jaxdet.matmul(x, params["w1"]))
     h = jaxdet.dropout(h, key, 0.1)
@@ -264,6 +267,7 @@ def test_bias_gradient_is_a_cross_row_sum():
 
 # ---- Precision: what is not a hazard. ----
 
+
 def test_exact_and_batch_independent_ops_are_not_flagged():
     def fn(x, w, ids):
         count = jnp.sum((ids > 2).astype(jnp.int32))  # integer sum: exact
@@ -282,14 +286,16 @@ def test_exact_and_batch_independent_ops_are_not_flagged():
 
 def test_gpu_long_batch_independent_reduction_is_a_run_to_run_hazard():
     w = jnp.ones((4, 40000))
-    report = jaxdet.audit(lambda x, w: x[:, :4] @ jnp.ones((4, 4)) + jnp.sum(w), X, w, batch_argnums=0, backend="gpu",
-                          ignore="dot")
+    report = jaxdet.audit(
+        lambda x, w: x[:, :4] @ jnp.ones((4, 4)) + jnp.sum(w), X, w, batch_argnums=0, backend="gpu", ignore="dot"
+    )
     (f,) = report.findings
     assert f.breaks == (RUN,) and "race-free bound" in f.why and "--xla_gpu_deterministic_ops=true" in f.fix
     assert jaxdet.audit(lambda x, w: jnp.sum(w) + x, X, w, batch_argnums=0, backend="cpu").ok
 
 
 # ---- Options. ----
+
 
 def test_ignore_by_kind_primitive_location_and_callable():
     def fn(x, w, key):
