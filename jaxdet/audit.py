@@ -207,7 +207,8 @@ def _library_path(file_name: str) -> str | None:
     real = os.path.realpath(file_name)
     for root, pkg in _ROOTS.items():
         if real.startswith(root):
-            return pkg + "/" + real[len(root) :].replace(os.sep, "/")
+            rel = pkg + "/" + real[len(root) :].replace(os.sep, "/")
+            return None if rel.startswith("jaxdet/models/") else rel  # reference models are user code
     return None
 
 
@@ -432,24 +433,26 @@ def _axes_str(axes) -> str:
     return ", ".join(str(a) for a in sorted(axes))
 
 
+_API_FIXES = (  # (substring of a function's name, the jaxdet op), first match wins
+    ("attention", _ATTENTION_FIX),
+    ("cross_entropy", "jaxdet.softmax_cross_entropy(logits, labels) (per-token losses, row-invariant fwd and bwd)"),
+    ("log_softmax", "jaxdet.log_softmax(x)"),
+    ("logsumexp", "jaxdet.log_softmax(x)"),
+    ("softmax", "jaxdet.softmax(x)"),
+    ("rms", "jaxdet.rms_norm(x, scale, eps)"),
+    ("layer_norm", "jaxdet.layer_norm(x, scale, bias, eps)"),
+    ("layernorm", "jaxdet.layer_norm(x, scale, bias, eps)"),
+    ("global_norm", "jaxdet.clip_by_global_norm / jaxdet.global_norm (jaxdet.optax.clip_by_global_norm in optax)"),
+)
+
+
 def _api_fix(apis: Sequence[str], where: _Where) -> str | None:
-    """The jaxdet op that replaces the library function (or user helper) an equation comes from."""
-    names = [a.rsplit(".", 1)[-1].split(":")[-1] for a in apis] + [where.function or ""]
-    joined = " ".join(n.lower() for n in names)
-    if "attention" in joined:
-        return _ATTENTION_FIX
-    if "cross_entropy" in joined:
-        return "jaxdet.softmax_cross_entropy(logits, labels) (per-token losses, row-invariant forward and backward)"
-    if "log_softmax" in joined or "logsumexp" in joined:
-        return "jaxdet.log_softmax(x)"
-    if "softmax" in joined:
-        return "jaxdet.softmax(x)"
-    if "rms" in joined:
-        return "jaxdet.rms_norm(x, scale, eps)"
-    if "layer_norm" in joined or "layernorm" in joined:
-        return "jaxdet.layer_norm(x, scale, bias, eps)"
-    if "global_norm" in joined:
-        return "jaxdet.clip_by_global_norm / jaxdet.global_norm (jaxdet.optax.clip_by_global_norm in optax chains)"
+    """The jaxdet op that replaces the library function an equation comes from (the outermost one
+    first), else the one the user's enclosing function is named after."""
+    for name in [a.rsplit(".", 1)[-1].split(":")[-1].lower() for a in apis] + [(where.function or "").lower()]:
+        for key, fix in _API_FIXES:
+            if key in name:
+                return fix
     return None
 
 
