@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-from jaxdet._audit_rules import BATCH, DEVICES, RUN, avals_str, classify, eqn_axes, same_structure
+from jaxdet._audit_rules import BATCH, DEVICES, RUN, avals_str, classify, eqn_axes, same_structure, sub_jaxprs
 
 __all__ = ["audit", "AuditReport", "Finding", "BATCH", "RUN", "DEVICES"]
 
@@ -281,8 +280,8 @@ class _Walker:
                     )
                 )
             label = f"{name}({eqn.params['name']})" if isinstance(eqn.params.get("name"), str) else name
-            subs2 = list(jex_core.jaxprs_in_params(e2.params)) if e2 is not None else []
-            for i, sub in enumerate(jex_core.jaxprs_in_params(eqn.params)):
+            subs2 = sub_jaxprs(e2.params) if e2 is not None else []
+            for i, sub in enumerate(sub_jaxprs(eqn.params)):
                 self.jaxpr(sub, subs2[i] if i < len(subs2) else None, here, eq_apis, bwd, (*path, label))
 
 
@@ -460,3 +459,10 @@ def audit(
         ignored=tuple(f for f in findings if match(f)),
         batch_axes=batch is not None and doubled is not None,
     )
+
+
+# `jaxdet.audit` is the function (the package exports it): its types and invariant names are
+# reachable from it too.
+audit.Finding = Finding
+audit.AuditReport = AuditReport
+audit.BATCH, audit.RUN, audit.DEVICES = BATCH, RUN, DEVICES
