@@ -251,7 +251,7 @@ def _reduce_hit(eqn, axes: Axes, apis, function, backend, backward) -> Hit | Non
     if not _is_float(x.aval):
         return None
     shape = tuple(x.aval.shape)
-    red = set(eqn.params.get("axes", ()))
+    red = set(eqn.params.get("axes", eqn.params.get("dimensions", ())))
     n = int(np.prod([shape[a] for a in red])) if red else 1
     if n <= 2:
         return None  # a + b == b + a: at most two terms are exact in any order
@@ -419,10 +419,13 @@ def classify(eqn, axes: Axes, apis, function, backend, backward) -> Hit | None:
         )
 
     if name in ("reduce_sum", "reduce_prod", "reduce"):
+        if name == "reduce" and not _accumulates(p):
+            return None  # a max/min/argmax written with lax.reduce
         return _reduce_hit(eqn, axes, apis, function, backend, backward)
 
     if name in ("reduce_window_sum", "reduce_window"):
-        if not in_float or (name == "reduce_window" and not _window_adds(p)):
+        window = int(np.prod(p.get("window_dimensions", (3,))))
+        if not in_float or window <= 2 or (name == "reduce_window" and not _accumulates(p)):
             return None
         breaks = _batch_breaks(axes, False)
         return (
@@ -539,10 +542,9 @@ def classify(eqn, axes: Axes, apis, function, backend, backward) -> Hit | None:
     )
 
 
-def _window_adds(params) -> bool:
-    j = params.get("jaxpr")
-    jaxpr = getattr(j, "jaxpr", j)
-    return any(e.primitive.name in ("add", "add_any") for e in getattr(jaxpr, "eqns", ()))
+def _accumulates(params) -> bool:
+    """Whether a reduction's combiner adds or multiplies (order-dependent in floats)."""
+    return any(e.primitive.name in ("add", "add_any", "sub", "mul") for j in sub_jaxprs(params) for e in j.eqns)
 
 
 def _scatter_hit(eqn, axes: Axes, name, in_float, gpu) -> Hit | None:

@@ -217,7 +217,6 @@ class _Where:
     file: str = ""
     line: int = 0
     function: str = ""
-    apis: tuple[str, ...] = ()  # library functions on the way, outermost (closest to the user) first
 
 
 def _locate(eqn) -> tuple[_Where | None, tuple[str, ...]]:

@@ -221,6 +221,17 @@ def test_findings_inside_custom_vjp_forward_and_backward():
     assert ("reduce", (DEVICES,), True) in kinds  # dW summed over rows
 
 
+def test_generic_and_windowed_reductions_are_flagged():
+    def fn(x):
+        a = jax.lax.reduce(x, 0.0, lambda u, v: u + v, (1,))  # <lax-reduce>
+        b = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 4), (1, 1), "VALID")  # <window>
+        return a + b[:, 0]
+
+    report = jaxdet.audit(fn, X, batch_argnums=0)
+    assert [(f.kind, f.primitive, f.breaks) for f in at(report, "lax-reduce")] == [("reduce", "reduce", (BATCH,))]
+    assert [f.primitive for f in at(report, "window")] == ["reduce_window_sum"]
+
+
 def test_findings_inside_while_and_cond():
     def step(x, w):
         x = jax.lax.cond(x[0, 0] > 0, lambda v: jnp.dot(v, w), lambda v: v[:, :16], x)  # <cond-dot>
@@ -275,6 +286,7 @@ def test_exact_and_batch_independent_ops_are_not_flagged():
         pair = jnp.sum(x[:, :2], axis=1)  # two terms: exact in any order
         outer = x[:, :1] * w[0][None, :]  # elementwise
         top = jnp.max(x, axis=1) + jnp.argmax(x, axis=1)  # exact reductions
+        top = top + jax.lax.reduce(x, -jnp.inf, jax.lax.max, (1,))  # a max through lax.reduce
         return count + decay + pair + outer[:, 0] + top
 
     ids = jnp.arange(8)
