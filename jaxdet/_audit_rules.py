@@ -542,6 +542,11 @@ def classify(eqn, axes: Axes, apis, function, backend, backward) -> Hit | None:
     )
 
 
+def opaque(eqn) -> bool:
+    """Kernels whose inner jaxpr is not XLA's program (Pallas, custom calls): not walked into."""
+    return eqn.primitive.name in _UNSEEN
+
+
 def _accumulates(params) -> bool:
     """Whether a reduction's combiner adds or multiplies (order-dependent in floats)."""
     return any(e.primitive.name in ("add", "add_any", "sub", "mul") for j in sub_jaxprs(params) for e in j.eqns)

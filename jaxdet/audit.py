@@ -18,7 +18,17 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from jaxdet._audit_rules import BATCH, DEVICES, RUN, avals_str, classify, eqn_axes, same_structure, sub_jaxprs
+from jaxdet._audit_rules import (
+    BATCH,
+    DEVICES,
+    RUN,
+    avals_str,
+    classify,
+    eqn_axes,
+    opaque,
+    same_structure,
+    sub_jaxprs,
+)
 
 __all__ = ["audit", "AuditReport", "Finding", "BATCH", "RUN", "DEVICES"]
 
@@ -278,6 +288,8 @@ class _Walker:
                         blocking=hit.blocking,
                     )
                 )
+            if opaque(eqn):
+                continue  # a kernel's own program (Pallas, custom call): reported above as unverified
             label = f"{name}({eqn.params['name']})" if isinstance(eqn.params.get("name"), str) else name
             subs2 = sub_jaxprs(e2.params) if e2 is not None else []
             for i, sub in enumerate(sub_jaxprs(eqn.params)):

@@ -336,6 +336,21 @@ def test_strict_fails_on_what_the_audit_cannot_see():
     assert not strict.ok and at(strict, "callback")[0].blocking
 
 
+def test_a_pallas_kernel_is_one_unverified_note_not_its_inner_ops():
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...])
+
+    def fn(x, w):
+        out = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+        return pl.pallas_call(kernel, out_shape=out, interpret=True)(x, w)  # <pallas>
+
+    report = jaxdet.audit(fn, X, W)
+    assert [(f.kind, f.primitive, f.blocking) for f in report.findings] == [("unverified", "pallas_call", False)]
+    assert at(report, "pallas") and report.ok and not jaxdet.audit(fn, X, W, strict=True).ok
+
+
 def test_invariants_select_what_is_audited():
     fn = lambda x: model_batch_sum(x) + model_rms_norm(x)[0]  # noqa: E731
     full = jaxdet.audit(fn, X, batch_argnums=0)
