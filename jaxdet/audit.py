@@ -57,7 +57,7 @@ class Finding:
     backward: bool = False  # produced by differentiation (a transposed/linearized equation)
     path: str = ""  # the nesting of the equation: "jit(step) > scan > checkpoint"
     blocking: bool = True
-    count: int = 1  # identical equations (same op, shapes and line) reported once
+    count: int = 1  # identical equations (same op, shapes, line and origin) reported once
 
     @property
     def location(self) -> str:
@@ -239,9 +239,12 @@ def _locate(eqn) -> tuple[_Where | None, tuple[str, ...]]:
         lib = _library_path(fr.file_name)
         if lib is None:
             return _Where(fr.file_name, int(getattr(fr, "line_num", 0)), fr.function_name), tuple(reversed(apis))
-        public = not any(part.startswith(("_", "<")) for part in fr.function_name.split("."))
+        parts = fr.function_name.split(".")
+        if len(parts) > 1 and parts[-1] == "__call__":
+            parts = parts[:-1]  # a module's call: name its class (flax's LayerNorm, Dense, ...)
+        public = not any(part.startswith(("_", "<")) for part in parts)
         if public and not any(lib.startswith(p) for p in _PLUMBING):
-            name = _api_name(lib, fr.function_name)
+            name = _api_name(lib, ".".join(parts))
             if not apis or apis[-1] != name:
                 apis.append(name)
     return None, tuple(reversed(apis))
@@ -346,7 +349,7 @@ def _matcher(ignore) -> Callable[[Finding], bool]:
 def _merge(findings: list[Finding]) -> list[Finding]:
     merged: dict[tuple, Finding] = {}
     for f in findings:
-        key = (f.kind, f.primitive, f.shapes, f.file, f.line, f.backward, f.path, f.blocking)
+        key = (f.kind, f.primitive, f.shapes, f.file, f.line, f.origin, f.backward, f.path, f.blocking)
         merged[key] = dataclasses.replace(merged[key], count=merged[key].count + 1) if key in merged else f
     return list(merged.values())
 

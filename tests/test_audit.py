@@ -167,6 +167,41 @@ def test_row_reduction_is_within_rows_and_names_the_jaxdet_op():
     assert f.fix.startswith("jaxdet.rms_norm") and f.origin == "jnp.mean"
 
 
+def test_library_layers_name_their_jaxdet_replacement():
+    optax = pytest.importorskip("optax")
+    labels = jnp.zeros((8,), jnp.int32)
+    report = jaxdet.audit(lambda x: optax.softmax_cross_entropy_with_integer_labels(x, labels), X, batch_argnums=0)
+    assert report.findings and all(f.origin == "optax.softmax_cross_entropy_with_integer_labels" for f in report)
+    assert all(f.fix.startswith("jaxdet.softmax_cross_entropy") for f in report)
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.RMSNorm()(nn.LayerNorm()(nn.Dense(16)(x)))  # <flax>
+
+    params = Block().init(jax.random.key(0), X)
+    found = {f.origin: f.fix for f in at(jaxdet.audit(Block().apply, params, X, batch_argnums=1), "flax")}
+    assert found["flax:Dense"].startswith("jaxdet.matmul")
+    assert found["flax:LayerNorm"].startswith("jaxdet.layer_norm")
+    assert found["flax:RMSNorm"].startswith("jaxdet.rms_norm")
+
+
+def test_optimizer_reductions_over_parameters_are_not_batch_hazards():
+    optax = pytest.importorskip("optax")
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+    def step(w, state, x):
+        g = jax.grad(lambda w: jnp.sum(jaxdet.matmul(x, w) ** 2))(w)
+        updates, state = opt.update(g, state, w)
+        return optax.apply_updates(w, updates), state
+
+    report = jaxdet.audit(step, W, opt.init(W), X, batch_argnums=2)
+    assert report.ok and not report.findings, str(report)
+    # Under GPU rules only a long reduction would be reported (run-to-run); this one is short.
+    assert jaxdet.audit(step, W, opt.init(W), X, batch_argnums=2, backend="gpu").ok
+
+
 # ---- Nested jaxprs: scan, remat, custom_vjp, while/cond, shard_map (above). ----
 
 
