@@ -173,10 +173,11 @@ def assert_batch_invariant(
     name = what or getattr(fn, "__name__", "fn")
     run = jax.jit(fn) if jit else fn
 
-    host = jax.tree.map(np.asarray, batch)
-
     def take(idx):
-        return jax.tree.map(lambda x: jnp.asarray(x[np.asarray(idx)]), host)
+        # Rows are copied by indexing (exact): NumPy leaves on the host, JAX arrays (typed PRNG
+        # keys too) where they live.
+        idx = np.asarray(idx, np.int32)
+        return jax.tree.map(lambda x: x[jnp.asarray(idx)] if isinstance(x, jax.Array) else jnp.asarray(x[idx]), batch)
 
     def rows_of(out, n):
         named = _leaves_with_paths(out)

@@ -103,6 +103,18 @@ def test_rows_are_placed_where_asked_and_batches_are_filled_by_cycling():
     np.testing.assert_array_equal(seen[1], [0.0, 2.0, 1.0, 0.0, 2.0])  # row 1 at position 2, others cycled
 
 
+def test_per_example_keys_are_rows_too():
+    keys = jax.random.split(jax.random.key(0), 8)
+
+    def noisy(batch):
+        x, k = batch
+        return x + jax.vmap(lambda k: jax.random.normal(k, (4,)))(k)
+
+    assert_batch_invariant(noisy, (jnp.ones((8, 4)), keys), sizes=(1, 3, 8))
+    dkeys = jax.vmap(lambda i: jaxdet.random.fold_in(jaxdet.random.key(0), i))(jnp.arange(8))
+    assert_batch_invariant(lambda b: jax.vmap(lambda x, k: jaxdet.dropout(x, k, 0.5))(*b), (X[:8], dkeys), sizes=(1, 8))
+
+
 def test_outputs_without_a_row_axis_are_refused():
     with pytest.raises(ValueError, match=r"output has shape \[\], but a batch of 1 rows needs outputs with a leading"):
         assert_batch_invariant(lambda b: jnp.sum(b), X)
