@@ -87,6 +87,16 @@ def test_jax_random_dropout_is_flagged():
     assert "jit(_bernoulli)" in f.path  # found inside jax's nested jit
 
 
+def test_xla_rng_bit_generator_is_flagged():
+    def fn(x, key):
+        _, bits = jax.lax.rng_bit_generator(key, x.shape)  # <rbg>
+        return x * (bits > jnp.uint32(2**31))
+
+    report = jaxdet.audit(fn, X, jnp.zeros((4,), jnp.uint32), batch_argnums=0)
+    (f,) = at(report, "rbg")
+    assert f.kind == "rng" and f.primitive == "rng_bit_generator" and "per backend" in f.why
+
+
 def test_scatter_add_is_flagged():
     ids = jnp.array([0, 1, 1, 2, 3, 0, 1, 2])
     report = jaxdet.audit(model_scatter_add, ids, X, batch_argnums=(0, 1))
@@ -138,6 +148,16 @@ def test_psum_inside_shard_map_is_flagged():
     (f,) = at(report, "psum")
     assert f.kind == "collective" and f.breaks == (DEVICES,) and "shard_map" in f.path
     assert "jaxdet.parallel.tree_psum" in f.fix
+
+    def scatter_step(x):
+        def body(y):
+            return jax.lax.psum_scatter(y, "d", tiled=True)  # <psum-scatter>
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(x)
+
+    assert [(f.kind, f.primitive) for f in at(jaxdet.audit(scatter_step, x), "psum-scatter")] == [
+        ("collective", "reduce_scatter")
+    ]
 
 
 def test_softmax_backward_is_flagged():
