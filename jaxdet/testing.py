@@ -2,13 +2,26 @@
 
 Determinism is checked on raw bits, never with ``allclose``: two results are equal here only when
 every element has the same bit pattern (so ``-0.0 != +0.0`` and NaN payloads count).
+
+``assert_batch_invariant`` and ``assert_deterministic`` are how users test their own models
+(docs/testing.md, proven by tests/test_testing.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
-__all__ = ["bits", "count_bit_differences", "same_bits", "assert_bitwise_equal"]
+__all__ = [
+    "bits",
+    "count_bit_differences",
+    "same_bits",
+    "assert_bitwise_equal",
+    "describe_bit_differences",
+    "assert_batch_invariant",
+    "assert_deterministic",
+]
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -35,18 +48,220 @@ def same_bits(x, y) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and count_bit_differences(a, b) == 0
 
 
-def assert_bitwise_equal(x, y, what: str = "arrays") -> None:
-    """Raise AssertionError, with where and how the bits differ, unless `x` and `y` are bit-identical."""
+def _is_float(dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or "float" in dtype.name  # bfloat16 & co. are ml_dtypes
+
+
+def _ulps(ba: int, bb: int, width: int) -> int | None:
+    # Distance in units in the last place between two floats of the same sign (bit patterns are
+    # ordered like the magnitudes); None across signs.
+    sign = 1 << (8 * width - 1)
+    if (ba & sign) != (bb & sign):
+        return None
+    return abs(ba - bb)
+
+
+def describe_bit_differences(x, y, what: str = "arrays", limit: int = 5) -> str | None:
+    """None when ``x`` and ``y`` are bit-identical; otherwise a message with how many elements
+    differ, where (the first ``limit`` indices), both values with their bits, and, for floats, the
+    distance in ulps and the largest absolute difference."""
     a, b = np.asarray(x), np.asarray(y)
     if a.shape != b.shape or a.dtype != b.dtype:
-        raise AssertionError(f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
-    diff = bits(a) != bits(b)
+        return f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+    ba, bb = bits(a), bits(b)
+    diff = ba != bb
     n = int(np.count_nonzero(diff))
-    if n:
-        first = np.argwhere(diff)[:3] if a.ndim else [()]
-        shown = ", ".join(
-            f"{tuple(int(i) for i in idx)}: {a[tuple(idx)]!r} (0x{int(bits(a)[tuple(idx)]):x}) vs "
-            f"{b[tuple(idx)]!r} (0x{int(bits(b)[tuple(idx)]):x})"
-            for idx in first
+    if not n:
+        return None
+    width = a.dtype.itemsize
+    is_float = _is_float(a.dtype)
+    idxs = [tuple(int(i) for i in idx) for idx in np.argwhere(diff)[:limit]] if a.ndim else [()]
+    shown = []
+    for idx in idxs:
+        u, v = int(ba[idx]), int(bb[idx])
+        ulp = _ulps(u, v, width) if is_float else None
+        shown.append(
+            f"{idx}: {a[idx]!s} (0x{u:0{2 * width}x}) vs {b[idx]!s} (0x{v:0{2 * width}x})"
+            + (f" [{ulp} ulp]" if ulp is not None else "")
         )
-        raise AssertionError(f"{what}: {n} of {a.size} elements differ bitwise; first: {shown}")
+    msg = f"{what}: {n} of {a.size} elements differ bitwise; first: {', '.join(shown)}"
+    if is_float:
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+        d = np.where(diff, d, 0.0)
+        if np.isfinite(d).all():
+            at = tuple(int(i) for i in np.unravel_index(int(np.argmax(d)), d.shape)) if a.ndim else ()
+            msg += f"; largest |difference| {float(d[at]):.3g} at {at}"
+    return msg
+
+
+def assert_bitwise_equal(x, y, what: str = "arrays") -> None:
+    """Raise AssertionError, with where and how the bits differ, unless `x` and `y` are bit-identical."""
+    msg = describe_bit_differences(x, y, what)
+    if msg is not None:
+        raise AssertionError(msg)
+
+
+# ---- Users' model tests. ----
+
+
+def _leaves_with_paths(tree):
+    import jax
+
+    return [("output" + jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _check_sizes(sizes, name):
+    if isinstance(sizes, int) or not isinstance(sizes, Sequence) or not sizes:
+        raise TypeError(f"{name} must be a non-empty sequence of ints, got {sizes!r}")
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
+            raise ValueError(f"{name} must hold positive ints, got {sizes!r}")
+    return tuple(int(s) for s in sizes)
+
+
+def assert_batch_invariant(
+    fn: Callable,
+    batch,
+    sizes: Sequence[int] = (1, 4, 16, 64),
+    positions=None,
+    *,
+    row: int = 0,
+    jit: bool = True,
+    what: str | None = None,
+) -> None:
+    """Assert that a row's outputs have the same bits alone and inside batches of other sizes and
+    at other positions.
+
+    A *row* is an index of the leading axis: of every leaf of ``batch`` (all leaves share it) and of
+    every leaf of ``fn``'s output (each output leaf must have that leading axis; reduce over the
+    batch outside ``fn``). Row ``row`` of ``batch`` is run alone (a batch of 1), then placed at each
+    position of batches of each size in ``sizes``, the other rows filled with ``batch``'s other rows
+    in order (cycled when ``batch`` has fewer rows than the size); each time its output rows must
+    equal the alone outputs bit for bit, for every output leaf.
+
+    Args:
+      fn: a function of one pytree ``batch`` (close over parameters: ``lambda b: model(params, b)``).
+      batch: a pytree of arrays with a common leading (row) axis, at least one row.
+      sizes: batch sizes to try.
+      positions: where to place the row: None for the first, middle and last position of every
+        size; or a sequence of ints (negative counts from the end; positions beyond a size skip it).
+      row: which row of ``batch`` to follow.
+      jit: run ``jax.jit(fn)`` (how models run); False calls ``fn`` as it is.
+      what: a name for the failure message (default: ``fn``'s name).
+
+    Raises AssertionError listing every (size, position) whose bits differ, with the first
+    difference's element count, indices, values, bits and ulps; ValueError for a batch or outputs
+    without a common leading axis.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    sizes = _check_sizes(sizes, "sizes")
+    if positions is not None:
+        positions = _check_positions(positions)
+    leaves = jax.tree.leaves(batch)
+    if not leaves or any(np.ndim(x) == 0 for x in leaves):
+        raise ValueError("batch must be a pytree of arrays that all have a leading (row) axis")
+    n_rows = {int(np.shape(x)[0]) for x in leaves}
+    if len(n_rows) != 1 or 0 in n_rows:
+        raise ValueError(f"batch's leaves must share a non-empty leading axis, got leading sizes {sorted(n_rows)}")
+    (n_rows,) = n_rows
+    if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not -n_rows <= row < n_rows:
+        raise ValueError(f"row must index batch's {n_rows} rows, got {row!r}")
+    row = int(row) % n_rows
+    name = what or getattr(fn, "__name__", "fn")
+    run = jax.jit(fn) if jit else fn
+
+    def take(idx):
+        # Rows are copied by indexing (exact): NumPy leaves on the host, JAX arrays (typed PRNG
+        # keys too) where they live.
+        idx = np.asarray(idx, np.int32)
+        return jax.tree.map(lambda x: x[jnp.asarray(idx)] if isinstance(x, jax.Array) else jnp.asarray(x[idx]), batch)
+
+    def rows_of(out, n):
+        named = _leaves_with_paths(out)
+        for path, leaf in named:
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:
+                raise ValueError(
+                    f"{name}: {path} has shape {list(np.shape(leaf))}, but a batch of {n} rows needs "
+                    f"outputs with a leading axis of {n} (one row per input row): return per-row values and "
+                    "reduce over the batch outside the function under test"
+                )
+        return named
+
+    alone = rows_of(run(take([row])), 1)
+    others = [i for i in range(n_rows) if i != row] or [row]
+    failures = []
+    for size in sizes:
+        wanted = (0, size // 2, size - 1) if positions is None else positions
+        places = sorted({p % size for p in wanted if -size <= p < size})
+        for pos in places:
+            fill = [others[k % len(others)] for k in range(size - 1)]
+            idx = fill[:pos] + [row] + fill[pos:]
+            got = rows_of(run(take(idx)), size)
+            for (path, ref), (_, leaf) in zip(alone, got):
+                msg = describe_bit_differences(
+                    np.asarray(leaf)[pos],
+                    np.asarray(ref)[0],
+                    f"{name}: {path}, row {row} at position {pos} of a batch of {size} vs alone",
+                )
+                if msg is not None:
+                    failures.append((size, pos, path, msg))
+    if failures:
+        summary = ", ".join(f"size {s} position {p} {path}" for s, p, path, _ in failures)
+        raise AssertionError(
+            f"{name} is not batch invariant: row {row}'s outputs changed in {len(failures)} case(s) ({summary}).\n"
+            f"First: {failures[0][3]}"
+        )
+
+
+def _check_positions(positions):
+    if isinstance(positions, int) or not isinstance(positions, Sequence) or not positions:
+        raise TypeError(f"positions must be None or a non-empty sequence of ints, got {positions!r}")
+    for p in positions:
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+            raise TypeError(f"positions must hold ints, got {positions!r}")
+    return tuple(int(p) for p in positions)
+
+
+def assert_deterministic(
+    fn: Callable, *args, runs: int = 3, recompile: bool = False, what: str | None = None, **kwargs
+) -> None:
+    """Assert that ``jax.jit(fn)(*args, **kwargs)`` gives the same bits in ``runs`` runs.
+
+    Every output leaf of every run is compared bit for bit with the first run's. ``recompile=True``
+    traces and compiles a fresh program for every run (a new jit of a new wrapper), so choices XLA
+    makes at compile time (GPU autotuning) are compared too; otherwise the runs reuse one
+    executable and compare its execution only.
+
+    Raises AssertionError naming the run and output leaf that differ, with the element count,
+    indices, values, bits and ulps of the differences.
+    """
+    import jax
+
+    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 2:
+        raise ValueError(f"runs must be an int >= 2, got {runs!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    name = what or getattr(fn, "__name__", "fn")
+    compiled = jax.jit(fn)
+
+    def once():
+        f = jax.jit(lambda *a, **k: fn(*a, **k)) if recompile else compiled
+        out = f(*args, **kwargs)
+        return [(p, np.asarray(leaf)) for p, leaf in _leaves_with_paths(jax.block_until_ready(out))]
+
+    first = once()
+    failures = []
+    for r in range(1, int(runs)):
+        for (path, ref), (_, leaf) in zip(first, once()):
+            msg = describe_bit_differences(leaf, ref, f"{name}: {path}, run {r + 1} vs run 1")
+            if msg is not None:
+                failures.append(msg)
+    if failures:
+        raise AssertionError(
+            f"{name} is not deterministic over {runs} runs"
+            f"{' (recompiled each run)' if recompile else ''}: {len(failures)} output(s) "
+            f"differ.\nFirst: {failures[0]}"
+        )

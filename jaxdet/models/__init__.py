@@ -1,0 +1,1 @@
+"""Reference models built from jaxdet ops only (not imported by ``import jaxdet``)."""
