@@ -20,6 +20,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_fwd_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_bwd_cpu);
 
 #if defined(JAXDET_WITH_CUDA)
 // CUDA handlers (cuda/<primitive>/*_cuda.cu).
@@ -30,6 +32,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_fwd_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_bwd_cuda);
 #endif
 
 namespace {
@@ -60,6 +64,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cpu);
     d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cpu);
     d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cpu);
+    d["jaxdet_attention_fwd"] = EncapsulateFfiHandler(jaxdet_attention_fwd_cpu);
+    d["jaxdet_attention_bwd"] = EncapsulateFfiHandler(jaxdet_attention_bwd_cpu);
     return d;
   });
   m.def("cpu_gemm_isa", &jaxdet::cpu_gemm_isa,
@@ -82,6 +88,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
     d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
     d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cuda);
+    d["jaxdet_attention_fwd"] = EncapsulateFfiHandler(jaxdet_attention_fwd_cuda);
+    d["jaxdet_attention_bwd"] = EncapsulateFfiHandler(jaxdet_attention_bwd_cuda);
 #endif
     return d;
   });

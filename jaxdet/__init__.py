@@ -30,6 +30,7 @@ from jaxdet._ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet.dropout import dropout
 from jaxdet.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet.clip import clip_by_global_norm, global_norm
+from jaxdet.attention import attention
 from jaxdet import optax  # noqa: E402 (imports optax lazily)
 from jaxdet import export, testing  # noqa: E402
 from jaxdet.audit import audit  # noqa: E402
@@ -42,6 +43,7 @@ __all__ = [
     "WGRAD_CHUNK_TOKENS",
     "clip_by_global_norm",
     "global_norm",
+    "attention",
     "optax",
     "export",
     "testing",

@@ -1,0 +1,339 @@
+// CPU targets of jaxdet.attention: the forward (output and base-2 log-sum-exp per row) and the
+// backward (dq, dk, dv). The order of every float operation is the canonical one of
+// docs/attention.md ("CPU order"); attention_math.h holds the parts shared with the GPU.
+//
+// Layouts: q, o, dq [B, T, H, G, D] (query head h*G + g uses KV head h); k, v, dk, dv [B, S, H, D];
+// rows int32 [B, T, 2] = (kv_start, limit): query (b, t) sees the keys at memory rows
+// kv_start .. kv_start + limit - 1 of its batch element, which are its sequence's positions
+// 0 .. limit - 1; lse2 float32 [B, H, T, G].
+//
+// Work unit: one (b, h) pair, on XLA's intra-op thread pool. Inside a unit the keys and values
+// are widened to float32 once; every row then follows the canonical order on its own, so the
+// bits of a row depend on nothing but its query, its limit and its sequence's keys and values.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attention/attention_math.h"
+#include "common/ffi_common.h"
+#include "common/parallel.h"
+
+namespace jaxdet {
+namespace attn {
+namespace {
+
+struct Dims {
+  int64_t B, T, H, G, D, S;
+};
+
+ffi::Error check_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                      const ffi::Buffer<ffi::S32>& rows, Dims* dims) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), rd = rows.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || rd.size() != 3) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": expected q [B,T,H,G,D], k and v [B,S,H,D], rows [B,T,2]");
+  }
+  Dims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
+  for (int i = 0; i < 4; ++i) {
+    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument(std::string(op) + ": k and v shapes differ");
+  }
+  if (kd[0] != d.B || kd[2] != d.H || kd[3] != d.D || rd[0] != d.B || rd[1] != d.T || rd[2] != 2) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": inconsistent shapes");
+  }
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type()) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": q, k and v must have the same dtype");
+  }
+  *dims = d;
+  return ffi::Error::Success();
+}
+
+// A row's visible keys, clamped to the keys that exist (kv_start in [0, S], limit in [0, S - kv_start]).
+struct RowKeys {
+  int64_t start, limit;
+};
+
+RowKeys row_keys(const int32_t* rows, const Dims& d, int64_t b, int64_t t) {
+  const int32_t* r = rows + (b * d.T + t) * 2;
+  const int64_t start = std::min<int64_t>(std::max<int64_t>(r[0], 0), d.S);
+  const int64_t limit = std::min<int64_t>(std::max<int64_t>(r[1], 0), d.S - start);
+  return RowKeys{start, limit};
+}
+
+template <typename Storage>
+void widen(const void* base, int64_t offset, int64_t n, float* dst) {
+  const auto* src = static_cast<const typename Storage::Bits*>(base) + offset;
+  for (int64_t i = 0; i < n; ++i) dst[i] = Storage::load(src[i]);
+}
+
+template <typename Storage>
+void narrow(const float* src, int64_t n, void* base, int64_t offset) {
+  auto* dst = static_cast<typename Storage::Bits*>(base) + offset;
+  for (int64_t i = 0; i < n; ++i) dst[i] = Storage::store(src[i]);
+}
+
+// The keys (transposed, [D][S]) or values ([S][D]) of one (b, h), widened to float32.
+template <typename Storage>
+void widen_kv(const void* x, const Dims& d, int64_t b, int64_t h, bool transposed, std::vector<float>& dst) {
+  dst.assign(static_cast<size_t>(d.S * d.D), 0.0f);
+  std::vector<float> row(static_cast<size_t>(d.D));
+  for (int64_t s = 0; s < d.S; ++s) {
+    widen<Storage>(x, ((b * d.S + s) * d.H + h) * d.D, d.D, row.data());
+    for (int64_t e = 0; e < d.D; ++e) {
+      if (transposed) dst[e * d.S + s] = row[e];
+      else dst[s * d.D + e] = row[e];
+    }
+  }
+}
+
+// x[j] = float32(q . k_j) * c for keys first .. first + n - 1 (memory rows): the dot product is the
+// sequential float32 sum ((0 + q0*k0) + q1*k1) + ... over the head dimension, each product and
+// sum rounded. The loop runs over keys innermost, so each key's sum keeps its own order.
+void scores(const float* q, const float* kt, const Dims& d, int64_t first, int64_t n, float c, float* x) {
+  for (int64_t j = 0; j < n; ++j) x[j] = 0.0f;
+  for (int64_t e = 0; e < d.D; ++e) {
+    const float qe = q[e];
+    const float* ke = kt + e * d.S + first;
+    for (int64_t j = 0; j < n; ++j) x[j] = f_add(x[j], f_mul(qe, ke[j]));
+  }
+  for (int64_t j = 0; j < n; ++j) x[j] = f_mul(x[j], c);
+}
+
+// ---- Forward ----
+
+struct ForwardArgs {
+  Dims d;
+  const void *q, *k, *v;
+  const int32_t* rows;
+  void* o;
+  float* lse2;
+  float c;  // scale * log2(e)
+};
+
+template <typename Storage>
+void forward_unit(const ForwardArgs& a, int64_t unit) {
+  const Dims& d = a.d;
+  const int64_t b = unit / d.H, h = unit % d.H;
+  std::vector<float> kt, vf;
+  widen_kv<Storage>(a.k, d, b, h, true, kt);
+  widen_kv<Storage>(a.v, d, b, h, false, vf);
+  std::vector<float> q(d.D), acc(d.D), total(d.D), x(kBlock), p(kBlock);
+  for (int64_t t = 0; t < d.T; ++t) {
+    const RowKeys keys = row_keys(a.rows, d, b, t);
+    for (int64_t g = 0; g < d.G; ++g) {
+      const int64_t qoff = (((b * d.T + t) * d.H + h) * d.G + g) * d.D;
+      widen<Storage>(a.q, qoff, d.D, q.data());
+      float m_total = neg_inf(), l_total = 0.0f;
+      std::fill(total.begin(), total.end(), 0.0f);
+      for (int64_t split = 0; split * kSplit < keys.limit; ++split) {
+        float m = neg_inf(), l = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        const int64_t split_end = std::min<int64_t>((split + 1) * kSplit, keys.limit);
+        for (int64_t pos = split * kSplit; pos < split_end; pos += kBlock) {
+          const int64_t n = std::min<int64_t>(kBlock, split_end - pos);
+          const int64_t first = keys.start + pos;
+          scores(q.data(), kt.data(), d, first, n, a.c, x.data());
+          float block_max = neg_inf();
+          for (int64_t j = 0; j < n; ++j) block_max = max_nan(block_max, x[j]);
+          const Rescale r = rescale<CanonicalMath>(m, block_max);
+          if (r.empty) continue;
+          // p_j = exp2(x_j - m'); the block's sum runs over j ascending from +0.
+          float block_sum = 0.0f;
+          for (int64_t j = 0; j < n; ++j) {
+            p[j] = exp2_canonical(f_sub(x[j], r.m_new));
+            block_sum = f_add(block_sum, p[j]);
+          }
+          l = f_add(f_mul(l, r.old_scale), block_sum);
+          // acc = acc * alpha, then + p_j * v_j for j ascending, each rounded.
+          for (int64_t e = 0; e < d.D; ++e) acc[e] = f_mul(acc[e], r.old_scale);
+          for (int64_t j = 0; j < n; ++j) {
+            const float pj = p[j];
+            const float* vj = vf.data() + (first + j) * d.D;
+            for (int64_t e = 0; e < d.D; ++e) acc[e] = f_add(acc[e], f_mul(pj, vj[e]));
+          }
+          m = r.m_new;
+        }
+        if (split_is_empty(m)) continue;
+        const Rescale r = rescale<CanonicalMath>(m_total, m);
+        l_total = merge_term(l_total, r.old_scale, l, r.in_scale);
+        for (int64_t e = 0; e < d.D; ++e) total[e] = merge_term(total[e], r.old_scale, acc[e], r.in_scale);
+        m_total = r.m_new;
+      }
+      for (int64_t e = 0; e < d.D; ++e) acc[e] = finish_out(total[e], l_total);
+      narrow<Storage>(acc.data(), d.D, a.o, qoff);
+      a.lse2[((b * d.H + h) * d.T + t) * d.G + g] = finish_lse2<CanonicalMath>(m_total, l_total);
+    }
+  }
+}
+
+template <typename Storage>
+void forward(ffi::ThreadPool& pool, const ForwardArgs& a) {
+  const int64_t units = a.d.B * a.d.H;
+  const int64_t workers = std::min<int64_t>(pool.num_threads(), units);
+  parallel_for(pool, units, workers, [&](int64_t unit) { forward_unit<Storage>(a, unit); });
+}
+
+ffi::Error AttentionFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> o,
+                           ffi::Result<ffi::Buffer<ffi::F32>> lse2, float scale_log2) {
+  const char* op = "jaxdet_attention_fwd";
+  ForwardArgs a;
+  if (auto err = check_dims(op, q, k, v, rows, &a.d); !err.success()) return err;
+  a.q = q.untyped_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.rows = rows.typed_data();
+  a.o = o->untyped_data();
+  a.lse2 = lse2->typed_data();
+  a.c = scale_log2;
+  IeeeSubnormalsScope ieee;
+  switch (q.element_type()) {
+    case ffi::F32: forward<F32Storage>(pool, a); break;
+    case ffi::BF16: forward<BF16Storage>(pool, a); break;
+    case ffi::F16: forward<F16Storage>(pool, a); break;
+    default: return ffi::Error::InvalidArgument(std::string(op) + ": dtype must be float32, bfloat16 or float16");
+  }
+  return ffi::Error::Success();
+}
+
+// ---- Backward ----
+
+struct BackwardArgs {
+  Dims d;
+  const void *q, *k, *v, *o, *dout;
+  const float* lse2;
+  const int32_t* rows;
+  void *dq, *dk, *dv;
+  float c;      // scale * log2(e)
+  float scale;  // applied once to dq and dk at the end
+};
+
+// One pass over the rows (t ascending, then g) and, per row, over its visible keys ascending:
+//   delta = sum_e do_e * o_e (sequential), p_j = exp2(x_j - lse2), dp_j = do . v_j (sequential),
+//   ds_j = p_j * (dp_j - delta);
+//   dq += ds_j * k_j (keys ascending), dk_j += ds_j * q, dv_j += p_j * do (rows ascending);
+// dq and dk are multiplied by `scale` once at the end. Each sum is float32, each step rounded.
+template <typename Storage>
+void backward_unit(const BackwardArgs& a, int64_t unit) {
+  const Dims& d = a.d;
+  const int64_t b = unit / d.H, h = unit % d.H;
+  std::vector<float> kt, vt, kf;
+  widen_kv<Storage>(a.k, d, b, h, true, kt);
+  widen_kv<Storage>(a.v, d, b, h, true, vt);
+  widen_kv<Storage>(a.k, d, b, h, false, kf);
+  std::vector<float> dk(static_cast<size_t>(d.S * d.D), 0.0f), dv(static_cast<size_t>(d.S * d.D), 0.0f);
+  std::vector<float> q(d.D), o(d.D), dout(d.D), dq(d.D), x(kBlock), dp(kBlock);
+  for (int64_t t = 0; t < d.T; ++t) {
+    const RowKeys keys = row_keys(a.rows, d, b, t);
+    for (int64_t g = 0; g < d.G; ++g) {
+      const int64_t qoff = (((b * d.T + t) * d.H + h) * d.G + g) * d.D;
+      widen<Storage>(a.q, qoff, d.D, q.data());
+      widen<Storage>(a.o, qoff, d.D, o.data());
+      widen<Storage>(a.dout, qoff, d.D, dout.data());
+      const float lse2 = a.lse2[((b * d.H + h) * d.T + t) * d.G + g];
+      float delta = 0.0f;
+      for (int64_t e = 0; e < d.D; ++e) delta = f_add(delta, f_mul(dout[e], o[e]));
+      std::fill(dq.begin(), dq.end(), 0.0f);
+      for (int64_t pos = 0; pos < keys.limit; pos += kBlock) {
+        const int64_t n = std::min<int64_t>(kBlock, keys.limit - pos);
+        const int64_t first = keys.start + pos;
+        scores(q.data(), kt.data(), d, first, n, a.c, x.data());
+        scores(dout.data(), vt.data(), d, first, n, 1.0f, dp.data());
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = exp2_canonical(f_sub(x[j], lse2));
+          const float ds = f_mul(p, f_sub(dp[j], delta));
+          const float* kj = kf.data() + (first + j) * d.D;
+          float* dkj = dk.data() + (first + j) * d.D;
+          float* dvj = dv.data() + (first + j) * d.D;
+          for (int64_t e = 0; e < d.D; ++e) {
+            dq[e] = f_add(dq[e], f_mul(ds, kj[e]));
+            dkj[e] = f_add(dkj[e], f_mul(ds, q[e]));
+            dvj[e] = f_add(dvj[e], f_mul(p, dout[e]));
+          }
+        }
+      }
+      for (int64_t e = 0; e < d.D; ++e) dq[e] = f_mul(dq[e], a.scale);
+      narrow<Storage>(dq.data(), d.D, a.dq, qoff);
+    }
+  }
+  for (int64_t s = 0; s < d.S; ++s) {
+    float* dks = dk.data() + s * d.D;
+    for (int64_t e = 0; e < d.D; ++e) dks[e] = f_mul(dks[e], a.scale);
+    const int64_t off = ((b * d.S + s) * d.H + h) * d.D;
+    narrow<Storage>(dks, d.D, a.dk, off);
+    narrow<Storage>(dv.data() + s * d.D, d.D, a.dv, off);
+  }
+}
+
+template <typename Storage>
+void backward(ffi::ThreadPool& pool, const BackwardArgs& a) {
+  const int64_t units = a.d.B * a.d.H;
+  const int64_t workers = std::min<int64_t>(pool.num_threads(), units);
+  parallel_for(pool, units, workers, [&](int64_t unit) { backward_unit<Storage>(a, unit); });
+}
+
+ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse2, ffi::AnyBuffer dout,
+                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> dq,
+                           ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale_log2,
+                           float scale) {
+  const char* op = "jaxdet_attention_bwd";
+  BackwardArgs a;
+  if (auto err = check_dims(op, q, k, v, rows, &a.d); !err.success()) return err;
+  if (o.element_type() != q.element_type() || dout.element_type() != q.element_type() ||
+      o.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
+      static_cast<int64_t>(lse2.element_count()) != a.d.B * a.d.H * a.d.T * a.d.G) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": o, do and lse2 must match q");
+  }
+  a.q = q.untyped_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.o = o.untyped_data();
+  a.dout = dout.untyped_data();
+  a.lse2 = lse2.typed_data();
+  a.rows = rows.typed_data();
+  a.dq = dq->untyped_data();
+  a.dk = dk->untyped_data();
+  a.dv = dv->untyped_data();
+  a.c = scale_log2;
+  a.scale = scale;
+  IeeeSubnormalsScope ieee;
+  switch (q.element_type()) {
+    case ffi::F32: backward<F32Storage>(pool, a); break;
+    case ffi::BF16: backward<BF16Storage>(pool, a); break;
+    case ffi::F16: backward<F16Storage>(pool, a); break;
+    default: return ffi::Error::InvalidArgument(std::string(op) + ": dtype must be float32, bfloat16 or float16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace attn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_fwd_cpu, attn::AttentionFwdCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale_log2"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cpu, attn::AttentionBwdCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale_log2")
+                                  .Attr<float>("scale"));
+
+}  // namespace jaxdet

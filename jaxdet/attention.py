@@ -1,0 +1,262 @@
+"""Fused attention whose rows are batch-invariant and prefill/decode-invariant, forward and backward.
+
+The contracts (docs/attention.md, proven by tests/test_attention.py):
+
+* Row invariance. The output for a query depends only on that query, on its own sequence's keys
+  and values at positions ``0 .. limit - 1`` (``limit`` = its position + 1 when causal, capped by
+  the sequence's ``kv_length``) and on ``scale``: not on the batch, the row's place in it,
+  padding, packing (``segment_ids``), the query chunk it is computed in, the KV cache's capacity,
+  vmap or jit.
+* Prefill/decode invariance. That includes the query chunk: a full causal pass, chunked prefill
+  with any chunk boundaries and single-query decode steps against a KV cache (``q_positions``,
+  ``kv_lengths``) give every query position the same bits, because every row runs the canonical
+  order of docs/attention.md: KV blocks of ``KV_BLOCK`` positions from position 0, grouped in
+  splits of ``KV_SPLIT``, an online softmax over the blocks of a split, the splits merged in
+  ascending order.
+* Backward. dQ rows have the same invariance; dK and dV are deterministic (a fixed order over the
+  query rows, no atomics).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxdet import _ffi
+from jaxdet._checks import check_static_float
+
+__all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS"]
+
+KV_BLOCK = 64  # kBlock in cuda/attention/attention_math.h
+KV_SPLIT = 512  # kSplit in cuda/attention/attention_math.h
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_LOG2E = 1.4426950408889634
+
+
+# ---- The primitives. q [B, T, H, G, D] (query head h*G + g uses KV head h), k and v [B, S, H, D],
+# rows int32 [B, T, 2] = (kv_start, limit): query (b, t) sees memory rows kv_start .. kv_start +
+# limit - 1 of its batch element's keys, its sequence's positions 0 .. limit - 1. ----
+
+def _fwd_abstract_eval(q, k, v, rows, *, scale):
+    B, T, H, G, _ = q.shape
+    return (jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray((B, H, T, G), jnp.float32))
+
+
+def _bwd_abstract_eval(q, k, v, o, lse2, do, rows, *, scale):
+    return (
+        jax.core.ShapedArray(q.shape, q.dtype),
+        jax.core.ShapedArray(k.shape, k.dtype),
+        jax.core.ShapedArray(v.shape, v.dtype),
+    )
+
+
+def _fold_batch(args, dims):
+    """The vmapped axis of every operand moved to the front and folded into B (an unmapped operand
+    is broadcast). Rows are independent, so the bits of every row are those of the unbatched call."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
+    out = []
+    for x, d in zip(args, dims):
+        x = jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
+        out.append(x.reshape((size * x.shape[1],) + x.shape[2:]))
+    return size, out
+
+
+def _unfold(size, outs):
+    return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+def _fwd_batch(args, dims, **params):
+    size, flat = _fold_batch(args, dims)
+    return _unfold(size, fwd_p.bind(*flat, **params))
+
+
+def _bwd_batch(args, dims, **params):
+    size, flat = _fold_batch(args, dims)
+    return _unfold(size, bwd_p.bind(*flat, **params))
+
+
+def _scale_log2(scale):
+    return np.float32(np.float64(scale) * _LOG2E)
+
+
+fwd_p = _ffi.define_primitive(
+    "jaxdet_attention_fwd",
+    _fwd_abstract_eval,
+    attributes=lambda scale: dict(scale_log2=_scale_log2(scale)),
+    batching_rule=_fwd_batch,
+    multiple_results=True,
+)
+
+bwd_p = _ffi.define_primitive(
+    "jaxdet_attention_bwd",
+    _bwd_abstract_eval,
+    attributes=lambda scale: dict(scale_log2=_scale_log2(scale), scale=np.float32(scale)),
+    batching_rule=_bwd_batch,
+    multiple_results=True,
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention5(q, k, v, rows, scale):
+    return fwd_p.bind(q, k, v, rows, scale=scale)[0]
+
+
+def _attention5_fwd(q, k, v, rows, scale):
+    o, lse2 = fwd_p.bind(q, k, v, rows, scale=scale)
+    # Residuals: the inputs, the output and the float32 base-2 log-sum-exp per row; the
+    # probabilities are recomputed from them, never stored.
+    return o, (q, k, v, rows, o, lse2)
+
+
+def _attention5_bwd(scale, res, do):
+    q, k, v, rows, o, lse2 = res
+    dq, dk, dv = bwd_p.bind(q, k, v, o, lse2, do.astype(q.dtype), rows, scale=scale)
+    return dq, dk, dv, np.zeros(rows.shape, jax.dtypes.float0)
+
+
+_attention5.defvjp(_attention5_fwd, _attention5_bwd)
+
+
+# ---- Which keys each query sees. ----
+
+def _segment_rows(segment_ids, causal):
+    """(kv_start, limit) per query of packed sequences: a segment is a run of equal ids; its
+    positions restart at 0."""
+    T = segment_ids.shape[1]
+    idx = jnp.arange(T, dtype=jnp.int32)
+    first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], jnp.bool_), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    start = lax.cummax(jnp.where(first, idx, 0), axis=1)
+    if causal:
+        return start, idx - start + 1
+    last = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones_like(segment_ids[:, :1], jnp.bool_)], 1)
+    end = lax.cummin(jnp.where(last, idx + 1, T), axis=1, reverse=True)
+    return start, end - start
+
+
+def _position_rows(B, T, S, causal, q_positions, kv_lengths):
+    kv_len = jnp.full((B,), S, jnp.int32) if kv_lengths is None else jnp.broadcast_to(kv_lengths.astype(jnp.int32), (B,))
+    kv_len = jnp.clip(kv_len, 0, S)
+    if not causal:
+        limit = jnp.broadcast_to(kv_len[:, None], (B, T))
+    else:
+        pos = jnp.arange(T, dtype=jnp.int32) if q_positions is None else q_positions.astype(jnp.int32)
+        pos = jnp.broadcast_to(pos, (B, T))
+        # A negative position sees nothing; positions past S see the whole (capped) sequence.
+        limit = jnp.minimum(jnp.clip(pos, -1, S - 1) + 1, kv_len[:, None])
+    return jnp.zeros((B, T), jnp.int32), limit
+
+
+# ---- Checks. ----
+
+def _check_float_array(x, name):
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
+    dtype = np.dtype(x.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype.name}")
+    return dtype
+
+
+def _check_int_array(x, name, shapes, help_):
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        raise TypeError(f"{name} must be an integer array {help_}, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array {help_}, got {np.dtype(x.dtype).name}")
+    if tuple(x.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {help_}, got {list(x.shape)}")
+    return jnp.asarray(x)
+
+
+def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_lengths=None, segment_ids=None):
+    """Multi-head attention ``softmax(scale * q k^T + mask) v`` with invariant rows.
+
+    Args:
+      q: ``[B, T, N, D]`` queries (or ``[T, N, D]`` with k and v of rank 3 too).
+      k, v: ``[B, S, K, D]`` keys and values; ``K`` divides ``N`` (query head ``n`` uses KV head
+        ``n // (N // K)``: multi-head, grouped-query or multi-query attention). Same dtype as q:
+        float32, bfloat16 or float16; ``D`` in ``SUPPORTED_HEAD_DIMS``.
+      causal: query at position ``p`` sees keys at positions ``<= p``; otherwise all keys of its
+        sequence.
+      scale: a Python float (default ``1 / sqrt(D)``).
+      q_positions: int ``[B, T]`` (or ``[T]``): the position of each query in its sequence (the
+        key row it may see last, when causal). Needed when causal and ``T != S`` (chunked prefill,
+        decode against a KV cache); default ``arange(T)``.
+      kv_lengths: int ``[B]``: keys at positions ``>= kv_lengths[b]`` are padding (or unused KV
+        cache capacity) and are never seen. Default S. Clamped to ``[0, S]``.
+      segment_ids: int ``[B, T]`` for packed self-attention (``T == S``): each run of equal ids is
+        its own sequence, with positions starting at 0. Excludes q_positions and kv_lengths.
+
+    Returns ``[B, T, N, D]`` in q's dtype. A query that sees no key gets zeros. Reverse-mode
+    differentiable in q, k and v (``jax.custom_vjp``; the backward is one jaxdet kernel and is not
+    itself differentiable).
+
+    Raises TypeError for unsupported or mixed dtypes and non-integer positions, ValueError for
+    shapes that do not fit together (naming them).
+    """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a Python bool, got {type(causal).__name__}")
+    dtypes = [_check_float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    if len(set(dtypes)) != 1:
+        raise TypeError(
+            f"q, k and v must have the same dtype, got {dtypes[0].name}, {dtypes[1].name} and {dtypes[2].name}"
+        )
+    ranks = (len(q.shape), len(k.shape), len(v.shape))
+    if ranks not in ((4, 4, 4), (3, 3, 3)):
+        raise ValueError(
+            "q, k and v must be [B, T, N, D], [B, S, K, D], [B, S, K, D] (or all rank 3 without B), got "
+            f"q{list(q.shape)}, k{list(k.shape)}, v{list(v.shape)}"
+        )
+    if ranks[0] == 3:
+        unbatched = lambda x: None if x is None else jnp.asarray(x)[None]  # noqa: E731
+        kv1 = None if kv_lengths is None else jnp.reshape(jnp.asarray(kv_lengths), (1,))
+        out = attention(q[None], k[None], v[None], causal=causal, scale=scale, q_positions=unbatched(q_positions),
+                        kv_lengths=kv1, segment_ids=unbatched(segment_ids))
+        return out[0]
+    B, T, N, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if tuple(k.shape) != tuple(v.shape) or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(
+            f"k and v must both be [B={B}, S, K, D={D}] for q{list(q.shape)}, got k{list(k.shape)}, v{list(v.shape)}"
+        )
+    if K == 0 or N % K:
+        raise ValueError(f"the number of KV heads ({K}) must divide the number of query heads ({N})")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dimension D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    if max(T, S) >= 2**31 - 1:
+        raise ValueError(f"sequence lengths must be < 2**31 - 1, got T={T}, S={S}")
+    scale = 1.0 / math.sqrt(D) if scale is None else check_static_float(scale, "scale")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if segment_ids is not None:
+        if q_positions is not None or kv_lengths is not None:
+            raise ValueError("segment_ids excludes q_positions and kv_lengths (positions restart in each segment)")
+        if T != S:
+            raise ValueError(f"segment_ids needs self-attention shapes (T == S), got T={T}, S={S}")
+        segment_ids = _check_int_array(segment_ids, "segment_ids", {(B, T)}, f"[B={B}, T={T}]")
+    else:
+        if q_positions is not None:
+            q_positions = _check_int_array(q_positions, "q_positions", {(B, T), (T,)}, f"[B={B}, T={T}] or [T={T}]")
+        elif causal and T != S:
+            raise ValueError(
+                f"causal attention with T={T} queries and S={S} keys needs q_positions (the position of each "
+                "query in its sequence, e.g. the KV cache length before the step for decode)"
+            )
+        if kv_lengths is not None:
+            kv_lengths = _check_int_array(kv_lengths, "kv_lengths", {(B,), ()}, f"[B={B}]")
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if q.size == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    if segment_ids is not None:
+        start, limit = _segment_rows(segment_ids, causal)
+    else:
+        start, limit = _position_rows(B, T, S, causal, q_positions, kv_lengths)
+    rows = jnp.stack([start, limit], axis=-1).astype(jnp.int32)
+    G = N // K
+    out = _attention5(q.reshape(B, T, K, G, D), k, v, rows, scale)
+    return out.reshape(B, T, N, D)
