@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/attention_ffi.h"
 #include "attention/attention_math.h"
 #include "common/ffi_common.h"
 #include "common/parallel.h"
@@ -22,42 +23,6 @@
 namespace jaxdet {
 namespace attn {
 namespace {
-
-struct Dims {
-  int64_t B, T, H, G, D, S;
-};
-
-ffi::Error check_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                      const ffi::Buffer<ffi::S32>& rows, Dims* dims) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), rd = rows.dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || rd.size() != 3) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": expected q [B,T,H,G,D], k and v [B,S,H,D], rows [B,T,2]");
-  }
-  Dims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
-  for (int i = 0; i < 4; ++i) {
-    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument(std::string(op) + ": k and v shapes differ");
-  }
-  if (kd[0] != d.B || kd[2] != d.H || kd[3] != d.D || rd[0] != d.B || rd[1] != d.T || rd[2] != 2) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": inconsistent shapes");
-  }
-  if (q.element_type() != k.element_type() || q.element_type() != v.element_type()) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": q, k and v must have the same dtype");
-  }
-  *dims = d;
-  return ffi::Error::Success();
-}
-
-// A row's visible keys, clamped to the keys that exist (kv_start in [0, S], limit in [0, S - kv_start]).
-struct RowKeys {
-  int64_t start, limit;
-};
-
-RowKeys row_keys(const int32_t* rows, const Dims& d, int64_t b, int64_t t) {
-  const int32_t* r = rows + (b * d.T + t) * 2;
-  const int64_t start = std::min<int64_t>(std::max<int64_t>(r[0], 0), d.S);
-  const int64_t limit = std::min<int64_t>(std::max<int64_t>(r[1], 0), d.S - start);
-  return RowKeys{start, limit};
-}
 
 template <typename Storage>
 void widen(const void* base, int64_t offset, int64_t n, float* dst) {
@@ -118,7 +83,7 @@ void forward_unit(const ForwardArgs& a, int64_t unit) {
   widen_kv<Storage>(a.v, d, b, h, false, vf);
   std::vector<float> q(d.D), acc(d.D), total(d.D), x(kBlock), p(kBlock);
   for (int64_t t = 0; t < d.T; ++t) {
-    const RowKeys keys = row_keys(a.rows, d, b, t);
+    const RowKeys keys = row_keys(a.rows, d.T, d.S, b, t);
     for (int64_t g = 0; g < d.G; ++g) {
       const int64_t qoff = (((b * d.T + t) * d.H + h) * d.G + g) * d.D;
       widen<Storage>(a.q, qoff, d.D, q.data());
@@ -223,7 +188,7 @@ void backward_unit(const BackwardArgs& a, int64_t unit) {
   std::vector<float> dk(static_cast<size_t>(d.S * d.D), 0.0f), dv(static_cast<size_t>(d.S * d.D), 0.0f);
   std::vector<float> q(d.D), o(d.D), dout(d.D), dq(d.D), x(kBlock), dp(kBlock);
   for (int64_t t = 0; t < d.T; ++t) {
-    const RowKeys keys = row_keys(a.rows, d, b, t);
+    const RowKeys keys = row_keys(a.rows, d.T, d.S, b, t);
     for (int64_t g = 0; g < d.G; ++g) {
       const int64_t qoff = (((b * d.T + t) * d.H + h) * d.G + g) * d.D;
       widen<Storage>(a.q, qoff, d.D, q.data());

@@ -1,0 +1,813 @@
+// The bfloat16/float16 kernels of jaxdet.attention on tensor cores (mma.sync m16n8k16, float32
+// accumulation; sm_80 and later). Included by attention_cuda.cu only.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16; lane = 4 * grp + q4):
+//   A 16x16: reg0 (row grp, cols 2q4, 2q4+1), reg1 (row grp+8, same cols), reg2 (row grp,
+//            cols 2q4+8, +9), reg3 (row grp+8, cols 2q4+8, +9); the lower column in the low half.
+//   B 16x8:  reg0 (k 2q4, 2q4+1; n grp), reg1 (k 2q4+8, +9; n grp).
+//   C 16x8:  c0, c1 (row grp, cols 2q4, 2q4+1), c2, c3 (row grp+8, same cols).
+// The C fragments of two adjacent 8-column tiles are the A fragment of the 16-column k step, so
+// probabilities feed the P.V product without leaving registers.
+//
+// Shared-memory tiles are row-major with a pitch of D + 8 elements (16 bytes of padding), which
+// makes the 32-bit fragment loads and ldmatrix conflict-free.
+#pragma once
+
+namespace jaxdet {
+namespace attn {
+namespace {
+
+constexpr int kPad = 8;
+
+template <class Elem>
+struct MmaElem;
+
+template <>
+struct MmaElem<__nv_bfloat16> {
+  using Storage = BF16Storage;
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct MmaElem<__half> {
+  using Storage = F16Storage;
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <class Elem>
+__device__ __forceinline__ uint32_t lds32(const Elem* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16 bytes from global to shared memory; `valid` false writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Copies `rows` rows of D elements into a tile of pitch D + kPad; row i comes from src_row(i), or
+// is zero-filled when src_row(i) is null (`any` is then the address given to the copy, which reads
+// nothing from it).
+template <class Elem, int D, int kThreads, class RowPtr>
+__device__ __forceinline__ void load_tile(Elem* tile, int rows, const Elem* any, RowPtr src_row) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  for (int c = threadIdx.x; c < rows * kChunks; c += kThreads) {
+    const int i = c / kChunks, col = (c - i * kChunks) * 8;
+    const Elem* src = src_row(i);
+    cp_async16(tile + i * (D + kPad) + col, src ? src + col : any, src != nullptr);
+  }
+}
+
+// s[nt] (16 rows x 64 keys) = A . B^T with A the warp's 16 rows (pitch D + kPad) and B 64 rows
+// of the same width: an MMA chain over the head dimension in ascending 16-wide steps.
+template <class Elem, int D>
+__device__ __forceinline__ void rows_dot_tile(const Elem* A, const Elem* Bt, float (&s)[8][4], int lane) {
+  constexpr int P = D + kPad;
+  const int grp = lane >> 2, q4 = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const Elem* a0 = A + grp * P + ks * 16 + 2 * q4;
+    const uint32_t a[4] = {lds32(a0), lds32(a0 + 8 * P), lds32(a0 + 8), lds32(a0 + 8 * P + 8)};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const Elem* b0 = Bt + (nt * 8 + grp) * P + ks * 16 + 2 * q4;
+      MmaElem<Elem>::mma(s[nt], a, lds32(b0), lds32(b0 + 8));
+    }
+  }
+}
+
+// acc (16 rows x D) += X . M with X (16 x 64, float32 in C-fragment layout, rounded to Elem here)
+// and M a 64-row tile (pitch D + kPad): an MMA chain over the 64 rows of M in ascending 16-row steps.
+template <class Elem, int D>
+__device__ __forceinline__ void tile_times_rows(const float (&x)[8][4], const Elem* M, float (&acc)[D / 8][4],
+                                                int lane) {
+  constexpr int P = D + kPad;
+  const int mi = lane >> 3, mr = lane & 7;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint32_t a[4] = {MmaElem<Elem>::pack(x[2 * kk][0], x[2 * kk][1]),
+                           MmaElem<Elem>::pack(x[2 * kk][2], x[2 * kk][3]),
+                           MmaElem<Elem>::pack(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+                           MmaElem<Elem>::pack(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+    const Elem* row = M + (kk * 16 + (mi & 1) * 8 + mr) * P + (mi >> 1) * 8;
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, row + dp * 16);
+      MmaElem<Elem>::mma(acc[2 * dp], a, b[0], b[1]);
+      MmaElem<Elem>::mma(acc[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// The rows of a CTA and the passes over them. A pass takes the rows whose keys start at one
+// memory row (one sequence of a packed batch; all rows otherwise), in ascending start order; the
+// other rows see no key in it, which leaves their state unchanged.
+struct PassRows {
+  int* start;  // [kRows], INT_MAX for rows past R
+  int* limit;  // [kRows]
+};
+
+template <int kRows, int kThreads>
+__device__ __forceinline__ void load_row_info(const Problem& p, int64_t b, int64_t r0, PassRows rows) {
+  for (int i = threadIdx.x; i < kRows; i += kThreads) {
+    const int64_t r = r0 + i;
+    if (r < p.R) {
+      const RowKeys k = row_keys(p.rows, p.T, p.S, b, r / p.G);
+      rows.start[i] = static_cast<int>(k.start);
+      rows.limit[i] = static_cast<int>(k.limit);
+    } else {
+      rows.start[i] = INT_MAX;
+      rows.limit[i] = 0;
+    }
+  }
+}
+
+// The next pass after the one starting at `cur` (-1 before the first): its start, or INT_MAX.
+template <int kRows>
+__device__ __forceinline__ int next_pass(PassRows rows, int cur, int* pass_limit) {
+  int next = INT_MAX;
+  for (int i = 0; i < kRows; ++i) {
+    const int s = rows.start[i];
+    if (s > cur && s < next) next = s;
+  }
+  int limit = 0;
+  for (int i = 0; i < kRows; ++i) {
+    if (rows.start[i] == next) limit = max(limit, rows.limit[i]);
+  }
+  *pass_limit = limit;
+  return next;
+}
+
+// ---- Forward. ----
+
+struct SplitOut {
+  float* acc;  // [B, H, nsplit, R, D]
+  float2* ml;  // [B, H, nsplit, R]: (m, l) of each split
+  int64_t nsplit;  // 0: final mode (the kernel merges the splits and writes o and lse2)
+};
+
+template <class Elem, int D, int kWarps>
+struct FwdGeom {
+  static constexpr int kP = D + kPad;
+  static constexpr int kRows = 16 * kWarps;
+  static constexpr size_t kQ = size_t{kRows} * kP * sizeof(Elem);
+  static constexpr size_t kKV = size_t{2} * kBlock * kP * sizeof(Elem);  // K or V, two stages
+  static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
+  static constexpr size_t kStash = size_t{kWarps} * 16 * D * sizeof(float);
+  static constexpr size_t bytes(bool final_mode) { return kQ + 2 * kKV + kRowInfo + (final_mode ? kStash : 0); }
+};
+
+// One block of the online softmax for the warp's 16 rows (two per lane: grp and grp + 8), keys at
+// positions pos0 .. pos0 + 63 of the pass; lim[] are the lane's rows' limits.
+template <class Elem, int D>
+__device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const Elem* Vb, int pos0, const int (&lim)[2],
+                                          float c, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4], int lane) {
+  const int q4 = lane & 3;
+  float s[8][4];
+  rows_dot_tile<Elem, D>(Qw, Kb, s, lane);
+  float bm[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
+      const float x = key < lim[i >> 1] ? f_mul(s[nt][i], c) : neg_inf();
+      s[nt][i] = x;
+      bm[i >> 1] = max_nan(bm[i >> 1], x);
+    }
+  }
+  float mn[2], alpha[2];
+  bool empty[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
+    bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
+    mn[rr] = max_nan(m[rr], bm[rr]);
+    empty[rr] = mn[rr] == neg_inf();
+    alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(f_sub(m[rr], mn[rr]));
+  }
+  // The lane's probabilities summed in (tile, column) order, then across the row's 4 lanes by a
+  // butterfly (the same value on all 4).
+  float ts[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int rr = i >> 1;
+      const float pr = empty[rr] ? 0.0f : FastMath::exp2(f_sub(s[nt][i], mn[rr]));
+      s[nt][i] = pr;
+      ts[rr] = f_add(ts[rr], pr);
+    }
+  }
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    ts[rr] = f_add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 1));
+    ts[rr] = f_add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 2));
+    l[rr] = f_add(f_mul(l[rr], alpha[rr]), ts[rr]);
+    m[rr] = mn[rr];
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    acc[dt][0] = f_mul(acc[dt][0], alpha[0]);
+    acc[dt][1] = f_mul(acc[dt][1], alpha[0]);
+    acc[dt][2] = f_mul(acc[dt][2], alpha[1]);
+    acc[dt][3] = f_mul(acc[dt][3], alpha[1]);
+  }
+  tile_times_rows<Elem, D>(s, Vb, acc, lane);
+}
+
+template <class Elem, int D, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, float* lse2, SplitOut ws) {
+  using Geo = FwdGeom<Elem, D, kWarps>;
+  using Storage = typename MmaElem<Elem>::Storage;
+  constexpr int P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Elem* Qs = reinterpret_cast<Elem*>(smem);
+  Elem* Ks = reinterpret_cast<Elem*>(smem + Geo::kQ);
+  Elem* Vs = reinterpret_cast<Elem*>(smem + Geo::kQ + Geo::kKV);
+  PassRows rows{reinterpret_cast<int*>(smem + Geo::kQ + 2 * Geo::kKV), nullptr};
+  rows.limit = rows.start + kRows;
+  float* stash = reinterpret_cast<float*>(smem + Geo::kQ + 2 * Geo::kKV + Geo::kRowInfo);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
+  const bool split_mode = ws.nsplit > 0;
+  const int64_t tiles = (p.R + kRows - 1) / kRows;
+  const int64_t tile = split_mode ? blockIdx.x % tiles : blockIdx.x;
+  const int z = split_mode ? static_cast<int>(blockIdx.x / tiles) : 0;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t r0 = tile * kRows;
+  const Elem* q = static_cast<const Elem*>(p.q);
+  const Elem* k = static_cast<const Elem*>(p.k);
+  const Elem* v = static_cast<const Elem*>(p.v);
+
+  load_row_info<kRows, kThreads>(p, b, r0, rows);
+  load_tile<Elem, D, kThreads>(Qs, kRows, q, [&](int i) -> const Elem* {
+    return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr;
+  });
+  cp_async_commit();
+  constexpr int kStashPerLane = D / 2;  // the lane's accumulator elements: D/8 tiles x 4
+  float* my_stash = stash + warp * kStashPerLane * 32 + lane;
+  if (!split_mode) {
+    for (int i = 0; i < kStashPerLane; ++i) my_stash[i * 32] = 0.0f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int row_local[2] = {warp * 16 + grp, warp * 16 + grp + 8};
+  const Elem* Qw = Qs + warp * 16 * P;
+  float m_tot[2] = {neg_inf(), neg_inf()}, l_tot[2] = {0.0f, 0.0f};
+  float m[2], l[2], acc[D / 8][4];
+  auto reset = [&]() {
+    m[0] = m[1] = neg_inf();
+    l[0] = l[1] = 0.0f;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+  };
+
+  int cur = -1, plimit = 0;
+  while ((cur = next_pass<kRows>(rows, cur, &plimit)) != INT_MAX) {
+    const int lim[2] = {rows.start[row_local[0]] == cur ? rows.limit[row_local[0]] : 0,
+                        rows.start[row_local[1]] == cur ? rows.limit[row_local[1]] : 0};
+    const int nblocks = (plimit + kBlock - 1) / kBlock;
+    const int blk_begin = split_mode ? z * kBlocksPerSplit : 0;
+    const int blk_end = split_mode ? min(nblocks, blk_begin + kBlocksPerSplit) : nblocks;
+    if (blk_begin >= blk_end) continue;
+    const int pass_start = cur, pass_limit = plimit;
+    auto load_kv = [&](int stage, int blk) {
+      const int pos0 = blk * kBlock;
+      auto src = [&](const Elem* base) {
+        return [&, base](int j) -> const Elem* {
+          return pos0 + j < pass_limit ? base + kv_index(p, b, h, pass_start + pos0 + j) : nullptr;
+        };
+      };
+      load_tile<Elem, D, kThreads>(Ks + stage * kBlock * P, kBlock, k, src(k));
+      load_tile<Elem, D, kThreads>(Vs + stage * kBlock * P, kBlock, v, src(v));
+      cp_async_commit();
+    };
+    reset();
+    load_kv(0, blk_begin);
+    for (int blk = blk_begin; blk < blk_end; ++blk) {
+      const int stage = (blk - blk_begin) & 1;
+      if (blk + 1 < blk_end) {
+        load_kv(stage ^ 1, blk + 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      fwd_block<Elem, D>(Qw, Ks + stage * kBlock * P, Vs + stage * kBlock * P, blk * kBlock, lim, p.c, m, l, acc,
+                         lane);
+      __syncthreads();
+      const bool split_done = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
+      if (split_done && !split_mode) {
+        // Merge the split into the running total (the stash), rows whose split saw a key only.
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          if (split_is_empty(m[rr])) continue;
+          const Rescale rs = rescale<FastMath>(m_tot[rr], m[rr]);
+          l_tot[rr] = merge_term(l_tot[rr], rs.old_scale, l[rr], rs.in_scale);
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+            for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
+              float& t = my_stash[(dt * 4 + i) * 32];
+              t = merge_term(t, rs.old_scale, acc[dt][i], rs.in_scale);
+            }
+          }
+          m_tot[rr] = rs.m_new;
+        }
+        reset();
+      }
+    }
+    if (split_mode) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int64_t r = r0 + row_local[rr];
+        if (r >= p.R || rows.start[row_local[rr]] != cur) continue;
+        const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<float2*>(ws.acc + base * D + dt * 8 + 2 * q4) = make_float2(acc[dt][2 * rr], acc[dt][2 * rr + 1]);
+        }
+        if (q4 == 0) ws.ml[base] = make_float2(m[rr], l[rr]);
+      }
+    }
+  }
+  if (split_mode) return;
+  using Bits = typename Storage::Bits;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t r = r0 + row_local[rr];
+    if (r >= p.R) continue;
+    Bits* out = static_cast<Bits*>(o) + q_index(p, b, h, r);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const Bits lo = Storage::store(finish_out(my_stash[(dt * 4 + 2 * rr) * 32], l_tot[rr]));
+      const Bits hi = Storage::store(finish_out(my_stash[(dt * 4 + 2 * rr + 1) * 32], l_tot[rr]));
+      *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+    if (q4 == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot[rr], l_tot[rr]);
+  }
+}
+
+// Split mode's second step: each output element merges its row's splits 0 .. ceil(limit / kSplit)
+// - 1 in ascending order with the functions and the order of the final mode's in-kernel merge.
+template <typename Storage>
+__global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, void* o, float* lse2) {
+  const int64_t n = p.B * p.H * p.R * p.D;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t e = i % p.D, rest = i / p.D;
+    const int64_t r = rest % p.R, bh = rest / p.R;
+    const int64_t h = bh % p.H, b = bh / p.H;
+    const int64_t limit = row_keys(p.rows, p.T, p.S, b, r / p.G).limit;
+    float m_tot = neg_inf(), l_tot = 0.0f, acc = 0.0f;
+    for (int64_t z = 0; z * kSplit < limit; ++z) {
+      const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
+      const float2 ml = ws.ml[base];
+      if (split_is_empty(ml.x)) continue;
+      const Rescale rs = rescale<FastMath>(m_tot, ml.x);
+      l_tot = merge_term(l_tot, rs.old_scale, ml.y, rs.in_scale);
+      acc = merge_term(acc, rs.old_scale, ws.acc[base * p.D + e], rs.in_scale);
+      m_tot = rs.m_new;
+    }
+    store_elem<Storage>(o, q_index(p, b, h, r) + e, finish_out(acc, l_tot));
+    if (e == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot, l_tot);
+  }
+}
+
+template <class Kernel>
+ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
+  if (smem > static_cast<size_t>(smem_optin)) {
+    return ffi::Error::Internal(std::string(op) + ": this GPU has too little shared memory per block (" +
+                                std::to_string(smem) + " bytes needed)");
+  }
+  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (status != cudaSuccess) return cuda_error(op, status);
+  return ffi::Error::Success();
+}
+
+template <class Elem, int D>
+ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
+                              float* lse2, int smem_optin) {
+  const char* op = "jaxdet_attention_fwd";
+  using Storage = typename MmaElem<Elem>::Storage;
+  constexpr bool kWide = D <= 128;  // 4-warp tiles fit in shared memory
+  const int64_t nsplit = (p.S + kSplit - 1) / kSplit;
+  const int64_t final_tiles = (p.R + (kWide ? 64 : 16) - 1) / (kWide ? 64 : 16);
+  // The launch shape never changes a bit (see the file comment); split mode only when the final
+  // mode would leave most of the GPU idle.
+  const bool split = nsplit > 1 && (p.R <= 16 || p.B * p.H * final_tiles < 2 * int64_t{current_sm_count()});
+  const dim3 block_grid_yz(1, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
+  if (split) {
+    using Geo = FwdGeom<Elem, D, 1>;
+    const size_t smem = Geo::bytes(false);
+    if (auto err = prepare(FwdMmaKernel<Elem, D, 1>, smem, smem_optin, op); !err.success()) return err;
+    const int64_t rows = p.B * p.H * nsplit * p.R;
+    auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), 256);
+    auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), 256);
+    if (!acc.has_value() || !ml.has_value()) {
+      return ffi::Error::Internal(std::string(op) + ": could not allocate the split workspace");
+    }
+    SplitOut ws{static_cast<float*>(*acc), static_cast<float2*>(*ml), nsplit};
+    const int64_t tiles = (p.R + 15) / 16;
+    const dim3 grid(static_cast<unsigned>(tiles * nsplit), block_grid_yz.y, block_grid_yz.z);
+    FwdMmaKernel<Elem, D, 1><<<grid, 32, smem, stream>>>(p, o, lse2, ws);
+    CombineKernel<Storage><<<grid_for(p.B * p.H * p.R * p.D, 256), 256, 0, stream>>>(p, ws, o, lse2);
+    return ffi::Error::Success();
+  }
+  SplitOut none{nullptr, nullptr, 0};
+  if constexpr (kWide) {
+    using Geo = FwdGeom<Elem, D, 4>;
+    const size_t smem = Geo::bytes(true);
+    if (smem <= static_cast<size_t>(smem_optin)) {
+      if (auto err = prepare(FwdMmaKernel<Elem, D, 4>, smem, smem_optin, op); !err.success()) return err;
+      const dim3 grid(static_cast<unsigned>((p.R + 63) / 64), block_grid_yz.y, block_grid_yz.z);
+      FwdMmaKernel<Elem, D, 4><<<grid, 128, smem, stream>>>(p, o, lse2, none);
+      return ffi::Error::Success();
+    }
+  }
+  using Geo = FwdGeom<Elem, D, 1>;
+  const size_t smem = Geo::bytes(true);
+  if (auto err = prepare(FwdMmaKernel<Elem, D, 1>, smem, smem_optin, op); !err.success()) return err;
+  const dim3 grid(static_cast<unsigned>((p.R + 15) / 16), block_grid_yz.y, block_grid_yz.z);
+  FwdMmaKernel<Elem, D, 1><<<grid, 32, smem, stream>>>(p, o, lse2, none);
+  return ffi::Error::Success();
+}
+
+// ---- Backward. ----
+
+// dQ: the rows of the forward, each over its visible keys in ascending blocks:
+//   p = exp2(x - lse2), dp = do . v (an MMA chain like the scores), ds = p * (dp - delta),
+//   dq += ds . K (an MMA chain over the block's keys), dq * scale at the end.
+template <class Elem, int D, int kWarps>
+struct DqGeom {
+  static constexpr int kP = D + kPad;
+  static constexpr int kRows = 16 * kWarps;
+  static constexpr size_t kQ = size_t{kRows} * kP * sizeof(Elem);  // Q or dO
+  static constexpr size_t kKV = size_t{2} * kBlock * kP * sizeof(Elem);
+  static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
+  static constexpr size_t bytes() { return 2 * kQ + 2 * kKV + kRowInfo; }
+};
+
+template <class Elem, int D, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOut out) {
+  using Geo = DqGeom<Elem, D, kWarps>;
+  using Storage = typename MmaElem<Elem>::Storage;
+  constexpr int P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Elem* Qs = reinterpret_cast<Elem*>(smem);
+  Elem* dOs = reinterpret_cast<Elem*>(smem + Geo::kQ);
+  Elem* Ks = reinterpret_cast<Elem*>(smem + 2 * Geo::kQ);
+  Elem* Vs = reinterpret_cast<Elem*>(smem + 2 * Geo::kQ + Geo::kKV);
+  PassRows rows{reinterpret_cast<int*>(smem + 2 * Geo::kQ + 2 * Geo::kKV), nullptr};
+  rows.limit = rows.start + kRows;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t r0 = int64_t{blockIdx.x} * kRows;
+  const Elem* q = static_cast<const Elem*>(p.q);
+  const Elem* k = static_cast<const Elem*>(p.k);
+  const Elem* v = static_cast<const Elem*>(p.v);
+  const Elem* dout = static_cast<const Elem*>(out.dout);
+
+  load_row_info<kRows, kThreads>(p, b, r0, rows);
+  load_tile<Elem, D, kThreads>(Qs, kRows, q, [&](int i) -> const Elem* {
+    return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr;
+  });
+  load_tile<Elem, D, kThreads>(dOs, kRows, dout, [&](int i) -> const Elem* {
+    return r0 + i < p.R ? dout + q_index(p, b, h, r0 + i) : nullptr;
+  });
+  cp_async_commit();
+  const int row_local[2] = {warp * 16 + grp, warp * 16 + grp + 8};
+  float lse[2], delta[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t r = r0 + row_local[rr];
+    lse[rr] = r < p.R ? out.lse2[stat_index(p, b, h, r)] : 0.0f;
+    delta[rr] = r < p.R ? out.delta[stat_index(p, b, h, r)] : 0.0f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const Elem* Qw = Qs + warp * 16 * P;
+  const Elem* dOw = dOs + warp * 16 * P;
+  float dq[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
+
+  int cur = -1, plimit = 0;
+  while ((cur = next_pass<kRows>(rows, cur, &plimit)) != INT_MAX) {
+    const int lim[2] = {rows.start[row_local[0]] == cur ? rows.limit[row_local[0]] : 0,
+                        rows.start[row_local[1]] == cur ? rows.limit[row_local[1]] : 0};
+    const int nblocks = (plimit + kBlock - 1) / kBlock;
+    if (nblocks == 0) continue;
+    const int pass_start = cur, pass_limit = plimit;
+    auto load_kv = [&](int stage, int blk) {
+      const int pos0 = blk * kBlock;
+      auto src = [&](const Elem* base) {
+        return [&, base](int j) -> const Elem* {
+          return pos0 + j < pass_limit ? base + kv_index(p, b, h, pass_start + pos0 + j) : nullptr;
+        };
+      };
+      load_tile<Elem, D, kThreads>(Ks + stage * kBlock * P, kBlock, k, src(k));
+      load_tile<Elem, D, kThreads>(Vs + stage * kBlock * P, kBlock, v, src(v));
+      cp_async_commit();
+    };
+    load_kv(0, 0);
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const int stage = blk & 1;
+      if (blk + 1 < nblocks) {
+        load_kv(stage ^ 1, blk + 1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      const Elem* Kb = Ks + stage * kBlock * P;
+      float s[8][4], dp[8][4];
+      rows_dot_tile<Elem, D>(Qw, Kb, s, lane);
+      rows_dot_tile<Elem, D>(dOw, Vs + stage * kBlock * P, dp, lane);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int rr = i >> 1;
+          const bool visible = blk * kBlock + nt * 8 + 2 * q4 + (i & 1) < lim[rr];
+          const float pr = visible ? FastMath::exp2(f_sub(f_mul(s[nt][i], p.c), lse[rr])) : 0.0f;
+          s[nt][i] = visible ? f_mul(pr, f_sub(dp[nt][i], delta[rr])) : 0.0f;
+        }
+      }
+      tile_times_rows<Elem, D>(s, Kb, dq, lane);
+      __syncthreads();
+    }
+  }
+  using Bits = typename Storage::Bits;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int64_t r = r0 + row_local[rr];
+    if (r >= p.R) continue;
+    Bits* dst = static_cast<Bits*>(out.dq) + q_index(p, b, h, r);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const Bits lo = Storage::store(f_mul(dq[dt][2 * rr], out.scale));
+      const Bits hi = Storage::store(f_mul(dq[dt][2 * rr + 1], out.scale));
+      *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * q4) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+  }
+}
+
+// Per batch element, per tile of 64 query rows: the memory rows of keys any of its rows may see,
+// [lo, hi) (lo = INT_MAX, hi = 0 when none). dK/dV skip the tiles whose range misses their keys.
+constexpr int kQueryTile = 64;
+
+__global__ void __launch_bounds__(256) TileRangeKernel(Problem p, int2* ranges, int64_t tiles) {
+  const int64_t n = p.B * tiles;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t b = i / tiles, tile = i % tiles;
+    int lo = INT_MAX, hi = 0;
+    const int64_t r_end = min(p.R, (tile + 1) * kQueryTile);
+    for (int64_t r = tile * kQueryTile; r < r_end; r += (r % p.G == 0 ? p.G : 1)) {
+      const RowKeys k = row_keys(p.rows, p.T, p.S, b, r / p.G);
+      if (k.limit == 0) continue;
+      lo = min(lo, static_cast<int>(k.start));
+      hi = max(hi, static_cast<int>(k.start + k.limit));
+    }
+    ranges[i] = make_int2(lo, hi);
+  }
+}
+
+// dK/dV: a CTA owns 64 keys (16 per warp) of one (b, h) and walks the query-row tiles of b in
+// ascending order, skipping tiles none of whose rows sees its keys:
+//   p^T = exp2(x - lse2), dp^T = v . do, ds^T = p^T * (dp^T - delta),
+//   dv += p^T . dO and dk += ds^T . Q (MMA chains over the tile's rows in ascending 16-row steps).
+// kWhich: 3 both, 1 dK only, 2 dV only (head dimension 256, whose two accumulators do not fit in
+// registers together).
+template <class Elem, int D, int kStages>
+struct DkdvGeom {
+  static constexpr int kP = D + kPad;
+  static constexpr size_t kKV = size_t{kBlock} * kP * sizeof(Elem);                   // K or V
+  static constexpr size_t kQ = size_t{kStages} * kQueryTile * kP * sizeof(Elem);     // Q or dO
+  static constexpr size_t kRowInfo = size_t{kStages} * kQueryTile * (2 * sizeof(int) + 2 * sizeof(float));
+  static constexpr size_t bytes() { return 2 * kKV + 2 * kQ + kRowInfo; }
+};
+
+template <class Elem, int D, int kWhich, int kStages>
+__global__ void __launch_bounds__(128) DkdvMmaKernel(Problem p, BackwardOut out, const int2* ranges, int64_t tiles) {
+  using Geo = DkdvGeom<Elem, D, kStages>;
+  using Storage = typename MmaElem<Elem>::Storage;
+  constexpr int P = Geo::kP, kThreads = 128;
+  constexpr bool kDk = (kWhich & 1) != 0, kDv = (kWhich & 2) != 0;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Elem* Ks = reinterpret_cast<Elem*>(smem);
+  Elem* Vs = reinterpret_cast<Elem*>(smem + Geo::kKV);
+  Elem* Qs = reinterpret_cast<Elem*>(smem + 2 * Geo::kKV);
+  Elem* dOs = reinterpret_cast<Elem*>(smem + 2 * Geo::kKV + Geo::kQ);
+  int* rstart = reinterpret_cast<int*>(smem + 2 * Geo::kKV + 2 * Geo::kQ);
+  int* rlimit = rstart + kStages * kQueryTile;
+  float* rlse = reinterpret_cast<float*>(rlimit + kStages * kQueryTile);
+  float* rdelta = rlse + kStages * kQueryTile;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int j0 = static_cast<int>(blockIdx.x) * kBlock;
+  const int j_end = static_cast<int>(min(static_cast<int64_t>(j0 + kBlock), p.S));
+  const Elem* q = static_cast<const Elem*>(p.q);
+  const Elem* k = static_cast<const Elem*>(p.k);
+  const Elem* v = static_cast<const Elem*>(p.v);
+  const Elem* dout = static_cast<const Elem*>(out.dout);
+  const int2* my_ranges = ranges + b * tiles;
+
+  load_tile<Elem, D, kThreads>(Ks, kBlock, k, [&](int j) -> const Elem* {
+    return j0 + j < p.S ? k + kv_index(p, b, h, j0 + j) : nullptr;
+  });
+  load_tile<Elem, D, kThreads>(Vs, kBlock, v, [&](int j) -> const Elem* {
+    return j0 + j < p.S ? v + kv_index(p, b, h, j0 + j) : nullptr;
+  });
+  cp_async_commit();
+
+  // The next tile at or after `from` whose key range meets [j0, j_end): the same on every thread.
+  auto next_tile = [&](int64_t from) -> int64_t {
+    for (int64_t base = from; base < tiles; base += 32) {
+      bool hit = false;
+      if (base + lane < tiles) {
+        const int2 rg = my_ranges[base + lane];
+        hit = rg.x < j_end && rg.y > j0;
+      }
+      const unsigned mask = __ballot_sync(kFullMask, hit);
+      if (mask) return base + __ffs(mask) - 1;
+    }
+    return tiles;
+  };
+  auto load_rows = [&](int stage, int64_t tile) {
+    const int64_t r0 = tile * kQueryTile;
+    auto src = [&](const Elem* base) {
+      return [&, base](int i) -> const Elem* { return r0 + i < p.R ? base + q_index(p, b, h, r0 + i) : nullptr; };
+    };
+    load_tile<Elem, D, kThreads>(Qs + stage * kQueryTile * P, kQueryTile, q, src(q));
+    load_tile<Elem, D, kThreads>(dOs + stage * kQueryTile * P, kQueryTile, dout, src(dout));
+    cp_async_commit();
+    for (int i = threadIdx.x; i < kQueryTile; i += kThreads) {
+      const int64_t r = r0 + i;
+      const int s = stage * kQueryTile + i;
+      if (r < p.R) {
+        const RowKeys rk = row_keys(p.rows, p.T, p.S, b, r / p.G);
+        rstart[s] = static_cast<int>(rk.start);
+        rlimit[s] = static_cast<int>(rk.limit);
+        rlse[s] = out.lse2[stat_index(p, b, h, r)];
+        rdelta[s] = out.delta[stat_index(p, b, h, r)];
+      } else {
+        rstart[s] = INT_MAX;
+        rlimit[s] = 0;
+        rlse[s] = 0.0f;
+        rdelta[s] = 0.0f;
+      }
+    }
+  };
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.0f;
+  }
+  const Elem* Kw = Ks + warp * 16 * P;
+  const Elem* Vw = Vs + warp * 16 * P;
+  int64_t tile = next_tile(0);
+  int stage = 0;
+  if (tile < tiles) load_rows(0, tile);
+  while (tile < tiles) {
+    const int64_t next = next_tile(tile + 1);
+    if (kStages == 2 && next < tiles) {
+      load_rows(stage ^ 1, next);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const Elem* Qt = Qs + stage * kQueryTile * P;
+    const Elem* dOt = dOs + stage * kQueryTile * P;
+    const int* ts = rstart + stage * kQueryTile;
+    const int* tl = rlimit + stage * kQueryTile;
+    float st[8][4], dpt[8][4];
+    rows_dot_tile<Elem, D>(Kw, Qt, st, lane);
+    if (kDk) rows_dot_tile<Elem, D>(Vw, dOt, dpt, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = j0 + warp * 16 + grp + 8 * (i >> 1);
+        const int row = nt * 8 + 2 * q4 + (i & 1);
+        const int rs = ts[row];
+        const bool visible = rs <= j && j - rs < tl[row];
+        const float pr = visible ? FastMath::exp2(f_sub(f_mul(st[nt][i], p.c), rlse[stage * kQueryTile + row])) : 0.0f;
+        if (kDk) dpt[nt][i] = visible ? f_mul(pr, f_sub(dpt[nt][i], rdelta[stage * kQueryTile + row])) : 0.0f;
+        st[nt][i] = pr;
+      }
+    }
+    if (kDv) tile_times_rows<Elem, D>(st, dOt, dv, lane);
+    if (kDk) tile_times_rows<Elem, D>(dpt, Qt, dk, lane);
+    __syncthreads();
+    if (kStages == 1 && next < tiles) load_rows(0, next);
+    tile = next;
+    if (kStages == 2) stage ^= 1;
+  }
+  cp_async_wait<0>();  // the K/V group when no tile was visible
+
+  using Bits = typename Storage::Bits;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int j = j0 + warp * 16 + grp + 8 * rr;
+    if (j >= p.S) continue;
+    const int64_t off = kv_index(p, b, h, j);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      if (kDk) {
+        const Bits lo = Storage::store(f_mul(dk[dt][2 * rr], out.scale));
+        const Bits hi = Storage::store(f_mul(dk[dt][2 * rr + 1], out.scale));
+        *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dk) + off + dt * 8 + 2 * q4) =
+            static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      }
+      if (kDv) {
+        const Bits lo = Storage::store(dv[dt][2 * rr]);
+        const Bits hi = Storage::store(dv[dt][2 * rr + 1]);
+        *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dv) + off + dt * 8 + 2 * q4) =
+            static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      }
+    }
+  }
+}
+
+template <class Elem, int D, int kWhich, int kStages>
+ffi::Error launch_dkdv(cudaStream_t stream, const Problem& p, const BackwardOut& out, int smem_optin) {
+  const size_t smem = DkdvGeom<Elem, D, kStages>::bytes();
+  auto kernel = DkdvMmaKernel<Elem, D, kWhich, kStages>;
+  if (auto err = prepare(kernel, smem, smem_optin, "jaxdet_attention_bwd"); !err.success()) return err;
+  const dim3 grid(static_cast<unsigned>((p.S + kBlock - 1) / kBlock), static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
+  kernel<<<grid, 128, smem, stream>>>(p, out, out.tile_ranges, out.query_tiles);
+  return ffi::Error::Success();
+}
+
+template <class Elem, int D>
+ffi::Error launch_backward_mma(cudaStream_t stream, const Problem& p, const BackwardOut& out, int smem_optin) {
+  const char* op = "jaxdet_attention_bwd";
+  using Storage = typename MmaElem<Elem>::Storage;
+  if (p.B * p.H * p.R > 0) {
+    launch_delta<Storage>(stream, p, out);
+    constexpr int kWarps = D <= 128 ? 4 : 1;
+    using Geo = DqGeom<Elem, D, kWarps>;
+    if (auto err = prepare(DqMmaKernel<Elem, D, kWarps>, Geo::bytes(), smem_optin, op); !err.success()) return err;
+    const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
+                    static_cast<unsigned>(p.B));
+    DqMmaKernel<Elem, D, kWarps><<<grid, kWarps * 32, Geo::bytes(), stream>>>(p, out);
+    TileRangeKernel<<<grid_for(p.B * out.query_tiles, 256), 256, 0, stream>>>(p, out.tile_ranges, out.query_tiles);
+  }
+  if (p.B * p.H * p.S == 0) return ffi::Error::Success();
+  if constexpr (D <= 128) {
+    return launch_dkdv<Elem, D, 3, 2>(stream, p, out, smem_optin);
+  } else {
+    if (auto err = launch_dkdv<Elem, D, 1, 1>(stream, p, out, smem_optin); !err.success()) return err;
+    return launch_dkdv<Elem, D, 2, 1>(stream, p, out, smem_optin);
+  }
+}
+
+}  // namespace
+}  // namespace attn
+}  // namespace jaxdet
