@@ -1,0 +1,415 @@
+"""jaxdet.attention: the contracts of docs/attention.md, on the CPU and (marked gpu) on the GPU.
+
+Bitwise contracts are checked on raw bits (jaxdet.testing); accuracy against a float64 NumPy
+reference by relative norm.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bitwise import assert_bitwise
+from jax import lax
+from jax.test_util import check_grads
+
+import jaxdet
+from jaxdet.contracts import attention as contracts
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _device(name):
+    return jax.devices(name)[0]
+
+
+def _rand(shape, dtype=jnp.float32, seed=0, scale=1.0):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale
+    return jnp.asarray(x).astype(dtype)
+
+
+def _qkv(B, T, S, N, K, D, dtype=jnp.float32, seed=0):
+    return _rand((B, T, N, D), dtype, seed), _rand((B, S, K, D), dtype, seed + 1), _rand((B, S, K, D), dtype, seed + 2)
+
+
+def reference(q, k, v, *, causal=True, scale=None, q_positions=None, kv_lengths=None, segment_ids=None):
+    """float64 NumPy attention with the documented masking."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    B, T, N, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k = np.repeat(k, N // K, axis=2)
+    v = np.repeat(v, N // K, axis=2)
+    j = np.arange(S)[None, None, :]
+    if segment_ids is not None:
+        seg = np.asarray(segment_ids)
+        mask = seg[:, :, None] == seg[:, None, :]
+        if causal:
+            mask &= j <= np.arange(T)[None, :, None]
+    else:
+        kvl = np.full((B,), S) if kv_lengths is None else np.broadcast_to(np.asarray(kv_lengths), (B,))
+        mask = j < kvl[:, None, None]
+        if causal:
+            pos = np.arange(T) if q_positions is None else np.asarray(q_positions)
+            mask = mask & (j <= np.broadcast_to(pos, (B, T))[:, :, None])
+    s = np.einsum("btnd,bsnd->bnts", q, k) * scale
+    s = np.where(mask[:, None], s, -np.inf)
+    mx = np.max(s, axis=-1, keepdims=True)
+    p = np.where(mask[:, None], np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+    denom = p.sum(-1, keepdims=True)
+    p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
+    return np.einsum("bnts,bsnd->btnd", p, v)
+
+
+def _relerr(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+TOLERANCE = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+
+# ---- Accuracy. ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("N,K,D", [(4, 4, 64), (8, 2, 128), (4, 1, 256)])
+def test_matches_float64_reference(device, dtype, causal, N, K, D):
+    q, k, v = _qkv(2, 130, 130, N, K, D, dtype)
+    with jax.default_device(_device(device)):
+        out = jaxdet.attention(q, k, v, causal=causal)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert _relerr(out, reference(q, k, v, causal=causal)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_rows_cross_splits(device):
+    # 1100 keys: three splits of 512, the last one partial.
+    q, k, v = _qkv(1, 1100, 1100, 2, 1, 64)
+    with jax.default_device(_device(device)):
+        out = jaxdet.attention(q, k, v)
+    assert _relerr(out, reference(q, k, v)) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_and_masks(device):
+    q, k, v = _qkv(3, 20, 40, 4, 2, 64)
+    pos = jnp.asarray([[i + 20 for i in range(20)], [i for i in range(20)], [39 - i for i in range(20)]], jnp.int32)
+    kvl = jnp.asarray([40, 25, 7], jnp.int32)
+    with jax.default_device(_device(device)):
+        out = jaxdet.attention(q, k, v, scale=0.3, q_positions=pos, kv_lengths=kvl)
+    assert _relerr(out, reference(q, k, v, scale=0.3, q_positions=pos, kv_lengths=kvl)) < 1e-5
+
+
+# ---- Row invariance. ----
+
+def _embed(x, batch, at, seed):
+    """x (batch 1) placed at index `at` of a batch of random other rows."""
+    others = _rand((batch,) + x.shape[1:], x.dtype, seed)
+    return others.at[at].set(x[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+def test_rows_do_not_depend_on_the_batch(device, dtype):
+    q, k, v = _qkv(1, 70, 70, 8, 2, 64, dtype)
+    f = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
+    with jax.default_device(_device(device)):
+        alone = f(q, k, v)
+        for batch in (4, 16, 64):
+            for at in (0, batch // 2, batch - 1):
+                out = f(*(_embed(x, batch, at, seed=batch + i) for i, x in enumerate((q, k, v))))
+                assert_bitwise(out[at:at + 1], alone)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_permuted_batch(device):
+    q, k, v = _qkv(8, 33, 33, 4, 4, 64, jnp.bfloat16)
+    perm = np.random.default_rng(3).permutation(8)
+    f = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
+    with jax.default_device(_device(device)):
+        assert_bitwise(f(q[perm], k[perm], v[perm]), f(q, k, v)[perm])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_padding_is_never_seen(device, causal):
+    L, S = 45, 128
+    q, k, v = _qkv(1, L, L, 4, 2, 64, jnp.bfloat16)
+    pad = lambda x, fill: jnp.concatenate([x, jnp.full((1, S - L) + x.shape[2:], fill, x.dtype)], 1)  # noqa: E731
+    with jax.default_device(_device(device)):
+        alone = jaxdet.attention(q, k, v, causal=causal)
+        for fill in (0.0, 1e4, jnp.nan):
+            qp, kp, vp = pad(q, 0.0), pad(k, fill), pad(v, fill)
+            out = jaxdet.attention(qp, kp, vp, causal=causal, kv_lengths=jnp.asarray([L]))
+            assert_bitwise(out[:, :L], alone)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_segments_equal_alone(device, causal):
+    lengths = [37, 64, 1, 100, 30]
+    T = sum(lengths)
+    q, k, v = _qkv(1, T, T, 4, 2, 64, jnp.bfloat16)
+    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+    with jax.default_device(_device(device)):
+        packed = jaxdet.attention(q, k, v, causal=causal, segment_ids=seg)
+        start = 0
+        for n in lengths:
+            sl = slice(start, start + n)
+            alone = jaxdet.attention(q[:, sl], k[:, sl], v[:, sl], causal=causal)
+            assert_bitwise(packed[:, sl], alone)
+            start += n
+    ref = reference(q, k, v, causal=causal, segment_ids=seg)
+    assert _relerr(packed, ref) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gqa_equals_repeated_heads(device):
+    q, k, v = _qkv(2, 50, 50, 8, 2, 64, jnp.bfloat16)
+    with jax.default_device(_device(device)):
+        gqa = jaxdet.attention(q, k, v)
+        mha = jaxdet.attention(q, jnp.repeat(k, 4, axis=2), jnp.repeat(v, 4, axis=2))
+    assert_bitwise(gqa, mha)
+
+
+# ---- Prefill/decode invariance. ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_chunked_prefill_equals_full(device, dtype):
+    T, cap = 700, 1024
+    q, k, v = _qkv(2, T, T, 4, 2, 64, dtype)
+    with jax.default_device(_device(device)):
+        full = jaxdet.attention(q, k, v)
+        garbage = _rand((2, cap, 2, 64), dtype, 9, scale=1e3)
+        for cuts in ([0, 37, 100, 513, 700], [0, 1, 2, 64, 511, 512, 699, 700], [0, 350, 700]):
+            kc, vc = garbage, garbage
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                kc = kc.at[:, a:b].set(k[:, a:b])
+                vc = vc.at[:, a:b].set(v[:, a:b])
+                pos = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (2, b - a))
+                out = jaxdet.attention(q[:, a:b], kc, vc, q_positions=pos, kv_lengths=jnp.asarray([b, b]))
+                assert_bitwise(out, full[:, a:b])
+
+
+def _decode_all(q, k, v, capacity):
+    """A token-by-token decode loop: step t writes k_t, v_t into a KV cache of `capacity` positions
+    (filled with NaN beforehand) and attends with its single query."""
+    B, T, N, D = q.shape
+    K = k.shape[2]
+    cache0 = jnp.full((B, capacity, K, D), jnp.nan, q.dtype)
+
+    def step(carry, t):
+        kc, vc = carry
+        kc = lax.dynamic_update_slice_in_dim(kc, lax.dynamic_slice_in_dim(k, t, 1, 1), t, 1)
+        vc = lax.dynamic_update_slice_in_dim(vc, lax.dynamic_slice_in_dim(v, t, 1, 1), t, 1)
+        qt = lax.dynamic_slice_in_dim(q, t, 1, 1)
+        pos = jnp.full((B, 1), t, jnp.int32)
+        out = jaxdet.attention(qt, kc, vc, q_positions=pos, kv_lengths=jnp.full((B,), t + 1, jnp.int32))
+        return (kc, vc), out[:, 0]
+
+    _, outs = lax.scan(step, (cache0, cache0), jnp.arange(T))
+    return jnp.moveaxis(outs, 0, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_decode_step_by_step_equals_full(device, dtype):
+    T = 600
+    q, k, v = _qkv(2, T, T, 8, 2, 64, dtype)
+    decode = jax.jit(_decode_all, static_argnums=3)
+    with jax.default_device(_device(device)):
+        full = jaxdet.attention(q, k, v)
+        for factor in (1, 2, 3, 4):
+            assert_bitwise(decode(q, k, v, factor * T), full)
+
+
+# ---- Transformations. ----
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vmap_and_jit(device):
+    q, k, v = _qkv(6, 40, 40, 4, 2, 64, jnp.bfloat16)
+    with jax.default_device(_device(device)):
+        direct = jaxdet.attention(q, k, v)
+        # vmap over the batch, with per-example rank-3 inputs
+        assert_bitwise(jax.vmap(lambda a, b, c: jaxdet.attention(a, b, c))(q, k, v), direct)
+        assert_bitwise(jax.jit(jaxdet.attention)(q, k, v), direct)
+        # a vmapped axis over shared keys and values
+        qs = jnp.stack([q, q[::-1]])
+        shared = jax.vmap(lambda a: jaxdet.attention(a, k, v))(qs)
+        assert_bitwise(shared[0], direct)
+        assert_bitwise(shared[1][::-1], jaxdet.attention(q[::-1], k, v)[::-1])
+        # vmapped q_positions (decode of several candidates against one cache)
+        ts = (3, 17, 39)
+        qt = jnp.stack([q[:, t:t + 1] for t in ts])
+        pos = jnp.asarray([[t] for t in ts], jnp.int32)
+        outs = jax.vmap(lambda a, p: jaxdet.attention(a, k, v, q_positions=jnp.broadcast_to(p, (6, 1))))(qt, pos)
+        for i, t in enumerate(ts):
+            assert_bitwise(outs[i], direct[:, t:t + 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic(device):
+    q, k, v = _qkv(2, 90, 90, 4, 2, 64, jnp.bfloat16)
+    with jax.default_device(_device(device)):
+        a = jax.jit(jaxdet.attention)(q, k, v)
+        jax.clear_caches()
+        b = jax.jit(jaxdet.attention)(q, k, v)
+    assert_bitwise(a, b)
+
+
+# ---- Gradients. ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_check_grads(device, causal):
+    q, k, v = _qkv(2, 9, 9, 4, 2, 64)
+    with jax.default_device(_device(device)):
+        check_grads(lambda q, k, v: jaxdet.attention(q, k, v, causal=causal), (q, k, v), order=1, modes=["rev"],
+                    atol=1e-2, rtol=1e-2)
+
+
+def _loss_weights(shape, seed=7):
+    return _rand(shape, jnp.float32, seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("N,K,D", [(4, 2, 64), (4, 4, 128), (2, 1, 256)])
+def test_gradients_match_float64(device, dtype, N, K, D):
+    q, k, v = _qkv(2, 70, 70, N, K, D, dtype)
+    w = _loss_weights((2, 70, N, D))
+    kvl = jnp.asarray([70, 51])
+
+    def loss(q, k, v, impl):
+        if impl == "jaxdet":
+            o = jaxdet.attention(q, k, v, kv_lengths=kvl)
+        else:
+            mask = (jnp.arange(70)[None, :] < kvl[:, None])[:, None, None, :]
+            o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+        return jnp.sum(o.astype(jnp.float32) * w)
+
+    with jax.default_device(_device(device)):
+        got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "jaxdet")
+    with jax.default_device(jax.devices("cpu")[0]), jax.enable_x64(True):
+        want = jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), "xla")
+    tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}[dtype]
+    for g, r in zip(got, want):
+        assert g.dtype == q.dtype
+        assert _relerr(g, np.asarray(r)) < tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_rows_do_not_depend_on_the_batch(device):
+    q, k, v = _qkv(1, 60, 60, 4, 2, 64, jnp.bfloat16)
+    w = _loss_weights((1, 60, 4, 64))
+
+    def grads(q, k, v, w):
+        return jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    f = jax.jit(grads)
+    with jax.default_device(_device(device)):
+        alone = f(q, k, v, w)
+        for batch, at in ((4, 3), (16, 0), (16, 9)):
+            big = [_embed(x, batch, at, seed=batch + i) for i, x in enumerate((q, k, v, w))]
+            out = f(*big)
+            for g, a in zip(out, alone):  # dq rows, and this sequence's dk/dv
+                assert_bitwise(g[at:at + 1], a)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dq_rows_of_a_chunk_equal_the_full_pass(device):
+    T, a, b = 300, 130, 217
+    q, k, v = _qkv(1, T, T, 4, 2, 64, jnp.bfloat16)
+    w = _loss_weights((1, T, 4, 64))
+    with jax.default_device(_device(device)):
+        full = jax.grad(lambda q: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w))(q)
+        pos = jnp.arange(a, b, dtype=jnp.int32)[None]
+        chunk = jax.grad(lambda qc: jnp.sum(jaxdet.attention(qc, k, v, q_positions=pos).astype(jnp.float32)
+                                            * w[:, a:b]))(q[:, a:b])
+    assert_bitwise(chunk, full[:, a:b])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_deterministic(device):
+    q, k, v = _qkv(2, 80, 80, 4, 2, 64, jnp.bfloat16)
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) ** 2),
+                         argnums=(0, 1, 2)))
+    with jax.default_device(_device(device)):
+        a = f(q, k, v)
+        b = f(q, k, v)
+    for x, y in zip(a, b):
+        assert_bitwise(x, y)
+
+
+# ---- Edge cases and errors. ----
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_see_nothing_are_zero(device):
+    q, k, v = _qkv(2, 4, 8, 2, 2, 64)
+    with jax.default_device(_device(device)):
+        out = jaxdet.attention(q, k, v, kv_lengths=jnp.asarray([0, 8]), q_positions=jnp.asarray([[0, 1, 2, 3], [-1, 0, 5, 9]]))
+    out = np.asarray(out)
+    assert not np.any(out[0]) and not np.any(out[1, 0])
+    assert np.all(np.isfinite(out))
+
+
+def test_rank3_and_empty():
+    q, k, v = _qkv(1, 10, 10, 4, 2, 64)
+    assert_bitwise(jaxdet.attention(q[0], k[0], v[0]), jaxdet.attention(q, k, v)[0])
+    empty = jaxdet.attention(q[:, :0], k, v, q_positions=jnp.zeros((1, 0), jnp.int32))
+    assert empty.shape == (1, 0, 4, 64)
+
+
+def test_errors():
+    q, k, v = _qkv(2, 8, 8, 4, 2, 64)
+    with pytest.raises(TypeError, match="q, k and v must have the same dtype"):
+        jaxdet.attention(q, k.astype(jnp.bfloat16), v)
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        jaxdet.attention(q.astype(jnp.int32), k, v)
+    with pytest.raises(ValueError, match="must divide"):
+        jaxdet.attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2))
+    with pytest.raises(ValueError, match="head dimension"):
+        jaxdet.attention(q[..., :32], k[..., :32], v[..., :32])
+    with pytest.raises(ValueError, match="needs q_positions"):
+        jaxdet.attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="excludes"):
+        jaxdet.attention(q, k, v, segment_ids=jnp.zeros((2, 8), jnp.int32), kv_lengths=jnp.asarray([1, 2]))
+    with pytest.raises(TypeError, match="q_positions must be an integer array"):
+        jaxdet.attention(q, k, v, q_positions=jnp.zeros((2, 8), jnp.float32))
+    with pytest.raises(ValueError, match="q_positions must have shape"):
+        jaxdet.attention(q, k, v, q_positions=jnp.zeros((3, 8), jnp.int32))
+    with pytest.raises(ValueError, match="must be \\[B, T, N, D\\]"):
+        jaxdet.attention(q[0], k, v)
+    with pytest.raises(ValueError, match="k and v must both be"):
+        jaxdet.attention(q, k, v[:, :4])
+    with pytest.raises(TypeError, match="causal must be a Python bool"):
+        jaxdet.attention(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="scale must be a static Python float"):
+        jax.jit(lambda s: jaxdet.attention(q, k, v, scale=s))(0.5)
+
+
+# ---- CPU and GPU. ----
+
+@pytest.mark.gpu
+def test_gpu_float32_equals_cpu():
+    # The float32 GPU kernels follow the CPU order step for step (not a contract; a check that
+    # the shared canonical-order code is what both run).
+    q, k, v = _qkv(2, 600, 600, 4, 2, 64)
+    f = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
+    a = f(*(jax.device_put(x, jax.devices("cpu")[0]) for x in (q, k, v)))
+    b = f(*(jax.device_put(x, jax.devices("gpu")[0]) for x in (q, k, v)))
+    assert_bitwise(jax.device_get(a), jax.device_get(b))
+
+
+# ---- The contract checks of jaxdet report (the same functions). ----
+
+@pytest.mark.parametrize("name,check", contracts.report_checks(), ids=[n for n, _ in contracts.report_checks()])
+def test_contract_checks(name, check):
+    ok, detail = check()
+    assert ok is not False, f"{name}: {detail}"
