@@ -83,30 +83,27 @@ def _check_power_of_two(n, what):
         raise ValueError(f"{what} must be a power of two, got {n}")
 
 
-def _tree_psum_leaf(x, names, size):
+def _as_summand(x, names):
     x = jnp.asarray(x)
     if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
         raise TypeError(f"tree_psum sums float (or integer) arrays, got {x.dtype}")
     # Like psum: a value not varying over an axis counts once per device of it.
     missing = tuple(n for n in names if n not in _varying_axes(x))
-    if missing:
-        x = lax.pcast(x, missing, to="varying")
-    axis = names if len(names) > 1 else names[0]
-    flat = x.reshape(-1)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _tree_psum_flat(flat, axis, size):
     n = flat.shape[0]
-    chunk = -(-n // size) if n else 0
+    chunk = -(-n // size)
     if chunk * size != n:
         flat = jnp.pad(flat, (0, chunk * size - n))
     if size > 1:
         # Reduce-scatter by data movement: device k receives chunk k of every device, in device
         # order, and reduces those D pieces by the top levels of the canonical tree.
         pieces = lax.all_to_all(flat.reshape(size, chunk), axis, 0, 0, tiled=True)
-        part = _tree_rows(pieces)
-    else:
-        part = flat
-    # All-gather the reduced chunks; the result is the same on every device (typed invariant).
-    out = lax.all_gather(part, axis, axis=0, tiled=True, to="invarying")
-    return out[:n].reshape(x.shape)
+        flat = _tree_rows(pieces)
+    # All-gather the reduced chunks: the same bits on every device, typed invariant.
+    return lax.all_gather(flat, axis, axis=0, tiled=True, to="invarying")[:n]
 
 
 def tree_psum(x, axis_name):
@@ -124,13 +121,28 @@ def tree_psum(x, axis_name):
     ``out_specs=P()`` is allowed under ``check_vma=True``). A value that is not varying over an
     axis counts once per device, as with ``psum``. Only data moves between devices (all_to_all
     reduce-scatter, then all_gather; the traffic of a ring all-reduce); the adds run locally in
-    x's dtype (float32 for device-count-invariant gradients). Any shape: the flattened size is
-    zero-padded to a multiple of the device count. An axis of size 1 is the identity.
+    x's dtype (float32 for device-count-invariant gradients). Any shapes: the leaves of one dtype
+    travel as one flat buffer, zero-padded to a multiple of the device count (each element's sum
+    is the same tree whatever the packing). An axis of size 1 is the identity.
     """
     names = _axis_names(axis_name)
     size = math.prod(lax.axis_size(n) for n in names)
     _check_power_of_two(size, f"the size of mesh axis {axis_name!r}")
-    return jax.tree.map(lambda leaf: _tree_psum_leaf(leaf, names, size), x)
+    axis = names if len(names) > 1 else names[0]
+    leaves, treedef = jax.tree.flatten(x)
+    leaves = [_as_summand(leaf, names) for leaf in leaves]
+    groups = {}  # one buffer per dtype and per set of other varying axes (which the result keeps)
+    for i, leaf in enumerate(leaves):
+        groups.setdefault((leaf.dtype, _varying_axes(leaf) - set(names)), []).append(i)
+    out = [None] * len(leaves)
+    for members in groups.values():
+        flats = [leaves[i].reshape(-1) for i in members]
+        summed = _tree_psum_flat(jnp.concatenate(flats) if len(flats) > 1 else flats[0], axis, size)
+        start = 0
+        for i in members:
+            out[i] = summed[start : start + leaves[i].size].reshape(leaves[i].shape)
+            start += leaves[i].size
+    return jax.tree.unflatten(treedef, out)
 
 
 # ---- Data parallelism over leaves. ----
