@@ -37,11 +37,11 @@ LEAVES = 8
 # ---- The model: x -> matmul -> tanh -> dropout -> matmul, squared error, one leaf at a time. ----
 
 def init_params(features=16, hidden=64, outputs=8, seed=0):
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)  # host arrays: every process of a multi-process run has them
     return {
-        "w1": jnp.asarray(rng.standard_normal((features, hidden)) / np.sqrt(features), jnp.float32),
-        "b1": jnp.zeros((hidden,), jnp.float32),
-        "w2": jnp.asarray(rng.standard_normal((hidden, outputs)) / np.sqrt(hidden), jnp.float32),
+        "w1": (rng.standard_normal((features, hidden)) / np.sqrt(features)).astype(np.float32),
+        "b1": np.zeros((hidden,), np.float32),
+        "w2": (rng.standard_normal((hidden, outputs)) / np.sqrt(hidden)).astype(np.float32),
     }
 
 
@@ -135,11 +135,20 @@ def train(mesh, batches, *, axis_name="d", leaves=LEAVES, control=False, seed=0)
     hashes, same_on_devices = [], []
     for i, batch in enumerate(batches):
         batch = _global_batch(batch, sharded)
-        params, opt_state, _ = step(params, opt_state, batch, jaxdet.random.fold_in(key, i))
+        step_key = np.asarray(jaxdet.random.fold_in(key, i))  # a host value, the same in every process
+        params, opt_state, _ = step(params, opt_state, batch, step_key)
         per_device = _device_hashes((params, opt_state))
         hashes.append(next(iter(per_device.values())))
         same_on_devices.append(len(set(per_device.values())) == 1)
     return hashes, same_on_devices
+
+
+def example_step_args(mesh, axis_name="d"):
+    """Arguments of make_step's function, placed on `mesh` (to lower and inspect it)."""
+    params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+    opt_state = jax.device_put(_optimizer().init(params), NamedSharding(mesh, P()))
+    batch = _global_batch(make_batches(1, 64)[0], NamedSharding(mesh, P(axis_name)))
+    return params, opt_state, batch, np.asarray(jaxdet.random.key(0))
 
 
 def _global_batch(batch, sharding):
