@@ -142,6 +142,9 @@ def run_collectives(out_dir):
         arrays[f"vg_loss_D{d}"], arrays[f"vg_grad_D{d}"] = np.asarray(lv), np.asarray(g)
         arrays[f"vg_aux_index_D{d}"], arrays[f"vg_aux_sum_D{d}"] = np.asarray(idx), np.asarray(sums)
 
+    # .npz has no bfloat16: such arrays travel as their uint16 bits (the loader views them back).
+    facts["bfloat16_keys"] = [k for k, v in arrays.items() if np.asarray(v).dtype == jnp.bfloat16]
+    arrays = {k: np.asarray(v).view(np.uint16) if k in facts["bfloat16_keys"] else np.asarray(v) for k, v in arrays.items()}
     np.savez(os.path.join(out_dir, "collectives.npz"), **arrays)
     with open(os.path.join(out_dir, "collectives.json"), "w") as fh:
         json.dump(facts, fh)
