@@ -36,20 +36,20 @@ LEAVES = 8
 
 # ---- The model: x -> matmul -> tanh -> dropout -> matmul, squared error, one leaf at a time. ----
 
-def init_params(features=16, hidden=64, outputs=8, seed=0):
+def init_params(features=16, hidden=64, outputs=8, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)  # host arrays: every process of a multi-process run has them
     return {
-        "w1": (rng.standard_normal((features, hidden)) / np.sqrt(features)).astype(np.float32),
-        "b1": np.zeros((hidden,), np.float32),
-        "w2": (rng.standard_normal((hidden, outputs)) / np.sqrt(hidden)).astype(np.float32),
+        "w1": (rng.standard_normal((features, hidden), np.float32) / np.sqrt(features)).astype(dtype),
+        "b1": np.zeros((hidden,), dtype),
+        "w2": (rng.standard_normal((hidden, outputs), np.float32) / np.sqrt(hidden)).astype(dtype),
     }
 
 
-def make_batches(steps, batch_size, features=16, outputs=8, seed=1):
+def make_batches(steps, batch_size, features=16, outputs=8, seed=1, dtype=np.float32):
     rng = np.random.default_rng(seed)
     return [
-        {"x": rng.standard_normal((batch_size, features)).astype(np.float32),
-         "y": rng.standard_normal((batch_size, outputs)).astype(np.float32)}
+        {"x": rng.standard_normal((batch_size, features), np.float32).astype(dtype),
+         "y": rng.standard_normal((batch_size, outputs), np.float32).astype(dtype)}
         for _ in range(steps)
     ]
 
@@ -92,12 +92,13 @@ def make_step(mesh, axis_name="d", leaves=LEAVES, control=False):
     """One jitted train step ``(params, opt_state, batch, key) -> (params, opt_state, loss)``.
 
     control=False: ``jaxdet.parallel.value_and_grad``. control=True: the usual data-parallel step,
-    each device's gradient over its whole shard, summed with ``lax.psum`` (the negative control).
+    each device's gradient over its whole shard, summed in float32 with ``lax.psum`` (the negative
+    control; float32 like the tree, so that only the order differs).
     """
     opt = _optimizer()
 
     def step(params, opt_state, batch, key):
-        scale = 1.0 / batch["x"].shape[0]  # a power of two: the mean is exact scaling
+        scale = 1.0 / batch["x"].shape[0]  # the batch mean (exact scaling for a power-of-two batch)
         if control:
             loss, grads = _psum_value_and_grad(mesh, axis_name, scale)(params, batch, key)
         else:
@@ -118,7 +119,8 @@ def _psum_value_and_grad(mesh, axis_name, scale):
         params = lax.pcast(params, axis_name, to="varying")
         first = lax.axis_index(axis_name)  # this device's block, indexed like a leaf of its size
         loss, grads = jax.value_and_grad(leaf_loss)(params, batch, first, key, scale)
-        return lax.psum((loss, grads), axis_name)
+        loss, grads32 = lax.psum((loss.astype(jnp.float32), jax.tree.map(lambda g: g.astype(jnp.float32), grads)), axis_name)
+        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads32, params)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axis_name), P()), out_specs=P())
 
