@@ -83,17 +83,23 @@ def _check_power_of_two(n, what):
         raise ValueError(f"{what} must be a power of two, got {n}")
 
 
+def _varying(x, names):
+    missing = tuple(n for n in names if n not in _varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _as_summand(x, names):
     x = jnp.asarray(x)
     if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
         raise TypeError(f"tree_psum sums float (or integer) arrays, got {x.dtype}")
     # Like psum: a value not varying over an axis counts once per device of it.
-    missing = tuple(n for n in names if n not in _varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    return _varying(x, names)
 
 
 def _tree_psum_flat(flat, axis, size):
     n = flat.shape[0]
+    if n == 0:
+        return jnp.zeros((0,), flat.dtype)  # nothing to move (a fresh constant is invariant)
     chunk = -(-n // size)
     if chunk * size != n:
         flat = jnp.pad(flat, (0, chunk * size - n))
@@ -155,27 +161,25 @@ def _mesh_axis_size(mesh, names):
     return math.prod(shape[n] for n in names)
 
 
-def _local_tree(leaf_fn, levels, first, names):
+def _local_tree(leaf_fn, levels, first, init):
     """The canonical subtree over 2**levels consecutive leaves from leaf `first` (a traced index).
 
-    A loop of 2 iterations per level, the leaf body innermost and compiled once: the leaf program is
+    A loop of 2 iterations per level, the leaf body innermost and traced once: the leaf program is
     the same for any number of leaves per device, and one float32 running root per level plus the
-    leaf being computed are live (log2(leaves per device) + 1 partials). Per-leaf outputs that are
-    not summed (aux) come back stacked in leaf order.
+    leaf being computed are live (log2(leaves per device) + 1 partials). `init` (zeros typed like a
+    root) only fixes the loop carry's type. Per-leaf outputs that are not summed (aux) come back
+    stacked in leaf order.
     """
     if levels == 0:
         return leaf_fn(first)
     half = 1 << (levels - 1)
 
     def body(root, i):
-        part, stacked = _local_tree(leaf_fn, levels - 1, first + i * half, names)
+        part, stacked = _local_tree(leaf_fn, levels - 1, first + i * half, init)
         # First half: its root as it is (a select, no add); second: left + right.
         root = jax.tree.map(lambda r, p: jnp.where(i == 0, p, r + p), root, part)
         return root, stacked
 
-    # The carry's start value only fixes its type (varying, like the parts); iteration 0 replaces it.
-    shapes = jax.eval_shape(lambda: leaf_fn(first)[0])
-    init = jax.tree.map(lambda s: lax.pcast(jnp.zeros(s.shape, s.dtype), names, to="varying"), shapes)
     root, stacked = lax.scan(body, init, jnp.arange(2, dtype=jnp.int32))
     return root, jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stacked)
 
@@ -237,11 +241,17 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
             stacked = jax.tree.map(lambda x: jnp.expand_dims(x, 0), aux)
             return summed, stacked
 
-        (loss, grads), aux = _local_tree(leaf, levels, first, names)
+        init = None
+        if levels:
+            shapes = jax.eval_shape(lambda: leaf(first)[0])
+            init = jax.tree.map(lambda t: _varying(jnp.zeros(t.shape, t.dtype), names), shapes)
+        (loss, grads), aux = _local_tree(leaf, levels, first, init)
         loss, grads = tree_psum((loss, grads), names)
         grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
         if has_aux:
-            aux = jax.tree.map(lambda x: lax.all_gather(x, spec_axis, axis=0, tiled=True, to="invarying"), aux)
+            aux = jax.tree.map(
+                lambda x: lax.all_gather(_varying(x, names), spec_axis, axis=0, tiled=True, to="invarying"), aux
+            )
             return (loss, aux), grads
         return loss, grads
 
