@@ -36,20 +36,29 @@ LEAVES = 8
 
 # ---- The model: x -> matmul -> tanh -> dropout -> matmul, squared error, one leaf at a time. ----
 
+
 def init_params(features=16, hidden=64, outputs=8, seed=0, dtype=np.float32):
-    rng = np.random.default_rng(seed)  # host arrays: every process of a multi-process run has them
+    rng = np.random.default_rng(
+        seed
+    )  # host arrays: every process of a multi-process run has them
     return {
-        "w1": (rng.standard_normal((features, hidden), np.float32) / np.sqrt(features)).astype(dtype),
+        "w1": (
+            rng.standard_normal((features, hidden), np.float32) / np.sqrt(features)
+        ).astype(dtype),
         "b1": np.zeros((hidden,), dtype),
-        "w2": (rng.standard_normal((hidden, outputs), np.float32) / np.sqrt(hidden)).astype(dtype),
+        "w2": (
+            rng.standard_normal((hidden, outputs), np.float32) / np.sqrt(hidden)
+        ).astype(dtype),
     }
 
 
 def make_batches(steps, batch_size, features=16, outputs=8, seed=1, dtype=np.float32):
     rng = np.random.default_rng(seed)
     return [
-        {"x": rng.standard_normal((batch_size, features), np.float32).astype(dtype),
-         "y": rng.standard_normal((batch_size, outputs), np.float32).astype(dtype)}
+        {
+            "x": rng.standard_normal((batch_size, features), np.float32).astype(dtype),
+            "y": rng.standard_normal((batch_size, outputs), np.float32).astype(dtype),
+        }
         for _ in range(steps)
     ]
 
@@ -98,12 +107,19 @@ def make_step(mesh, axis_name="d", leaves=LEAVES, control=False):
     opt = _optimizer()
 
     def step(params, opt_state, batch, key):
-        scale = 1.0 / batch["x"].shape[0]  # the batch mean (exact scaling for a power-of-two batch)
+        scale = (
+            1.0 / batch["x"].shape[0]
+        )  # the batch mean (exact scaling for a power-of-two batch)
         if control:
-            loss, grads = _psum_value_and_grad(mesh, axis_name, scale)(params, batch, key)
+            loss, grads = _psum_value_and_grad(mesh, axis_name, scale)(
+                params, batch, key
+            )
         else:
             vg = parallel.value_and_grad(
-                lambda p, b, i, k: leaf_loss(p, b, i, k, scale), mesh=mesh, axis_name=axis_name, leaves=leaves
+                lambda p, b, i, k: leaf_loss(p, b, i, k, scale),
+                mesh=mesh,
+                axis_name=axis_name,
+                leaves=leaves,
             )
             loss, grads = vg(params, batch, key)
         grads, _ = jaxdet.clip_by_global_norm(grads, MAX_NORM)
@@ -117,12 +133,22 @@ def make_step(mesh, axis_name="d", leaves=LEAVES, control=False):
 def _psum_value_and_grad(mesh, axis_name, scale):
     def local(params, batch, key):
         params = lax.pcast(params, axis_name, to="varying")
-        first = lax.axis_index(axis_name)  # this device's block, indexed like a leaf of its size
+        first = lax.axis_index(
+            axis_name
+        )  # this device's block, indexed like a leaf of its size
         loss, grads = jax.value_and_grad(leaf_loss)(params, batch, first, key, scale)
-        loss, grads32 = lax.psum((loss.astype(jnp.float32), jax.tree.map(lambda g: g.astype(jnp.float32), grads)), axis_name)
+        loss, grads32 = lax.psum(
+            (
+                loss.astype(jnp.float32),
+                jax.tree.map(lambda g: g.astype(jnp.float32), grads),
+            ),
+            axis_name,
+        )
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads32, params)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axis_name), P()), out_specs=P())
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P(axis_name), P()), out_specs=P()
+    )
 
 
 def train(mesh, batches, *, axis_name="d", leaves=LEAVES, control=False, seed=0):
@@ -137,7 +163,9 @@ def train(mesh, batches, *, axis_name="d", leaves=LEAVES, control=False, seed=0)
     hashes, same_on_devices = [], []
     for i, batch in enumerate(batches):
         batch = _global_batch(batch, sharded)
-        step_key = np.asarray(jaxdet.random.fold_in(key, i))  # a host value, the same in every process
+        step_key = np.asarray(
+            jaxdet.random.fold_in(key, i)
+        )  # a host value, the same in every process
         params, opt_state, _ = step(params, opt_state, batch, step_key)
         per_device = _device_hashes((params, opt_state))
         hashes.append(next(iter(per_device.values())))
@@ -156,11 +184,15 @@ def example_step_args(mesh, axis_name="d"):
 def _global_batch(batch, sharding):
     """A global array from the same host data in every process (each process places its rows)."""
     return jax.tree.map(
-        lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), batch
+        lambda x: jax.make_array_from_callback(
+            x.shape, sharding, lambda idx, x=x: x[idx]
+        ),
+        batch,
     )
 
 
 # ---- The report's check, in a subprocess with 8 simulated CPU devices. ----
+
 
 def _run_comparison(steps):
     devices = jax.devices()
@@ -170,23 +202,34 @@ def _run_comparison(steps):
         for d in (1, 2, 4, 8):
             mesh = jax.sharding.Mesh(np.array(devices[:d]), ("d",))
             hashes, same = train(mesh, batches, control=control)
-            result[f"{'psum' if control else 'tree'}{d}"] = {"hashes": hashes, "same_on_devices": all(same)}
+            result[f"{'psum' if control else 'tree'}{d}"] = {
+                "hashes": hashes,
+                "same_on_devices": all(same),
+            }
     return result
 
 
 def subprocess_env(devices=8):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxdet.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     return env
 
 
 def check_device_count_invariance(steps=3):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdet._facts_parallel", str(steps)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=600,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     if proc.returncode:
         return False, f"subprocess failed: {proc.stderr.strip().splitlines()[-1:]}"
@@ -206,7 +249,12 @@ def check_device_count_invariance(steps=3):
 
 
 def report_checks():
-    return [("parallel: bits independent of the device count", check_device_count_invariance)]
+    return [
+        (
+            "parallel: bits independent of the device count",
+            check_device_count_invariance,
+        )
+    ]
 
 
 if __name__ == "__main__":
