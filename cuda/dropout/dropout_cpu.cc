@@ -3,8 +3,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "ffi_common.h"
-#include "philox.h"
+#include "common/ffi_common.h"
+#include "common/philox.h"
 
 namespace jaxdet {
 namespace {

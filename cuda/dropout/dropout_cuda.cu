@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "cuda_common.h"
-#include "philox.h"
+#include "common/cuda_common.h"
+#include "common/philox.h"
 
 namespace jaxdet {
 namespace {
