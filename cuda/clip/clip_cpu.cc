@@ -8,7 +8,7 @@
 
 #include "clip_ffi.h"
 #include "clip_math.h"
-#include "ffi_common.h"
+#include "common/ffi_common.h"
 
 namespace jaxdet {
 namespace {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "clip_math.h"
-#include "ffi_common.h"
+#include "common/ffi_common.h"
 
 namespace jaxdet {
 namespace clip {

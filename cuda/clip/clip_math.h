@@ -23,7 +23,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "philox.h"  // JAXDET_HD, storage tags and RNE conversions
+#include "common/philox.h"  // JAXDET_HD, storage tags and RNE conversions
 
 namespace jaxdet {
 namespace clip {

@@ -24,7 +24,7 @@
 
 #include "clip_ffi.h"
 #include "clip_math.h"
-#include "cuda_common.h"
+#include "common/cuda_common.h"
 
 namespace jaxdet {
 namespace {
