@@ -501,8 +501,8 @@ def test_gpu_accuracy_vs_float64(dtype, pref, gpu):
         test_accuracy_vs_float64(dtype, pref)
 
 
-def test_report_facts_hold_on_cpu():
-    from jaxdet._facts_matmul import report_checks
+def test_report_contracts_hold_on_cpu():
+    from jaxdet.contracts.matmul import report_checks
 
     for name, fn in report_checks():
         ok, detail = fn()

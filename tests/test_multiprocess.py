@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from jaxdet._facts_parallel import subprocess_env
+from jaxdet.contracts.parallel import subprocess_env
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel_worker.py")
 STEPS = 20

@@ -227,7 +227,7 @@ def subprocess_env(devices=8):
 
 def check_device_count_invariance(steps=2):
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdet._facts_parallel", str(steps)],
+        [sys.executable, "-m", "jaxdet.contracts.parallel", str(steps)],
         env=subprocess_env(),
         capture_output=True,
         text=True,
