@@ -180,6 +180,9 @@ class Partitioning:
     can_split: Callable | None = None
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def _spec_axes(entry) -> tuple:
     if entry is None:
         return ()
@@ -245,7 +248,10 @@ def _register_partitioned_lowering(prim, local, part: Partitioning, multiple_res
         body = local(dict(params), axes, shapes)
 
         def lower_fn(*args):
-            out = body(*args)
+            # Per-device code: traced outside the caller's mesh context, so that an explicit mesh
+            # (jax.set_mesh) adds no sharding annotations to what runs on one device's shards.
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                out = body(*args)
             return list(out) if multiple_results else out
 
         return mesh, lower_fn, result_shardings, arg_shardings

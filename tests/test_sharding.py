@@ -416,7 +416,15 @@ def test_explicit_sharding_types_follow_the_rules():
         for f, args, expected in [
             (jaxdet.matmul, (xs, ws), jaxdet.matmul(a, b)),
             (lambda x, k: jaxdet.dropout(x, k, 0.5), (xs, key), jaxdet.dropout(a, key, 0.5)),
+            (lambda x, k: jaxdet.dropout(x, k, 0.5, broadcast_dims=(1,)), (xs, key),
+             jaxdet.dropout(a, key, 0.5, broadcast_dims=(1,))),
         ]:
             assert jax.typeof(jax.eval_shape(f, *args)).sharding.spec == P("data", None)
             assert_bitwise(jax.jit(f)(*args), expected)
             assert collectives(f, *args) == {}
+        grads = jax.grad(lambda w, x: jnp.sum(jaxdet.matmul(x, w) ** 2), argnums=(0, 1))
+        dw, dx = jax.jit(grads)(ws, xs)
+        expected = grads(b, a)
+        assert_bitwise(dw, expected[0], "dw")
+        assert_bitwise(dx, expected[1], "dx")
+        assert jax.typeof(dx).sharding.spec == P("data", None)
