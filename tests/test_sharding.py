@@ -235,6 +235,21 @@ def test_weight_gradient_is_device_count_invariant(dtype):
 
 
 @on_devices
+def test_weight_gradient_sharded_jit_any_device_count():
+    # The padded canonical tree lines up with any device count: 6 chunks over 3 or 6 devices give
+    # one device's bits in sharded jit. (Inside shard_map, tree_psum needs a power of two.)
+    c = jaxdet.WGRAD_CHUNK_TOKENS
+    x, w = rand((6 * c, 16), seed=33), rand((16, 8), seed=34)
+    loss = lambda w, x: jnp.sum(jnp.sin(jaxdet.matmul(x, w)))
+    reference = jax.jit(jax.grad(loss))(w, x)
+    for d in (3, 6):
+        m = mesh(d)
+        assert_bitwise(jax.jit(jax.grad(loss))(put(w, m, P()), put(x, m, P("data"))), reference, f"{d} devices")
+    with pytest.raises(ValueError, match="power of two"):
+        jax.shard_map(jax.grad(loss), mesh=mesh(6), in_specs=(P(), P("data")), out_specs=P())(w, x)
+
+
+@on_devices
 def test_shard_map_dropout_offset_idiom_and_invariant_inputs():
     m = mesh()
     x = rand((16, 40), jnp.bfloat16, seed=10)
