@@ -117,7 +117,8 @@ void DropoutItems(const DropoutArgs& a, int64_t first_item, int64_t last_item) {
 template <typename Storage>
 void DropoutAll(const DropoutArgs& a, ffi::ThreadPool& pool) {
   const int64_t items = (a.groups * a.per_group + kItem - 1) / kItem;
-  const int64_t workers = std::min<int64_t>(items, pool.num_threads() + 1);  // the caller works too
+  // The caller is one of the workers (as the GEMM counts them): as many as the pool has threads.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(items, pool.num_threads()));
   parallel_for(pool, items, workers, [&a](int64_t item) { DropoutItems<Storage>(a, item, item + 1); });
 }
 
