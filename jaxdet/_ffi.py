@@ -137,9 +137,8 @@ def match_varying(ct, vma: frozenset):
     have = varying_axes(ct)
     extra, missing = have - vma, vma - have
     if extra:
-        from jaxdet import (
-            parallel,  # imported here: parallel imports the primitives' modules
-        )
+        # Lazy: jaxdet.parallel is a layer above the primitives.
+        from jaxdet import parallel
 
         ct = parallel.tree_psum(ct, mesh_order(extra))
     if missing:
@@ -284,6 +283,7 @@ def tree_psum_untyped(x, axes: tuple):
     """``jaxdet.parallel.tree_psum`` for a custom_partitioning lowering, whose per-device values
     carry no shard_map types: the same canonical tree over the device index (lower index first),
     with data movement only (all_to_all as a reduce-scatter, then all_gather)."""
+    # Lazy: jaxdet.parallel is a layer above the primitives.
     from jaxdet import parallel
 
     size = math.prod(lax.axis_size(n) for n in axes)
