@@ -58,7 +58,7 @@ def _dropout_batch(args, dims, **params):
     return dropout_p.bind(x, keys, offsets, **params), 0
 
 
-MAX_MASK_RUNS = 16  # kMaxMaskRank in cuda/philox.h
+MAX_MASK_RUNS = 16  # kMaxMaskRank in cuda/common/philox.h
 
 
 def _mask_strides(shape, broadcast_dims):
