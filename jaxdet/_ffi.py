@@ -137,9 +137,8 @@ def match_varying(ct, vma: frozenset):
     have = varying_axes(ct)
     extra, missing = have - vma, vma - have
     if extra:
-        from jaxdet import (
-            parallel,  # imported here: parallel imports the primitives' modules
-        )
+        # Lazy: jaxdet.parallel is a layer above the primitives.
+        from jaxdet import parallel
 
         ct = parallel.tree_psum(ct, mesh_order(extra))
     if missing:
@@ -178,6 +177,9 @@ class Partitioning:
     reduced: frozenset = frozenset()
     local: Callable | None = None
     can_split: Callable | None = None
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def _spec_axes(entry) -> tuple:
@@ -245,7 +247,10 @@ def _register_partitioned_lowering(prim, local, part: Partitioning, multiple_res
         body = local(dict(params), axes, shapes)
 
         def lower_fn(*args):
-            out = body(*args)
+            # Per-device code: traced outside the caller's mesh context, so that an explicit mesh
+            # (jax.set_mesh) adds no sharding annotations to what runs on one device's shards.
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                out = body(*args)
             return list(out) if multiple_results else out
 
         return mesh, lower_fn, result_shardings, arg_shardings
@@ -278,6 +283,7 @@ def tree_psum_untyped(x, axes: tuple):
     """``jaxdet.parallel.tree_psum`` for a custom_partitioning lowering, whose per-device values
     carry no shard_map types: the same canonical tree over the device index (lower index first),
     with data movement only (all_to_all as a reduce-scatter, then all_gather)."""
+    # Lazy: jaxdet.parallel is a layer above the primitives.
     from jaxdet import parallel
 
     size = math.prod(lax.axis_size(n) for n in axes)

@@ -1,7 +1,7 @@
 """Deterministic inverted dropout keyed by (Philox key, global element index).
 
 The contract (docs/dropout.md, proven by tests/test_dropout.py): element ``i`` of ``x`` (its
-row-major index plus ``offset``; 64-bit) is kept iff word ``g % 4`` of
+row-major index plus ``offset``, static or traced; 64-bit) is kept iff word ``g % 4`` of
 ``philox4x32_10([lo32(g // 4), hi32(g // 4), 0, 0], key)`` is ``>= round(rate * 2**32)``, with
 ``g = i + offset``. A kept element becomes ``dtype(float32(x) * float32(1 / (1 - rate)))``, a dropped
 one ``+0``. Nothing else (dtype, shape, launch grid, device, backend) enters the mask.
@@ -58,7 +58,7 @@ def _dropout_batch(args, dims, **params):
     return dropout_p.bind(x, keys, offsets, **params), 0
 
 
-MAX_MASK_RUNS = 16  # kMaxMaskRank in cuda/philox.h
+MAX_MASK_RUNS = 16  # kMaxMaskRank in cuda/common/philox.h
 
 
 def _mask_strides(shape, broadcast_dims):
@@ -220,15 +220,20 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
         (``deterministic=True`` or ``rate == 0``).
       rate: drop probability, a Python float in [0, 1).
       deterministic: if True, return ``x`` unchanged.
-      offset: added to every element's row-major index (a Python int >= 0), so that
+      offset: added to every element's row-major index (64-bit), so that
         ``dropout(x, k, p).ravel()[a:b] == dropout(x.ravel()[a:b], k, p, offset=a)`` bitwise.
+        A Python int in [0, 2**63), or a traced integer scalar (int32, uint32, int64 with x64;
+        taken modulo 2**64) with exactly the static form's mask: a scanned micro-batch's
+        ``i * size``, a shard_map device's ``lax.axis_index(axis) * x.size``.
       broadcast_dims: dimensions along which one mask value is shared (as in flax). Mask indices
         are then row-major indices in the shape with those dimensions set to 1.
 
-    Under ``jax.vmap`` a batched key gives each example its own mask; an unbatched key gives every
-    example the same mask (each example is indexed from 0 + offset). Reverse-mode only
-    (``jax.custom_vjp``): the backward applies the same mask to the cotangent, regenerated from the
-    key; no mask or input is saved.
+    Under ``jax.vmap`` a batched key gives each example its own mask; an unbatched key (and
+    offset) gives every example the same mask (each example is indexed from 0 + offset); a batched
+    offset gives each example its own. Reverse-mode only (``jax.custom_vjp``): the backward applies
+    the same mask to the cotangent, regenerated from the key and offset; no mask or input is saved.
+    Under sharded ``jax.jit``, a sharded ``x`` draws the unsharded mask with no collective
+    (docs/sharding.md).
     """
     dtype = getattr(x, "dtype", None)
     if dtype is None or not hasattr(x, "shape"):

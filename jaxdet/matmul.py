@@ -14,6 +14,12 @@ The contracts (docs/matmul.md, proven by tests/test_matmul.py):
   tree), in float32, cast once. Micro-batches of 2^j chunks (the last may be shorter) combined
   with ``tree_sum`` reproduce the full-batch dB bitwise, and so do devices holding such blocks.
   Appending zero rows leaves dB unchanged.
+* Higher derivatives. The backward's products are custom_vjp functions again, so reverse over
+  reverse works to any order (forward mode does not: custom_vjp).
+* Many devices (docs/sharding.md, tests/test_sharding.py). Under shard_map, a replicated weight's
+  gradient is the canonical tree over the devices (never a psum); under sharded jit, rows, batch
+  and columns run per device with no collective, K is never split, and split tokens of dB meet by
+  the canonical tree.
 """
 
 from __future__ import annotations
@@ -372,7 +378,9 @@ def _matmul3(a3, b3, out_dtype):
 
 
 def _matmul3_fwd(a3, b3, out_dtype):
-    return _gemm(a3, b3, out_dtype), (a3, b3)
+    # The custom_vjp function again, not the primitive: under an outer derivative this forward is
+    # differentiated too.
+    return _matmul3(a3, b3, out_dtype), (a3, b3)
 
 
 def _matmul3_bwd(out_dtype, res, g):
@@ -395,7 +403,7 @@ def _matmul3_nt(x3, y3, out_dtype):
 
 
 def _matmul3_nt_fwd(x3, y3, out_dtype):
-    return _gemm(x3, y3, out_dtype, transpose_b=True), (x3, y3)
+    return _matmul3_nt(x3, y3, out_dtype), (x3, y3)
 
 
 def _matmul3_nt_bwd(out_dtype, res, g):
@@ -522,8 +530,9 @@ def matmul(a, b, *, preferred_element_type=None):
         arithmetic, never TF32.
 
     Returns ``[..., M, N]``. Row ``i`` of the result is bitwise a function of row ``i`` of ``a`` and
-    of ``b`` only. Reverse-mode differentiable (``jax.custom_vjp``): dA has the same row
-    invariance; dB follows the chunk contract of ``matmul_weight_grad``.
+    of ``b`` only. Reverse-mode differentiable to any order (``jax.custom_vjp``; no forward
+    mode): dA has the same row invariance; dB follows the chunk contract of ``matmul_weight_grad``.
+    Works inside ``jax.shard_map`` and under sharded ``jax.jit`` (docs/sharding.md).
 
     Raises TypeError for unsupported or mixed dtypes and a bad ``preferred_element_type``,
     ValueError for ranks below 2 and for mismatched K (naming both shapes).

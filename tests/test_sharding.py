@@ -235,6 +235,21 @@ def test_weight_gradient_is_device_count_invariant(dtype):
 
 
 @on_devices
+def test_weight_gradient_sharded_jit_any_device_count():
+    # The padded canonical tree lines up with any device count: 6 chunks over 3 or 6 devices give
+    # one device's bits in sharded jit. (Inside shard_map, tree_psum needs a power of two.)
+    c = jaxdet.WGRAD_CHUNK_TOKENS
+    x, w = rand((6 * c, 16), seed=33), rand((16, 8), seed=34)
+    loss = lambda w, x: jnp.sum(jnp.sin(jaxdet.matmul(x, w)))
+    reference = jax.jit(jax.grad(loss))(w, x)
+    for d in (3, 6):
+        m = mesh(d)
+        assert_bitwise(jax.jit(jax.grad(loss))(put(w, m, P()), put(x, m, P("data"))), reference, f"{d} devices")
+    with pytest.raises(ValueError, match="power of two"):
+        jax.shard_map(jax.grad(loss), mesh=mesh(6), in_specs=(P(), P("data")), out_specs=P())(w, x)
+
+
+@on_devices
 def test_shard_map_dropout_offset_idiom_and_invariant_inputs():
     m = mesh()
     x = rand((16, 40), jnp.bfloat16, seed=10)
@@ -260,6 +275,37 @@ def test_shard_map_dropout_offset_idiom_and_invariant_inputs():
     dy = jax.shard_map(per_device, mesh=m, in_specs=P(), out_specs=P())(y)
     parts = [on_one_device(y, d) for d in range(NDEV)]
     assert_bitwise(dy, parallel.tree_sum([p.astype(jnp.float32) for p in parts]).astype(jnp.bfloat16))
+
+
+@on_devices
+def test_second_derivatives_inside_shard_map():
+    # A gradient penalty differentiates the backward, its canonical tree included.
+    m = mesh()
+    x, w = rand((16, 24), seed=29), rand((24, 8), seed=30)
+
+    def penalty(w, x):
+        gx = jax.grad(lambda x: jnp.sum(jnp.sin(jaxdet.matmul(x, w))))(x)
+        return jnp.sum(gx * gx)
+
+    g = jax.shard_map(jax.grad(penalty), mesh=m, in_specs=(P(), P("data")), out_specs=P())(w, x)
+    ref = jax.grad(penalty)(w, x)
+    assert jax.typeof(g).shape == w.shape
+    assert float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref)) < 1e-5
+
+
+@on_devices
+def test_partly_manual_shard_map():
+    # Manual over 'data' only, 'model' left to the partitioner: the bits of the fully manual map.
+    m = mesh(names=("data", "model"), shape=(2, 4))
+    x, w = rand((16, 24), seed=31), rand((24, 8), seed=32)
+
+    def loss(w, x):
+        return jnp.sum(jaxdet.dropout(jaxdet.matmul(x, w), jr.key(0), 0.5) ** 2)
+
+    partly = jax.jit(jax.shard_map(jax.grad(loss), mesh=m, in_specs=(P(), P("data")), out_specs=P(),
+                                   axis_names={"data"}))
+    fully = jax.shard_map(jax.grad(loss), mesh=mesh(2), in_specs=(P(), P("data")), out_specs=P())
+    assert_bitwise(partly(put(w, m, P(None, "model")), x), fully(w, x))
 
 
 # ---- Sharded jit: partitioning rules (custom_partitioning; Shardy and GSPMD). ----
@@ -385,7 +431,15 @@ def test_explicit_sharding_types_follow_the_rules():
         for f, args, expected in [
             (jaxdet.matmul, (xs, ws), jaxdet.matmul(a, b)),
             (lambda x, k: jaxdet.dropout(x, k, 0.5), (xs, key), jaxdet.dropout(a, key, 0.5)),
+            (lambda x, k: jaxdet.dropout(x, k, 0.5, broadcast_dims=(1,)), (xs, key),
+             jaxdet.dropout(a, key, 0.5, broadcast_dims=(1,))),
         ]:
             assert jax.typeof(jax.eval_shape(f, *args)).sharding.spec == P("data", None)
             assert_bitwise(jax.jit(f)(*args), expected)
             assert collectives(f, *args) == {}
+        grads = jax.grad(lambda w, x: jnp.sum(jaxdet.matmul(x, w) ** 2), argnums=(0, 1))
+        dw, dx = jax.jit(grads)(ws, xs)
+        expected = grads(b, a)
+        assert_bitwise(dw, expected[0], "dw")
+        assert_bitwise(dx, expected[1], "dx")
+        assert jax.typeof(dx).sharding.spec == P("data", None)

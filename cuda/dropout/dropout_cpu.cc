@@ -11,8 +11,7 @@
 namespace jaxdet {
 namespace {
 
-ffi::Error PhiloxCpu(ffi::Buffer<ffi::U32> counters, ffi::Buffer<ffi::U32> keys,
-                     ffi::ResultBuffer<ffi::U32> out) {
+ffi::Error PhiloxCpu(ffi::Buffer<ffi::U32> counters, ffi::Buffer<ffi::U32> keys, ffi::ResultBuffer<ffi::U32> out) {
   const int64_t groups = key_group_count(keys);
   const int64_t blocks = static_cast<int64_t>(counters.element_count() / 4);
   if (auto err = check_key_groups(blocks, groups, "jaxdet_philox4x32_10"); !err.success()) return err;
@@ -54,8 +53,8 @@ void DropoutRange(const typename Storage::Bits* x, typename Storage::Bits* y, in
 // index through the layout; consecutive elements usually share a Philox block, so the last block
 // is kept.
 template <typename Storage>
-void DropoutRangeStrided(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t begin,
-                         int64_t end, const MaskLayout& layout, uint64_t offset, uint32_t k0, uint32_t k1,
+void DropoutRangeStrided(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t begin, int64_t end,
+                         const MaskLayout& layout, uint64_t offset, uint32_t k0, uint32_t k1,
                          uint32_t drop_threshold, float scale) {
   uint64_t cached_block = ~uint64_t{0};
   Philox4 r{};
@@ -101,7 +100,8 @@ void DropoutItems(const DropoutArgs& a, int64_t first_item, int64_t last_item) {
       const int64_t begin = i - g * a.per_group;
       const int64_t end = std::min(a.per_group, begin + (stop - i));
       const uint32_t k0 = a.keys[2 * g], k1 = a.keys[2 * g + 1];
-      const uint64_t offset = static_cast<uint64_t>(a.offsets[2 * g]) | (static_cast<uint64_t>(a.offsets[2 * g + 1]) << 32);
+      const uint64_t offset =
+          static_cast<uint64_t>(a.offsets[2 * g]) | (static_cast<uint64_t>(a.offsets[2 * g + 1]) << 32);
       const Bits* gx = src + g * a.per_group;
       Bits* gy = dst + g * a.per_group;
       if (a.layout) {
@@ -117,7 +117,8 @@ void DropoutItems(const DropoutArgs& a, int64_t first_item, int64_t last_item) {
 template <typename Storage>
 void DropoutAll(const DropoutArgs& a, ffi::ThreadPool& pool) {
   const int64_t items = (a.groups * a.per_group + kItem - 1) / kItem;
-  const int64_t workers = std::min<int64_t>(items, pool.num_threads() + 1);  // the caller works too
+  // The caller is one of the workers (as the GEMM counts them): as many as the pool has threads.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(items, pool.num_threads()));
   parallel_for(pool, items, workers, [&a](int64_t item) { DropoutItems<Storage>(a, item, item + 1); });
 }
 
@@ -128,38 +129,36 @@ ffi::Error DropoutCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
   const int64_t groups = key_group_count(keys);
   if (auto err = check_key_groups(n, groups, "jaxdet_dropout"); !err.success()) return err;
   if (static_cast<int64_t>(offsets.element_count()) != 2 * groups) {
-    return ffi::Error::InvalidArgument("jaxdet_dropout: offsets must be uint32[..., 2], one (lo32, hi32) pair per key");
+    return ffi::Error::InvalidArgument(
+        "jaxdet_dropout: offsets must be uint32[..., 2], one (lo32, hi32) pair per key");
   }
   MaskLayout layout;
   if (auto err = make_mask_layout(x.dimensions(), mask_strides, layout); !err.success()) return err;
   if (n == 0) return ffi::Error::Success();
-  const DropoutArgs args{x.untyped_data(), y->untyped_data(), groups, n / groups, keys.typed_data(),
-                         offsets.typed_data(), mask_strides.size() == 0 ? nullptr : &layout, drop_threshold,
+  const DropoutArgs args{x.untyped_data(),
+                         y->untyped_data(),
+                         groups,
+                         n / groups,
+                         keys.typed_data(),
+                         offsets.typed_data(),
+                         mask_strides.size() == 0 ? nullptr : &layout,
+                         drop_threshold,
                          scale};
   IeeeSubnormalsScope ieee;  // parallel_for gives its tasks the caller's floating-point mode
   switch (x.element_type()) {
-    case ffi::F32:
-      DropoutAll<F32Storage>(args, pool);
-      break;
-    case ffi::BF16:
-      DropoutAll<BF16Storage>(args, pool);
-      break;
-    case ffi::F16:
-      DropoutAll<F16Storage>(args, pool);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
+    case ffi::F32: DropoutAll<F32Storage>(args, pool); break;
+    case ffi::BF16: DropoutAll<BF16Storage>(args, pool); break;
+    case ffi::F16: DropoutAll<F16Storage>(args, pool); break;
+    default: return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_philox_cpu, PhiloxCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_philox_cpu, PhiloxCpu,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U32>>().Arg<ffi::Buffer<ffi::U32>>().Ret<ffi::Buffer<ffi::U32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cpu, DropoutCpu,
                               ffi::Ffi::Bind()

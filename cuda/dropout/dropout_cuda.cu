@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     // alignment is the same for every chunk of the group.
     const uintptr_t lead_bytes = static_cast<uintptr_t>(lead) * sizeof(Bits);
     const bool aligned =
-        (((reinterpret_cast<uintptr_t>(src) - lead_bytes) | (reinterpret_cast<uintptr_t>(dst) - lead_bytes)) % 16) == 0;
+        (((reinterpret_cast<uintptr_t>(src) - lead_bytes) | (reinterpret_cast<uintptr_t>(dst) - lead_bytes)) %
+         16) == 0;
     for (int64_t j0 = blockIdx.x * int64_t{kThreads} + threadIdx.x; j0 < chunks; j0 += stride * kUnroll) {
       typename C::Vec v[kUnroll];
       bool whole[kUnroll];
@@ -96,7 +97,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
         if (whole[u]) {
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            v[u].e[e] = dropout_element<Storage>(v[u].e[e], dropout_keep(r[e / 4].v[e % 4], drop_threshold), scale);
+            v[u].e[e] =
+                dropout_element<Storage>(v[u].e[e], dropout_keep(r[e / 4].v[e % 4], drop_threshold), scale);
           }
           __stcs(reinterpret_cast<uint4*>(dst + start), v[u].raw);
         } else {
@@ -173,8 +175,7 @@ void LaunchDropout(cudaStream_t stream, const void* x, void* y, int64_t per_grou
   constexpr int kVec = Chunk<Storage>::kVec;
   const int64_t chunks = (kVec - 1 + per_group + kVec - 1) / kVec;
   DropoutKernel<Storage><<<GridFor(chunks, groups), kThreads, 0, stream>>>(
-      static_cast<const Bits*>(x), static_cast<Bits*>(y), per_group, groups, keys, offsets, drop_threshold,
-      scale);
+      static_cast<const Bits*>(x), static_cast<Bits*>(y), per_group, groups, keys, offsets, drop_threshold, scale);
 }
 
 ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
@@ -184,7 +185,8 @@ ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U
   const int64_t groups = key_group_count(keys);
   if (auto err = check_key_groups(n, groups, "jaxdet_dropout"); !err.success()) return err;
   if (static_cast<int64_t>(offsets.element_count()) != 2 * groups) {
-    return ffi::Error::InvalidArgument("jaxdet_dropout: offsets must be uint32[..., 2], one (lo32, hi32) pair per key");
+    return ffi::Error::InvalidArgument(
+        "jaxdet_dropout: offsets must be uint32[..., 2], one (lo32, hi32) pair per key");
   }
   MaskLayout layout;
   if (auto err = make_mask_layout(x.dimensions(), mask_strides, layout); !err.success()) return err;
@@ -193,19 +195,18 @@ ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U
   const uint32_t* off = offsets.typed_data();
   switch (x.element_type()) {
     case ffi::F32:
-      LaunchDropout<F32Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                keys.typed_data(), off, layout, drop_threshold, scale);
+      LaunchDropout<F32Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups, keys.typed_data(),
+                                off, layout, drop_threshold, scale);
       break;
     case ffi::BF16:
-      LaunchDropout<BF16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                 keys.typed_data(), off, layout, drop_threshold, scale);
+      LaunchDropout<BF16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups, keys.typed_data(),
+                                 off, layout, drop_threshold, scale);
       break;
     case ffi::F16:
-      LaunchDropout<F16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                keys.typed_data(), off, layout, drop_threshold, scale);
+      LaunchDropout<F16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups, keys.typed_data(),
+                                off, layout, drop_threshold, scale);
       break;
-    default:
-      return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
+    default: return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
   }
   return last_launch_error("jaxdet_dropout");
 }
