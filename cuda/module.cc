@@ -71,13 +71,15 @@ NB_MODULE(_native, m) {
   m.def("cpu_gemm_isa", &jaxdet::cpu_gemm_isa,
         "The instruction-set variant of the CPU GEMM in this process: avx512, avx2 or generic "
         "(ValueError if JAXDET_TESTING names a variant this CPU lacks).");
-  m.def("cpu_gemm_variants", &jaxdet::cpu_gemm_variants,
-        "The CPU GEMM variants this CPU supports, best first.");
-  m.def("testing_overrides", []() {
-    nb::dict d;
-    for (const auto& [key, value] : jaxdet::testing_overrides()) d[key.c_str()] = value;
-    return d;
-  }, "The items of the testing switch JAXDET_TESTING as the native code read them (once per process).");
+  m.def("cpu_gemm_variants", &jaxdet::cpu_gemm_variants, "The CPU GEMM variants this CPU supports, best first.");
+  m.def(
+      "testing_overrides",
+      []() {
+        nb::dict d;
+        for (const auto& [key, value] : jaxdet::testing_overrides()) d[key.c_str()] = value;
+        return d;
+      },
+      "The items of the testing switch JAXDET_TESTING as the native code read them (once per process).");
   m.def("cuda_targets", []() {
     nb::dict d;
 #if defined(JAXDET_WITH_CUDA)

@@ -32,7 +32,7 @@ from jaxdet.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet.clip import clip_by_global_norm, global_norm
 from jaxdet.attention import attention
 from jaxdet import optax  # noqa: E402 (imports optax lazily)
-from jaxdet import export, testing  # noqa: E402
+from jaxdet import export, parallel, testing  # noqa: E402
 from jaxdet.audit import audit  # noqa: E402
 
 __version__ = "0.1.0"
@@ -46,6 +46,7 @@ __all__ = [
     "attention",
     "optax",
     "export",
+    "parallel",
     "testing",
     "audit",
     "random",

@@ -116,6 +116,56 @@ def check_db_contract(dtype, k=64, n=48):
     assert_bitwise(_db(a3, b, g3), _db(a[: 2 * c], b, g[: 2 * c]))
 
 
+def _tree_reference(parts):
+    """docs/matmul.md's tree in NumPy float32: pairs level by level, an odd last one carried up."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def check_db_chunk_tree(dtype, k=20, n=12):
+    """More than 3 chunks: the canonical tree over chunk partials; micro-batches of 2^j chunks
+    combined with jaxdet.parallel.tree_sum, zero padding into new chunks, acc added once."""
+    from jaxdet.parallel import tree_sum
+
+    c = WGRAD_CHUNK_TOKENS
+    a = rand((8 * c, k), dtype, 40)
+    b = rand((k, n), dtype, 41)
+    g = rand((8 * c, n), dtype, 42)
+    for t in (4 * c, 5 * c - 77, 8 * c):
+        chunks = -(-t // c)
+        full = _db(a[:t], b, g[:t])
+        f32 = jaxdet.matmul_weight_grad(a[:t], g[:t])
+        assert_bitwise(f32.astype(dtype), full)
+        partials = [
+            np.asarray(jaxdet.matmul_weight_grad(a[lo : min(lo + c, t)], g[lo : min(lo + c, t)]))
+            for lo in range(0, t, c)
+        ]
+        assert_bitwise(f32, _tree_reference(partials))
+        # the tree is not the left fold (else this test would not tell them apart)
+        fold = partials[0]
+        for p in partials[1:]:
+            fold = fold + p
+        assert not np.array_equal(bits(fold), bits(f32))
+        # micro-batches of 2^j chunks (the last one shorter), combined by tree_sum
+        for j in (0, 1, 2):
+            mb = (1 << j) * c
+            parts = [jaxdet.matmul_weight_grad(a[lo : min(lo + mb, t)], g[lo : min(lo + mb, t)]) for lo in range(0, t, mb)]
+            assert_bitwise(tree_sum(parts), f32)
+        # zero rows appended, inside the last chunk and adding new chunks (up to the next power of two and past it)
+        for pad in (5, c, (8 - chunks) * c + 3):
+            ap = jnp.concatenate([a[:t], jnp.zeros((pad, k), dtype)])
+            gp = jnp.concatenate([g[:t], jnp.zeros((pad, n), dtype)])
+            assert_bitwise(_db(ap, b, gp), full)
+        # acc is added once, after the tree
+        acc = rand((k, n), jnp.float32, 43)
+        assert_bitwise(jaxdet.matmul_weight_grad(a[:t], g[:t], acc), acc + f32)
+        # jit and a batch dim folded into tokens give the same bits
+        assert_bitwise(jax.jit(_db)(a[:t], b, g[:t]), full)
+    a3, g3 = a.reshape(4, 2 * c, k), g.reshape(4, 2 * c, n)
+    assert_bitwise(_db(a3, b, g3), _db(a, b, g))
+
+
 def check_rows_around_warpgroup_boundaries(dtype, k=1024, n=512):
     """Row counts around the Hopper tile's boundaries (128 rows per tile, 64 per consumer
     warpgroup): every row keeps its bits, whatever part of a tile it fills."""
@@ -193,6 +243,11 @@ def test_row_invariance_da(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_db_padding_and_microbatch_accumulation(dtype):
     check_db_contract(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_db_chunk_tree(dtype):
+    check_db_chunk_tree(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -428,6 +483,7 @@ def test_gpu_row_invariance_forward_and_da(dtype, gpu):
 def test_gpu_db_contract(dtype, gpu):
     with jax.default_device(gpu):
         check_db_contract(dtype)
+        check_db_chunk_tree(dtype)
 
 
 @pytest.mark.gpu
@@ -445,9 +501,75 @@ def test_gpu_accuracy_vs_float64(dtype, pref, gpu):
         test_accuracy_vs_float64(dtype, pref)
 
 
-def test_report_facts_hold_on_cpu():
-    from jaxdet._facts_matmul import report_checks
+def test_report_contracts_hold_on_cpu():
+    from jaxdet.contracts.matmul import report_checks
 
     for name, fn in report_checks():
         ok, detail = fn()
         assert ok, f"{name}: {detail}"
+
+
+# ---- Higher derivatives: the backward is made of the same custom_vjp products (the product is
+# bilinear), so reverse-over-reverse works: gradient penalties, Hessian-vector products. ----
+
+def _f64(*xs):
+    return [np.asarray(x, np.float64) for x in xs]
+
+
+def _rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+
+
+def _penalty(mm, w, x):
+    """A gradient penalty: the squared norm of d loss / dx, a function of w and x."""
+    gx = jax.grad(lambda x: jnp.sum(jnp.sin(mm(x, w))))(x)
+    return jnp.sum(gx * gx)
+
+
+@pytest.mark.parametrize("batched_b", [False, True], ids=["shared_b", "batched_b"])
+def test_grad_of_grad_matches_float64(batched_b):
+    x = rand((3, 5, 40), jnp.float32, 30)
+    w = rand((3, 40, 24) if batched_b else (40, 24), jnp.float32, 31) / 4
+    got = jax.grad(_penalty, argnums=(1, 2))(jaxdet.matmul, w, x)
+    with jax.enable_x64(True):
+        ref = jax.grad(_penalty, argnums=(1, 2))(jnp.matmul, *_f64(w, x))
+    for g, r in zip(got, ref):
+        assert g.dtype == jnp.float32
+        assert _rel(g, r) < 1e-5, _rel(g, r)
+    # A Hessian-vector product, reverse over reverse (jaxdet.matmul is reverse-mode only).
+    loss = lambda mm, w: jnp.sum(jnp.sin(mm(x, w)))
+    v = rand(w.shape, jnp.float32, 32)
+    hvp = lambda mm, w, v: jax.grad(lambda w: jnp.vdot(jax.grad(lambda w: loss(mm, w))(w), v))(w)
+    with jax.enable_x64(True):
+        x64 = np.asarray(x, np.float64)
+        ref = jax.grad(lambda w: jnp.vdot(jax.grad(lambda w: jnp.sum(jnp.sin(jnp.matmul(x64, w))))(w),
+                                          np.asarray(v, np.float64)))(np.asarray(w, np.float64))
+    assert _rel(hvp(jaxdet.matmul, w, v), ref) < 1e-5
+
+
+def test_check_grads_second_order():
+    x = rand((4, 6, 16), jnp.float32, 33)
+    w = rand((16, 8), jnp.float32, 34)
+    f = lambda x, w: jnp.sum(jaxdet.matmul(x, w) ** 2)  # quartic: central differences are exact enough
+    check_grads(f, (x, w), order=2, modes=["rev"], eps=1e-2, atol=1e-2, rtol=1e-2)
+    check_grads(lambda x, w: jnp.sum(jaxdet.matmul(x, w, preferred_element_type=jnp.float32) ** 2),
+                (x, w[None].repeat(4, 0)), order=2, modes=["rev"], eps=1e-2, atol=1e-2, rtol=1e-2)
+
+
+def test_second_derivatives_are_jaxdet_products_in_every_dtype():
+    for dtype in DTYPES:
+        x = rand((2, 7, 24), dtype, 35)
+        w = rand((24, 16), dtype, 36)
+        grads = jax.grad(lambda w, x: _penalty(jaxdet.matmul, w, x).astype(jnp.float32), argnums=(0, 1))(w, x)
+        assert [g.dtype for g in grads] == [dtype, dtype]
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda w, x: _penalty(jaxdet.matmul, w, x).astype(jnp.float32)))(w, x))
+        assert "dot_general" not in jaxpr and "jaxdet_gemm" in jaxpr and "jaxdet_weight_grad" in jaxpr
+
+
+def test_forward_mode_is_not_supported():
+    # jaxdet.matmul is a jax.custom_vjp function: forward mode (jax.jvp, jacfwd, jvp-of-grad
+    # Hessian-vector products) raises JAX's custom_vjp error; use reverse over reverse.
+    x, w = rand((4, 8), jnp.float32, 37), rand((8, 3), jnp.float32, 38)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda w: jaxdet.matmul(x, w), (w,), (w,))

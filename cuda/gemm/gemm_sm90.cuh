@@ -60,24 +60,24 @@ struct Config {
   using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementSource, float>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC,
-      ElementD, LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC, ElementD, LayoutD,
+      kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
-      LayoutB, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB,
+      kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue, TileSchedulerTag>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, TileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   // The contract: a data-parallel persistent scheduler, never stream-K or split-K.
   static_assert(std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::PersistentScheduler>,
                 "jaxdet GEMM must use the data-parallel PersistentScheduler (no stream-K/split-K)");
-  static_assert(std::is_same_v<typename Kernel::TileScheduler,
-                               cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90>,
-                "jaxdet GEMM tile scheduler must be PersistentTileSchedulerSm90 (data-parallel)");
+  static_assert(
+      std::is_same_v<typename Kernel::TileScheduler, cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90>,
+      "jaxdet GEMM tile scheduler must be PersistentTileSchedulerSm90 (data-parallel)");
   static_assert(!std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::StreamKScheduler>,
                 "stream-K breaks batch invariance");
 };
@@ -149,8 +149,8 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
   if (!(smem_set.load(std::memory_order_acquire) & bit)) {
     const int smem = Kernel::SharedStorageSize;
     if (smem >= (48 << 10)) {
-      const cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      const cudaError_t e =
+          cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       if (e != cudaSuccess) {
         return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
       }
