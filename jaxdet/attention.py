@@ -85,12 +85,30 @@ def _scale_log2(scale):
     return np.float32(np.float64(scale) * _LOG2E)
 
 
+def _fwd_factors(params, shapes):
+    # Batch, query rows (t), KV heads and query heads per KV head are split per device with no
+    # collective: each row carries its own (kv_start, limit) and sees its sequence's whole keys,
+    # so the keys' sequence (s), the head dimension and the row descriptions' pair are never split
+    # (a split one is all-gathered).
+    q = ("b", "t", "h", "g", "d")
+    return [q, ("b", "s", "h", "d"), ("b", "s", "h", "d"), ("b", "t", "c")], [q, ("b", "h", "t", "g")]
+
+
+def _bwd_factors(params, shapes):
+    # dk and dv sum over the query rows and the query heads of a KV head, so t and g stay whole
+    # too (a psum would make the order depend on the device count).
+    q = ("b", "t", "h", "g", "d")
+    kv = ("b", "s", "h", "d")
+    return [q, kv, kv, q, ("b", "h", "t", "g"), q, ("b", "t", "c")], [q, kv, kv]
+
+
 fwd_p = _ffi.define_primitive(
     "jaxdet_attention_fwd",
     _fwd_abstract_eval,
     attributes=lambda scale: dict(scale_log2=_scale_log2(scale)),
     batching_rule=_fwd_batch,
     multiple_results=True,
+    partitioning=_ffi.Partitioning(_fwd_factors, replicated=frozenset({"s", "d", "c"})),
 )
 
 bwd_p = _ffi.define_primitive(
@@ -99,6 +117,7 @@ bwd_p = _ffi.define_primitive(
     attributes=lambda scale: dict(scale_log2=_scale_log2(scale), scale=np.float32(scale)),
     batching_rule=_bwd_batch,
     multiple_results=True,
+    partitioning=_ffi.Partitioning(_bwd_factors, replicated=frozenset({"s", "d", "c", "t", "g"})),
 )
 
 
@@ -114,10 +133,20 @@ def _attention5_fwd(q, k, v, rows, scale):
     return o, (q, k, v, rows, o, lse2)
 
 
+def _typed_like(ct, primal):
+    """A cotangent with its primal's varying axes (jax.shard_map): axes only the cotangent varies
+    over (keys and values invariant next to varying queries) are summed by the canonical tree in
+    float32 (never a psum), then cast once."""
+    vma = _ffi.varying_axes(primal)
+    if _ffi.varying_axes(ct) - vma:
+        return _ffi.match_varying(ct.astype(jnp.float32), vma).astype(ct.dtype)
+    return _ffi.match_varying(ct, vma)
+
+
 def _attention5_bwd(scale, res, do):
     q, k, v, rows, o, lse2 = res
     dq, dk, dv = bwd_p.bind(q, k, v, o, lse2, do.astype(q.dtype), rows, scale=scale)
-    return dq, dk, dv, np.zeros(rows.shape, jax.dtypes.float0)
+    return (_typed_like(dq, q), _typed_like(dk, k), _typed_like(dv, v), np.zeros(rows.shape, jax.dtypes.float0))
 
 
 _attention5.defvjp(_attention5_fwd, _attention5_bwd)
