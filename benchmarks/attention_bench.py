@@ -1,0 +1,171 @@
+"""jaxdet.attention vs jax.nn.dot_product_attention (cudnn and xla), side by side in one run.
+
+    python benchmarks/attention_bench.py             # the issue's shapes on the GPU
+    python benchmarks/attention_bench.py --tiny      # tiny shapes (runs on the CPU, proves the script)
+    python benchmarks/attention_bench.py --sanitize  # every kernel once at small shapes (compute-sanitizer)
+
+Training: batch 8, sequence 2048 and 8192, 32 query / 8 KV heads, head dim 128, causal, bfloat16:
+forward, and backward (the gradient of q, k and v; timed as forward + backward minus forward).
+Decode: one query per sequence at position S - 1 against a KV cache of S positions, batch 1, 16,
+64, S 4096 and 32768: time per step and the fraction of the HBM bandwidth that reading the cache
+takes (bytes of K and V over time, over the device's peak bandwidth).
+
+Prints markdown tables: median ms per call and ratio = baseline time / jaxdet time (> 1: jaxdet
+is faster). The decode baseline is the fastest JAX implementation that runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdet
+
+# Peak HBM bandwidth (bytes/s) by device name, for the decode bandwidth fraction.
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
+
+
+def timed(fn, *args, reps: int = 10, inner: int = 5) -> float:
+    """Median seconds per call over `reps` measurements of `inner` back-to-back calls."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def rand(key, shape, dtype):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+
+
+def implementations(on_gpu):
+    return ("cudnn", "xla") if on_gpu else ("xla",)
+
+
+def reference(impl):
+    def f(q, k, v, kv_len=None):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=kv_len is None, key_value_seq_lengths=kv_len,
+                                            implementation=impl)
+    return f
+
+
+def try_time(fn, *args, **kw):
+    try:
+        return timed(fn, *args, **kw)
+    except Exception as err:  # an implementation that does not support the shape on this device
+        return f"n/a ({type(err).__name__})"
+
+
+def fmt(x):
+    return f"{x * 1e3:.3f}" if isinstance(x, float) else x
+
+
+def ratio(base, mine):
+    return f"{base / mine:.2f}" if isinstance(base, float) and isinstance(mine, float) else "-"
+
+
+def training(shapes, dtype, on_gpu, reps):
+    print("## Training (causal), forward and backward\n")
+    print("| B | T | heads q/kv | D | pass | jaxdet ms | jaxdet TFLOP/s | "
+          + " | ".join(f"{i} ms | ratio {i}" for i in implementations(on_gpu)) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|---|" * len(implementations(on_gpu)))
+    for B, T, N, K, D in shapes:
+        q, k, v = rand(0, (B, T, N, D), dtype), rand(1, (B, T, K, D), dtype), rand(2, (B, T, K, D), dtype)
+        flops_fwd = 4 * B * N * T * T * D / 2  # causal: half the score matrix
+
+        def fwd_bwd(f):
+            def loss(q, k, v):
+                return jnp.sum(f(q, k, v).astype(jnp.float32))
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+        mine = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
+        t_f = timed(mine, q, k, v, reps=reps)
+        t_fb = timed(fwd_bwd(lambda q, k, v: jaxdet.attention(q, k, v)), q, k, v, reps=reps)
+        base_f, base_b = [], []
+        for impl in implementations(on_gpu):
+            bf = try_time(jax.jit(reference(impl)), q, k, v, reps=reps)
+            bfb = try_time(fwd_bwd(reference(impl)), q, k, v, reps=reps)
+            base_f.append(bf)
+            base_b.append(bfb - bf if isinstance(bf, float) and isinstance(bfb, float) else bfb)
+        t_b = t_fb - t_f
+        for name, mine_t, base in (("fwd", t_f, base_f), ("bwd", t_b, base_b)):
+            cells = " | ".join(f"{fmt(b)} | {ratio(b, mine_t)}" for b in base)
+            tflops = (flops_fwd if name == "fwd" else 2.5 * flops_fwd) / mine_t / 1e12
+            print(f"| {B} | {T} | {N}/{K} | {D} | {name} | {fmt(mine_t)} | {tflops:.1f} | {cells} |")
+    print()
+
+
+def decode(shapes, dtype, on_gpu, reps, peak):
+    print("## Decode (one query per sequence against a KV cache)\n")
+    print("| B | cache | heads q/kv | D | jaxdet ms | HBM fraction | best JAX ms (impl) | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for B, S, N, K, D in shapes:
+        q = rand(0, (B, 1, N, D), dtype)
+        kc, vc = rand(1, (B, S, K, D), dtype), rand(2, (B, S, K, D), dtype)
+        pos = jnp.full((B, 1), S - 1, jnp.int32)
+        lens = jnp.full((B,), S, jnp.int32)
+        mine = jax.jit(lambda q, k, v, p, n: jaxdet.attention(q, k, v, q_positions=p, kv_lengths=n))
+        t = timed(mine, q, kc, vc, pos, lens, reps=reps)
+        best, best_impl = None, "-"
+        for impl in implementations(on_gpu):
+            bt = try_time(jax.jit(reference(impl)), q, kc, vc, lens, reps=reps)
+            if isinstance(bt, float) and (best is None or bt < best):
+                best, best_impl = bt, impl
+        bytes_read = 2 * B * S * K * D * jnp.dtype(dtype).itemsize
+        frac = f"{bytes_read / t / peak:.2f}" if peak else "-"
+        print(f"| {B} | {S} | {N}/{K} | {D} | {fmt(t)} | {frac} | {fmt(best) if best else '-'} ({best_impl}) | "
+              f"{ratio(best, t) if best else '-'} |")
+    print()
+
+
+def sanitize():
+    """Each kernel once at small shapes: final and split forward, combine, delta, dQ, dK/dV, for
+    every dtype and head dimension, with padding and packed segments (several passes per CTA)."""
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        for D in (64, 128, 256):
+            q, k, v = rand(0, (2, 70, 4, D), dtype), rand(1, (2, 70, 2, D), dtype), rand(2, (2, 70, 2, D), dtype)
+            seg = jnp.asarray(np.repeat([0, 1, 2], [30, 1, 39])[None].repeat(2, 0))
+            loss = lambda q, k, v, **kw: jnp.sum(jaxdet.attention(q, k, v, **kw).astype(jnp.float32))  # noqa: E731
+            jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+            jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v, segment_ids=seg))
+            jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v, causal=False, kv_lengths=jnp.asarray([5, 70])))
+            # decode against a cache longer than one split (split mode + combine on the GPU)
+            kc, vc = rand(3, (2, 1100, 2, D), dtype), rand(4, (2, 1100, 2, D), dtype)
+            jax.block_until_ready(jaxdet.attention(q[:, :1], kc, vc, q_positions=jnp.asarray([[1000], [600]]),
+                                                   kv_lengths=jnp.asarray([1001, 1100])))
+    print("sanitize: every attention kernel ran")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU)")
+    parser.add_argument("--sanitize", action="store_true", help="each kernel once at small shapes")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    if args.sanitize:
+        sanitize()
+        return
+    dev = jax.devices()[0]
+    on_gpu = dev.platform == "gpu"
+    peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in dev.device_kind), None)
+    print(f"device: {dev.device_kind}, jax {jax.__version__}, bfloat16\n")
+    if args.tiny:
+        training([(1, 128, 4, 2, 64)], jnp.bfloat16, on_gpu, reps=2)
+        decode([(2, 256, 4, 2, 64)], jnp.bfloat16, on_gpu, reps=2, peak=peak)
+        return
+    training([(8, 2048, 32, 8, 128), (8, 8192, 32, 8, 128)], jnp.bfloat16, on_gpu, args.reps)
+    decode([(b, s, 32, 8, 128) for b in (1, 16, 64) for s in (4096, 32768)], jnp.bfloat16, on_gpu, args.reps, peak)
+
+
+if __name__ == "__main__":
+    main()
