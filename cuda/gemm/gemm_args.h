@@ -1,0 +1,47 @@
+// Host-side description of one GEMM launch, shared by the FFI handlers (matmul_cuda.cu) and the
+// generated CUTLASS instantiations (cuda/gemm/kernels.cmake). No CUTLASS here, so the dispatcher
+// compiles fast and the instantiations can live in their own translation units (and their own
+// CUDA architectures).
+//
+// Every launcher computes, for l < L, m < M, n < N:
+//   D[l](m, n) = sum_{k ascending in fixed tiles} opA[l](m, k) * opB[l](k, n)   (f32 accumulate)
+//                (+ C[l](m, n) when beta == 1)
+// with the reduction order fixed by the launcher's compile-time configuration alone: no split-K,
+// no stream-K, no atomics, nothing chosen from M, N, K or L at run time.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+namespace jaxdet {
+namespace gemm {
+
+// Strides are in elements. "ld" is the stride of the non-contiguous mode of the operand in the
+// layout the launcher's name gives (rows of a row-major operand, columns of a column-major one);
+// "batch" the stride between consecutive l (0 broadcasts).
+struct GemmArgs {
+  int device = 0;
+  int sm_count = 0;
+  int64_t m = 0, n = 0, k = 0, l = 1;
+  const void* a = nullptr;
+  int64_t lda = 0, batch_a = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0, batch_b = 0;
+  const void* c = nullptr;  // read only when beta != 0 (f32 C of the weight-gradient kernels)
+  int64_t ldc = 0, batch_c = 0;
+  float beta = 0.0f;
+  void* d = nullptr;
+  int64_t ldd = 0, batch_d = 0;
+};
+
+// Empty string on success, otherwise a message (the caller prefixes the FFI target's name).
+using Status = std::string;
+
+// A launcher: one CUTLASS instantiation, generated from the list in cuda/gemm/kernels.cmake,
+// which also writes the header declaring them all (generated/gemm_launchers.h).
+#define JAXDET_GEMM_LAUNCHER(name) Status name(const GemmArgs& args, cudaStream_t stream)
+
+}  // namespace gemm
+}  // namespace jaxdet

@@ -1,0 +1,179 @@
+// Hopper (sm_90a) GEMM launchers: CUTLASS 3.x collective builder, TMA warp-specialized cooperative
+// kernel, persistent data-parallel tile scheduler. Included by the generated translation units of
+// the sm90 family (cuda/gemm/kernels.cmake), which are compiled for sm_90a only.
+//
+// Batch invariance: the tile (and so the wgmma instruction and the K-tile sequence), the schedule
+// and the scheduler are compile-time constants of each launcher. One CTA owns a whole output
+// tile and walks K from 0 upwards in tiles of 64 (TileShape); a row's bits depend only on that
+// row of A and on B. TMA zero-fills the out-of-bounds part of edge tiles, and zeros add exactly.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cutlass/kernel_hardware_info.h"
+#include "gemm_args.h"
+
+namespace jaxdet {
+namespace gemm {
+namespace sm90 {
+
+// The fixed configuration of every Hopper kernel (forward nn, dA nt, weight gradient tn; bf16 and
+// f16): 128x256x64 tile, two consumer warpgroups (cooperative, each issues wgmma m64n256k16 on its
+// 64 rows), cluster 1x1x1 (a 2x1 cluster leaves half the SMs idle when M <= 128).
+using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
+
+// ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C.
+template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD>
+struct Config {
+  using LayoutD = cutlass::layout::RowMajor;
+  // Raster order of the persistent scheduler: along N for the forward and dA kernels (A row-major),
+  // CUTLASS's heuristic for the weight gradient (A column-major), the faster of the orders for each
+  // on an H100 (benchmarks/RESULTS.md). Like the swizzle below it only decides which CTA computes
+  // which tile, never what a tile computes (identical result hashes for the heuristic, along M and
+  // along N: benchmarks/gemm_schedule_bits.py).
+  static constexpr auto kRasterOrder = std::is_same_v<LayoutA, cutlass::layout::RowMajor>
+                                           ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
+                                           : cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
+  static constexpr int kAlignAB = 16 / sizeof(ElementAB);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using ElementSource = std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>;
+  static constexpr int kAlignC = 16 / sizeof(ElementSource);
+  using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementSource, float>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC, ElementD, LayoutD,
+      kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB,
+      kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, TileSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  // The contract: a data-parallel persistent scheduler, never stream-K or split-K.
+  static_assert(std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::PersistentScheduler>,
+                "jaxdet GEMM must use the data-parallel PersistentScheduler (no stream-K/split-K)");
+  static_assert(
+      std::is_same_v<typename Kernel::TileScheduler, cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90>,
+      "jaxdet GEMM tile scheduler must be PersistentTileSchedulerSm90 (data-parallel)");
+  static_assert(!std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::StreamKScheduler>,
+                "stream-K breaks batch invariance");
+};
+
+// Sets the strides of a cute stride type from (s0, s1, s2), skipping its static (unit) modes.
+template <class Stride>
+Stride make_stride3(int64_t s0, int64_t s1, int64_t s2) {
+  Stride s{};
+  if constexpr (!cute::is_static_v<std::decay_t<decltype(cute::get<0>(s))>>) cute::get<0>(s) = s0;
+  if constexpr (!cute::is_static_v<std::decay_t<decltype(cute::get<1>(s))>>) cute::get<1>(s) = s1;
+  cute::get<2>(s) = s2;
+  return s;
+}
+
+// The persistent scheduler's tile swizzle (groups of 8 tiles along the raster for L2 reuse). It
+// only decides which CTA computes which output tile, never what a tile computes (verified on the
+// GPU: identical output hashes for swizzle 1 and 8, cluster 1x1 and 2x1).
+constexpr int kSwizzle = 8;
+
+inline bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
+
+template <class Cfg>
+Status run(const GemmArgs& g, cudaStream_t stream) {
+  using Kernel = typename Cfg::Kernel;
+  using Gemm = typename Cfg::Gemm;
+  using ElementAB = typename Kernel::ElementA;
+  using ElementD = typename Kernel::ElementD;
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  using StrideC = typename Kernel::StrideC;
+  using StrideD = typename Kernel::StrideD;
+
+  if (!fits_int(g.m) || !fits_int(g.n) || !fits_int(g.k) || !fits_int(g.l)) {
+    return "a dimension is larger than 2^31 - 1";
+  }
+  // Each stride type has one static unit mode (the contiguous one); make_stride3 skips it, so the
+  // leading dimension lands in the other mode whatever the layout.
+  const StrideA sa = make_stride3<StrideA>(g.lda, g.lda, g.batch_a);
+  const StrideB sb = make_stride3<StrideB>(g.ldb, g.ldb, g.batch_b);
+  const StrideC sc = make_stride3<StrideC>(g.ldc, 1, g.batch_c);
+  const StrideD sd = make_stride3<StrideD>(g.ldd, 1, g.batch_d);
+
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = g.device;
+  hw.sm_count = g.sm_count;
+
+  typename Kernel::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k), static_cast<int>(g.l)},
+      {static_cast<const ElementAB*>(g.a), sa, static_cast<const ElementAB*>(g.b), sb},
+      {{}, static_cast<const typename Kernel::ElementC*>(g.c), sc, static_cast<ElementD*>(g.d), sd},
+      hw};
+  args.scheduler.max_swizzle_size = kSwizzle;  // which CTA takes which tile: not the numerics
+  args.scheduler.raster_order = Cfg::kRasterOrder;                 // the same
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = g.beta;
+
+  if (!Kernel::can_implement(args)) {
+    return "CUTLASS cannot run this problem: TMA needs every operand's contiguous dimension to be a "
+           "multiple of 16 bytes (8 elements for bfloat16/float16) and 16-byte aligned pointers";
+  }
+  if (Kernel::get_workspace_size(args) != 0) {
+    return "internal error: the data-parallel scheduler asked for a workspace";
+  }
+
+  // Raise the dynamic shared-memory limit once per device (cudaFuncSetAttribute is per device).
+  static std::atomic<uint64_t> smem_set{0};
+  const uint64_t bit = uint64_t{1} << (g.device & 63);
+  if (!(smem_set.load(std::memory_order_acquire) & bit)) {
+    const int smem = Kernel::SharedStorageSize;
+    if (smem >= (48 << 10)) {
+      const cudaError_t e =
+          cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e != cudaSuccess) {
+        return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+      }
+    }
+    smem_set.fetch_or(bit, std::memory_order_acq_rel);
+  }
+
+  typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+  const cutlass::Status st = Gemm::run(params, stream);
+  if (st != cutlass::Status::kSuccess) {
+    return std::string("CUTLASS launch failed: ") + cutlassGetStatusString(st);
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
+  return {};
+}
+
+// The launcher of one generated unit (cuda/gemm/kernels.cmake).
+template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD>
+Status launch(const GemmArgs& args, cudaStream_t stream) {
+  return run<Config<ElementAB, LayoutA, LayoutB, ElementC, ElementD>>(args, stream);
+}
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace jaxdet

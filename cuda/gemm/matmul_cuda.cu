@@ -1,0 +1,454 @@
+// CUDA targets of the batch-invariant GEMM: jaxdet_gemm (forward, dA and the general transposed
+// forms), jaxdet_gemm_wgrad (dB as a fixed sequence of chunk GEMMs accumulated in float32) and
+// jaxdet_gemm_wgrad_init (the same sequence from nothing, its result cast to bf16/f16 by the last
+// chunk's epilogue).
+//
+// Which kernel runs is chosen from (dtype, layout, output dtype, device) alone, never from M, N,
+// K or the batch: see gemm_args.h for the launchers and docs/matmul_cuda.md for the contract.
+//   - float32: the CUTLASS 2.x SIMT sgemm (true float32 FFMA, never TF32) on every architecture.
+//   - bfloat16/float16 on sm_90 (Hopper): CUTLASS 3.x TMA warp-specialized cooperative kernels
+//     (128x256x64, persistent data-parallel scheduler) for transpose_a = False and for the weight
+//     gradient; transpose_a = True runs the sm_80 kernels.
+//   - bfloat16/float16 on other GPUs of compute capability >= 8.0: CUTLASS 2.x tensor-op kernels.
+//   - the testing switch JAXDET_TESTING=gemm=sm80 (common/testing.h) makes a Hopper GPU run the
+//     sm_80 kernels. It changes which kernel runs, so, like the GPU model, it is part of the
+//     "device" that the bits may depend on.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+#include "common/cuda_common.h"
+#include "common/testing.h"
+#include "gemm_args.h"
+#include "generated/gemm_launchers.h"
+
+namespace jaxdet {
+namespace {
+
+using gemm::GemmArgs;
+using gemm::Status;
+using Launcher = Status (*)(const GemmArgs&, cudaStream_t);
+
+struct DeviceInfo {
+  int device = 0;
+  int major = 0;
+  int minor = 0;
+  int sms = 0;
+  bool force_sm80 = false;  // JAXDET_TESTING=gemm=sm80
+};
+
+constexpr int kMaxDevices = 64;
+
+// Compute capability and SM count of the current device, read once per device.
+ffi::Error current_device_info(DeviceInfo* info) {
+  static std::array<std::once_flag, kMaxDevices> once;
+  static std::array<DeviceInfo, kMaxDevices> infos;
+  static std::array<cudaError_t, kMaxDevices> errors;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return cuda_error("cudaGetDevice", e);
+  if (device < 0 || device >= kMaxDevices) return ffi::Error::Internal("jaxdet gemm: device ordinal out of range");
+  std::call_once(once[device], [device] {
+    DeviceInfo d;
+    d.device = device;
+    cudaError_t err = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
+    infos[device] = d;
+    errors[device] = err;
+  });
+  if (errors[device] != cudaSuccess) return cuda_error("cudaDeviceGetAttribute", errors[device]);
+  *info = infos[device];
+  return ffi::Error::Success();
+}
+
+// The item gemm of JAXDET_TESTING: absent, or sm80 (the sm_80 kernels on Hopper too).
+ffi::Error testing_force_sm80(const char* op, bool* force) {
+  const std::string* v = testing_override("gemm");
+  *force = v != nullptr && *v == "sm80";
+  if (v != nullptr && !*force) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + kTestingEnv + " has gemm=" + *v +
+                                       "; the accepted item is gemm=sm80");
+  }
+  return ffi::Error::Success();
+}
+
+bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !d.force_sm80; }
+
+ffi::Error invalid(const char* op, const std::string& msg) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + msg);
+}
+
+const char* dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::F32: return "float32";
+    case ffi::BF16: return "bfloat16";
+    case ffi::F16: return "float16";
+    default: return "an unsupported dtype";
+  }
+}
+
+// Kernel for jaxdet_gemm. `out_f32`: float32 output for bfloat16/float16 inputs.
+Launcher pick_gemm(const DeviceInfo& d, ffi::DataType dt, bool ta, bool tb, bool out_f32) {
+  const int lay = (ta ? 2 : 0) | (tb ? 1 : 0);  // nn, nt, tn, tt
+  if (dt == ffi::F32) {
+    static constexpr Launcher simt[4] = {gemm::simt_f32_nn, gemm::simt_f32_nt, gemm::simt_f32_tn,
+                                         gemm::simt_f32_tt};
+    return simt[lay];
+  }
+  const bool bf16 = dt == ffi::BF16;
+  if (use_sm90(d) && !ta) {
+    static constexpr Launcher h_bf16[2][2] = {{gemm::sm90_bf16_nn_bf16, gemm::sm90_bf16_nn_f32},
+                                              {gemm::sm90_bf16_nt_bf16, gemm::sm90_bf16_nt_f32}};
+    static constexpr Launcher h_f16[2][2] = {{gemm::sm90_f16_nn_f16, gemm::sm90_f16_nn_f32},
+                                             {gemm::sm90_f16_nt_f16, gemm::sm90_f16_nt_f32}};
+    return (bf16 ? h_bf16 : h_f16)[tb][out_f32];
+  }
+  static constexpr Launcher a_bf16[4][2] = {{gemm::sm80_bf16_nn_bf16, gemm::sm80_bf16_nn_f32},
+                                            {gemm::sm80_bf16_nt_bf16, gemm::sm80_bf16_nt_f32},
+                                            {gemm::sm80_bf16_tn_bf16, gemm::sm80_bf16_tn_f32},
+                                            {gemm::sm80_bf16_tt_bf16, gemm::sm80_bf16_tt_f32}};
+  static constexpr Launcher a_f16[4][2] = {{gemm::sm80_f16_nn_f16, gemm::sm80_f16_nn_f32},
+                                           {gemm::sm80_f16_nt_f16, gemm::sm80_f16_nt_f32},
+                                           {gemm::sm80_f16_tn_f16, gemm::sm80_f16_tn_f32},
+                                           {gemm::sm80_f16_tt_f16, gemm::sm80_f16_tt_f32}};
+  return (bf16 ? a_bf16 : a_f16)[lay][out_f32];
+}
+
+// Kernel for jaxdet_gemm_wgrad: D = C + A^T B, f32 C and D.
+Launcher pick_wgrad(const DeviceInfo& d, ffi::DataType dt) {
+  if (dt == ffi::F32) return gemm::simt_f32_tn;
+  const bool bf16 = dt == ffi::BF16;
+  if (use_sm90(d)) return bf16 ? gemm::sm90_bf16_tn_f32acc : gemm::sm90_f16_tn_f32acc;
+  return bf16 ? gemm::sm80_bf16_tn_f32 : gemm::sm80_f16_tn_f32;
+}
+
+ffi::Error check_device(const char* op, DeviceInfo* d) {
+  if (auto err = current_device_info(d); err.failure()) return err;
+  if (auto err = testing_force_sm80(op, &d->force_sm80); err.failure()) return err;
+  if (d->major < 8) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(op) + ": needs a GPU of compute capability 8.0 or newer (this one is " +
+                          std::to_string(d->major) + "." + std::to_string(d->minor) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+// Dimensions of a rank-2 or rank-3 buffer as (L, rows, cols); rank 2 means L = 1.
+bool dims3(const ffi::Span<const int64_t>& dims, int64_t* l, int64_t* r, int64_t* c) {
+  if (dims.size() == 3) {
+    *l = dims[0];
+    *r = dims[1];
+    *c = dims[2];
+    return true;
+  }
+  if (dims.size() == 2) {
+    *l = 1;
+    *r = dims[0];
+    *c = dims[1];
+    return true;
+  }
+  return false;
+}
+
+ffi::Error launch(const char* op, Launcher fn, const GemmArgs& g, cudaStream_t stream) {
+  const Status s = fn(g, stream);
+  if (s.rfind("CUTLASS cannot run", 0) == 0) return invalid(op, s);
+  if (!s.empty()) return ffi::Error::Internal(std::string(op) + ": " + s);
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
+                    bool transpose_a, bool transpose_b) {
+  constexpr const char* op = "jaxdet_gemm";
+  const ffi::DataType dt = a.element_type();
+  if (dt != ffi::F32 && dt != ffi::BF16 && dt != ffi::F16) {
+    return invalid(op, "a must be float32, bfloat16 or float16");
+  }
+  if (b.element_type() != dt) return invalid(op, "a and b must have the same dtype");
+  const ffi::DataType odt = out->element_type();
+  const bool out_f32 = odt == ffi::F32 && dt != ffi::F32;
+  if (odt != dt && !out_f32) {
+    return invalid(op, std::string("out must be ") + dtype_name(dt) + " or (for bfloat16/float16 inputs) float32");
+  }
+  int64_t L, ar, ac, Lb, br, bc, Lo, om, on;
+  if (!dims3(a.dimensions(), &L, &ar, &ac) || !dims3(b.dimensions(), &Lb, &br, &bc) ||
+      !dims3(out->dimensions(), &Lo, &om, &on)) {
+    return invalid(op, "a, b and out must be rank 3 ([L, rows, cols])");
+  }
+  const int64_t M = transpose_a ? ac : ar, K = transpose_a ? ar : ac;
+  const int64_t N = transpose_b ? br : bc, Kb = transpose_b ? bc : br;
+  if (Kb != K) return invalid(op, "the contracting dimensions of a and b differ");
+  if (Lb != L && Lb != 1) return invalid(op, "b's leading (batch) dimension must be 1 or a's");
+  if (Lo != L || om != M || on != N) return invalid(op, "out must have shape [L, M, N]");
+  if (L == 0 || M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
+    if (e != cudaSuccess) return cuda_error(op, e);
+    return ffi::Error::Success();
+  }
+  if (dt != ffi::F32) {
+    // TMA / cp.async move 16 bytes: each operand's contiguous dimension must be a multiple of 8.
+    const int64_t a_contig = transpose_a ? M : K, b_contig = transpose_b ? K : N;
+    const int64_t out_align = out_f32 ? 4 : 8;
+    if (a_contig % 8 != 0 || b_contig % 8 != 0 || N % out_align != 0) {
+      return invalid(op, std::string("bfloat16/float16 operands need their contiguous dimensions to be multiples "
+                                     "of 8 elements: ") +
+                             (transpose_a ? "M" : "K") + "=" + std::to_string(a_contig) + ", " +
+                             (transpose_b ? "K" : "N") + "=" + std::to_string(b_contig) +
+                             ", N=" + std::to_string(N) + " (pad with zeros; zeros along K are exact)");
+    }
+  }
+  DeviceInfo d;
+  if (auto err = check_device(op, &d); err.failure()) return err;
+
+  GemmArgs g;
+  g.device = d.device;
+  g.sm_count = d.sms;
+  g.m = M;
+  g.n = N;
+  g.k = K;
+  g.l = L;
+  g.a = a.untyped_data();
+  g.lda = transpose_a ? M : K;  // row-major A [M,K]; or column-major A = a stored [K,M]
+  g.batch_a = M * K;
+  g.b = b.untyped_data();
+  g.ldb = transpose_b ? K : N;  // row-major B [K,N]; or column-major B = b stored [N,K]
+  g.batch_b = Lb == 1 ? 0 : K * N;
+  g.d = out->untyped_data();
+  g.ldd = N;
+  g.batch_d = M * N;
+  g.c = g.d;
+  g.ldc = g.ldd;
+  g.batch_c = g.batch_d;
+  g.beta = 0.0f;
+  if (Lb == 1 && L > 1 && !transpose_a) {
+    // b is shared and a's rows are contiguous across the batch: one GEMM of L*M rows (the same
+    // per-row arithmetic; no broadcast stride for TMA).
+    g.m = L * M;
+    g.l = 1;
+    g.batch_a = g.batch_b = g.batch_c = g.batch_d = 0;
+  }
+  return launch(op, pick_gemm(d, dt, transpose_a, transpose_b, out_f32), g, stream);
+}
+
+// One weight gradient's operands: a [L, T, K] read in place as A' = a^T (column-major [K, T]) and
+// dc [L, T, N] (row-major), reduced over the T tokens chunk by chunk.
+struct WgradOperands {
+  ffi::DataType dt;
+  int64_t L = 0, T = 0, K = 0, N = 0;
+  const char* a = nullptr;
+  const char* dc = nullptr;
+  size_t esize = 0;
+};
+
+ffi::Error decode_wgrad(const char* op, ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Span<const int64_t> out_dims,
+                        int64_t chunk_tokens, WgradOperands* w) {
+  const ffi::DataType dt = a.element_type();
+  if (dt != ffi::F32 && dt != ffi::BF16 && dt != ffi::F16) {
+    return invalid(op, "a must be float32, bfloat16 or float16");
+  }
+  if (dc.element_type() != dt) return invalid(op, "a and dc must have the same dtype");
+  if (chunk_tokens <= 0) return invalid(op, "chunk_tokens must be positive");
+  int64_t L, K, N, La, T, Ka, Ld, Td, Nd;
+  if (!dims3(out_dims, &L, &K, &N) || !dims3(a.dimensions(), &La, &T, &Ka) ||
+      !dims3(dc.dimensions(), &Ld, &Td, &Nd)) {
+    return invalid(op, "a, dc and the result must be rank 3");
+  }
+  if (La != L || Ld != L || Ka != K || Nd != N || Td != T) {
+    return invalid(op, "shapes must be a [L,T,K], dc [L,T,N], result (and acc) [L,K,N]");
+  }
+  if (dt != ffi::F32 && L > 0 && T > 0 && (K % 8 != 0 || N % 8 != 0)) {
+    return invalid(op, "bfloat16/float16 operands need K and N to be multiples of 8 elements (K=" +
+                           std::to_string(K) + ", N=" + std::to_string(N) + "); pad with zeros");
+  }
+  w->dt = dt;
+  w->L = L;
+  w->T = T;
+  w->K = K;
+  w->N = N;
+  w->a = static_cast<const char*>(a.untyped_data());
+  w->dc = static_cast<const char*>(dc.untyped_data());
+  w->esize = dt == ffi::F32 ? 4 : 2;
+  return ffi::Error::Success();
+}
+
+bool wgrad_is_empty(const WgradOperands& w) { return w.L == 0 || w.K == 0 || w.N == 0 || w.T == 0; }
+
+// The GEMM of the chunk that starts at token t0: D = A'[:, t0:t0+tc] . dc[t0:t0+tc, :] (+ C when
+// beta == 1). C and D are [L, K, N] row-major.
+GemmArgs chunk_args(const DeviceInfo& d, const WgradOperands& w, int64_t t0, int64_t chunk_tokens, const void* c,
+                    float beta, void* dst) {
+  GemmArgs g;
+  g.device = d.device;
+  g.sm_count = d.sms;
+  g.m = w.K;
+  g.n = w.N;
+  g.k = std::min(chunk_tokens, w.T - t0);
+  g.l = w.L;
+  g.a = w.a + static_cast<size_t>(t0 * w.K) * w.esize;
+  g.lda = w.K;
+  g.batch_a = w.T * w.K;
+  g.b = w.dc + static_cast<size_t>(t0 * w.N) * w.esize;
+  g.ldb = w.N;
+  g.batch_b = w.T * w.N;
+  g.c = c;
+  g.beta = beta;
+  g.ldc = w.N;
+  g.batch_c = w.K * w.N;
+  g.d = dst;
+  g.ldd = w.N;
+  g.batch_d = w.K * w.N;
+  return g;
+}
+
+// Chunks with t0 < t_end, in order, into the float32 accumulator `acc` (C = D = acc): each adds its
+// partial once; with `fresh`, chunk 0's partial is written as it is (beta = 0: no read, no zero fill).
+ffi::Error wgrad_f32_chunks(cudaStream_t stream, const char* op, const DeviceInfo& d, const WgradOperands& w,
+                            int64_t chunk_tokens, float* acc, bool fresh, int64_t t_end) {
+  const Launcher fn = pick_wgrad(d, w.dt);
+  for (int64_t t0 = 0; t0 < t_end; t0 += chunk_tokens) {
+    const float beta = (fresh && t0 == 0) ? 0.0f : 1.0f;
+    if (auto err = launch(op, fn, chunk_args(d, w, t0, chunk_tokens, acc, beta, acc), stream); err.failure()) {
+      return err;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// float32 -> bfloat16/float16, round to nearest even: the cast of the accumulator off Hopper,
+// where the last chunk's epilogue cannot take a float32 C with a half D.
+template <typename Half>
+__global__ void CastF32Kernel(const float* __restrict__ in, Half* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
+      out[i] = __float2bfloat16_rn(in[i]);
+    } else {
+      out[i] = __float2half_rn(in[i]);
+    }
+  }
+}
+
+ffi::Error cast_f32(cudaStream_t stream, const char* op, ffi::DataType dt, const float* in, void* out, int64_t n) {
+  const unsigned grid =
+      static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{current_sm_count()} * 16));
+  if (dt == ffi::BF16) {
+    CastF32Kernel<<<grid, 256, 0, stream>>>(in, static_cast<__nv_bfloat16*>(out), n);
+  } else {
+    CastF32Kernel<<<grid, 256, 0, stream>>>(in, static_cast<__half*>(out), n);
+  }
+  return last_launch_error(op);
+}
+
+ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
+  constexpr const char* op = "jaxdet_gemm_wgrad";
+  const auto ad = acc.dimensions(), od = out->dimensions();
+  if (ad.size() != od.size() || !std::equal(ad.begin(), ad.end(), od.begin())) {
+    return invalid(op, "acc and the result must have the same shape [L,K,N]");
+  }
+  WgradOperands w;
+  if (auto err = decode_wgrad(op, a, dc, od, chunk_tokens, &w); err.failure()) return err;
+  float* dst = out->typed_data();
+  if (acc.typed_data() != dst && out->size_bytes() > 0) {
+    // The result is meant to alias acc; if XLA handed a separate buffer, start it from acc.
+    const cudaError_t e =
+        cudaMemcpyAsync(dst, acc.typed_data(), out->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return cuda_error(op, e);
+  }
+  if (wgrad_is_empty(w)) return ffi::Error::Success();
+  DeviceInfo d;
+  if (auto err = check_device(op, &d); err.failure()) return err;
+  return wgrad_f32_chunks(stream, op, d, w, chunk_tokens, dst, /*fresh=*/false, w.T);
+}
+
+// dB with no accumulator to start from, in the result's dtype: float32 (the accumulator itself) or
+// the inputs' bfloat16/float16 (the accumulator cast once, RNE). For a half result the earlier
+// chunks accumulate in `workspace` (float32 [L, K, N]; empty when the tokens fit in one chunk) and
+// the last chunk's epilogue adds its partial and casts: the same float32 additions, in the same
+// order, as the float32 result followed by astype.
+ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                             int64_t chunk_tokens) {
+  constexpr const char* op = "jaxdet_gemm_wgrad_init";
+  WgradOperands w;
+  if (auto err = decode_wgrad(op, a, dc, out->dimensions(), chunk_tokens, &w); err.failure()) return err;
+  const ffi::DataType odt = out->element_type();
+  if (odt != ffi::F32 && odt != w.dt) {
+    return invalid(op, std::string("the result must be float32 or ") + dtype_name(w.dt));
+  }
+  if (wgrad_is_empty(w)) {
+    if (out->size_bytes() == 0) return ffi::Error::Success();
+    const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);  // no tokens: 0
+    return e == cudaSuccess ? ffi::Error::Success() : cuda_error(op, e);
+  }
+  DeviceInfo d;
+  if (auto err = check_device(op, &d); err.failure()) return err;
+  if (odt == ffi::F32) {
+    return wgrad_f32_chunks(stream, op, d, w, chunk_tokens, static_cast<float*>(out->untyped_data()),
+                            /*fresh=*/true, w.T);
+  }
+  const bool bf16 = w.dt == ffi::BF16;
+  const bool hopper = use_sm90(d);
+  const int64_t last = ((w.T - 1) / chunk_tokens) * chunk_tokens;  // first token of the last chunk
+  if (last == 0) {  // one chunk: D = partial, cast in the epilogue
+    const Launcher fn = hopper ? (bf16 ? gemm::sm90_bf16_tn_bf16 : gemm::sm90_f16_tn_f16)
+                               : (bf16 ? gemm::sm80_bf16_tn_bf16 : gemm::sm80_f16_tn_f16);
+    return launch(op, fn, chunk_args(d, w, 0, chunk_tokens, nullptr, 0.0f, out->untyped_data()), stream);
+  }
+  const int64_t n_out = w.L * w.K * w.N;
+  if (static_cast<int64_t>(workspace->element_count()) != n_out) {
+    return invalid(op, "the float32 workspace must be [L,K,N] when the tokens span several chunks");
+  }
+  float* acc = workspace->typed_data();
+  if (auto err = wgrad_f32_chunks(stream, op, d, w, chunk_tokens, acc, /*fresh=*/true, last); err.failure()) {
+    return err;
+  }
+  if (hopper) {  // D (half) = C (f32) + partial: the last addition and the cast in one epilogue
+    const Launcher fn = bf16 ? gemm::sm90_bf16_tn_f32acc_bf16 : gemm::sm90_f16_tn_f32acc_f16;
+    return launch(op, fn, chunk_args(d, w, last, chunk_tokens, acc, 1.0f, out->untyped_data()), stream);
+  }
+  if (auto err = launch(op, pick_wgrad(d, w.dt), chunk_args(d, w, last, chunk_tokens, acc, 1.0f, acc), stream);
+      err.failure()) {
+    return err;
+  }
+  return cast_f32(stream, op, w.dt, acc, out->untyped_data(), n_out);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cuda, GemmCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_a")
+                                  .Attr<bool>("transpose_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda, GemmWgradCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("chunk_tokens"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda, GemmWgradInitCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("chunk_tokens"));
+
+}  // namespace jaxdet

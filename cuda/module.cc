@@ -1,0 +1,102 @@
+// The nanobind module jaxdet._native: hands each XLA FFI handler to Python as a capsule, keyed by
+// the platform it runs on. jaxdet/_ffi.py registers them with XLA on import.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+
+#include "common/testing.h"
+#include "gemm/matmul_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+// CPU handlers (cuda/<primitive>/*_cpu.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_partials_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_finalize_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cpu);
+
+#if defined(JAXDET_WITH_CUDA)
+// CUDA handlers (cuda/<primitive>/*_cuda.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_partials_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_finalize_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda);
+#endif
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "jaxdet native XLA FFI handlers";
+  m.attr("with_cuda") =
+#if defined(JAXDET_WITH_CUDA)
+      true;
+#else
+      false;
+#endif
+  m.def("cpu_targets", []() {
+    nb::dict d;
+    d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cpu);
+    d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cpu);
+    d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cpu);
+    d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cpu);
+    d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cpu);
+    d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cpu);
+    d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cpu);
+    d["jaxdet_clip_partials"] = EncapsulateFfiHandler(jaxdet_clip_partials_cpu);
+    d["jaxdet_clip_finalize"] = EncapsulateFfiHandler(jaxdet_clip_finalize_cpu);
+    d["jaxdet_clip_apply"] = EncapsulateFfiHandler(jaxdet_clip_apply_cpu);
+    return d;
+  });
+  m.def("cpu_gemm_isa", &jaxdet::cpu_gemm_isa,
+        "The instruction-set variant of the CPU GEMM in this process: avx512, avx2 or generic "
+        "(ValueError if JAXDET_TESTING names a variant this CPU lacks).");
+  m.def("cpu_gemm_variants", &jaxdet::cpu_gemm_variants, "The CPU GEMM variants this CPU supports, best first.");
+  m.def(
+      "testing_overrides",
+      []() {
+        nb::dict d;
+        for (const auto& [key, value] : jaxdet::testing_overrides()) d[key.c_str()] = value;
+        return d;
+      },
+      "The items of the testing switch JAXDET_TESTING as the native code read them (once per process).");
+  m.def("cuda_targets", []() {
+    nb::dict d;
+#if defined(JAXDET_WITH_CUDA)
+    d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cuda);
+    d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cuda);
+    d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cuda);
+    d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cuda);
+    d["jaxdet_clip_partials"] = EncapsulateFfiHandler(jaxdet_clip_partials_cuda);
+    d["jaxdet_clip_finalize"] = EncapsulateFfiHandler(jaxdet_clip_finalize_cuda);
+    d["jaxdet_clip_apply"] = EncapsulateFfiHandler(jaxdet_clip_apply_cuda);
+    d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
+    d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
+    d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cuda);
+#endif
+    return d;
+  });
+}
