@@ -4,6 +4,11 @@ Every jaxdet primitive is a `jax.extend.core.Primitive` whose abstract evaluatio
 lowering and batching rule are declared next to each other in the primitive's own module. The
 lowering names one FFI target; on CUDA, a build without CUDA kernels raises instead of quietly
 running something else.
+
+Inside ``jax.shard_map`` (``check_vma=True``) every output of a jaxdet primitive varies over the
+union of the mesh axes its inputs vary over (docs/sharding.md), so the outputs keep their type:
+``out_specs`` checks, ``lax.scan`` carries and ``custom_vjp`` cotangent types work as for JAX's own
+primitives.
 """
 
 from __future__ import annotations
@@ -41,6 +46,39 @@ def _missing_cuda_lowering(target: str):
     return lowering
 
 
+def varying_axes(x) -> frozenset:
+    """The mesh axes a value (or an abstract value) varies over inside ``jax.shard_map``."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _with_varying(aval, vma: frozenset):
+    """`aval` typed as varying over `vma` (in the current shard_map's abstract mesh)."""
+    if not vma or not isinstance(aval, jax.core.ShapedArray) or varying_axes(aval) == vma:
+        return aval
+    sharding = aval.sharding
+    if sharding.mesh.empty:
+        sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec())
+    return aval.update(sharding=sharding, manual_axis_type=aval.mat.update(varying=vma))
+
+
+def _propagate_varying(abstract_eval, multiple_results):
+    # A kernel output depends on every input, so it varies wherever any input does (the union;
+    # JAX's own rule would insist that the inputs agree, but an invariant weight next to a sharded
+    # activation is the common case).
+    def rule(*avals, **params):
+        out = abstract_eval(*avals, **params)
+        vma = frozenset().union(*(varying_axes(a) for a in avals))
+        if not vma:
+            return out
+        if multiple_results:
+            return type(out)(_with_varying(o, vma) for o in out)
+        return _with_varying(out, vma)
+
+    return rule
+
+
 def define_primitive(target: str, abstract_eval, attributes, batching_rule=None, *, multiple_results=False,
                      operand_output_aliases=None):
     """A primitive named `target` that lowers to the FFI target of that name on cpu and cuda.
@@ -51,7 +89,7 @@ def define_primitive(target: str, abstract_eval, attributes, batching_rule=None,
     """
     prim = jex_core.Primitive(target)
     prim.multiple_results = multiple_results
-    prim.def_abstract_eval(abstract_eval)
+    prim.def_abstract_eval(_propagate_varying(abstract_eval, multiple_results))
 
     @functools.partial(jax.jit, static_argnames=("params",))
     def _jitted(*args, params):

@@ -8,11 +8,12 @@ The contracts (docs/matmul.md, proven by tests/test_matmul.py):
   kernel whose configuration depends on (dtype, layout, N, K, device) only. The same holds for
   ``dA = dC . B^T`` in the backward pass (B is read transposed in place).
 * dB chunk contract. ``dB = A^T . dC`` reduces over tokens (the rows of ``a``, all batch dims
-  folded in). It is computed as a fixed sequence of chunk GEMMs of ``WGRAD_CHUNK_TOKENS`` tokens
-  each, every chunk starting from 0 and adding its float32 partial into the running float32
-  accumulator once (D = C + partial); a call without an accumulator starts it from chunk 0's partial. ``matmul_weight_grad(a, dc, acc)`` exposes that
-  accumulation, so micro-batches whose token counts are multiples of ``WGRAD_CHUNK_TOKENS``
-  reproduce the full-batch dB bitwise. Appending zero rows leaves dB unchanged.
+  folded in). The tokens are cut into chunks of ``WGRAD_CHUNK_TOKENS``; each chunk is one GEMM
+  from 0 in float32, and the chunk partials are combined by the canonical balanced binary tree
+  (lower index first, padded to a power of two with absent leaves: ``jaxdet.parallel.tree_sum``'s
+  tree), in float32, cast once. Micro-batches of 2^j chunks (the last may be shorter) combined
+  with ``tree_sum`` reproduce the full-batch dB bitwise, and so do devices holding such blocks.
+  Appending zero rows leaves dB unchanged.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from jaxdet import _ffi
 
 __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
 
-# Tokens per chunk GEMM of the weight gradient (the same on CPU and GPU). Micro-batches whose token
-# counts are multiples of this reproduce the full-batch dB bitwise (see matmul_weight_grad).
+# Tokens per chunk GEMM of the weight gradient (the same on CPU and GPU): the leaves of dB's
+# canonical tree. Micro-batches (or devices) holding 2^j chunks each reproduce the full-batch dB
+# bitwise (see matmul_weight_grad).
 WGRAD_CHUNK_TOKENS = 8192
 
 SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -182,20 +184,60 @@ def _gemm(a3, b3, out_dtype, transpose_b=False):
     return out if Np == N else out[..., :N]
 
 
-def _wgrad(acc3, a3, dc3, out_dtype=_F32):
-    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N], chunk by chunk, in float32.
+def _chunk_tree(a3, dc3):
+    """The canonical tree of the float32 chunk partials of a3ᵀ . dc3, for more than 3 chunks.
 
-    acc3 None: from chunk 0's partial, and the result is cast once to `out_dtype` (float32 or the
-    inputs' dtype); otherwise the result is the float32 accumulator.
+    The kernels reduce a pair of chunks as p0 + p1 (the add fused in the second GEMM's epilogue);
+    pairs are then merged by XLA adds in binary-counter order: the stack holds aligned subtrees
+    of decreasing size, so at most log2(chunks) + 1 partials are live.
+    """
+    c = WGRAD_CHUNK_TOKENS
+    T = a3.shape[1]
+    stack = []  # [(chunks in the subtree, float32 root)]
+    for lo in range(0, T, 2 * c):
+        if stack:
+            # Everything before this pair is merged before its GEMM may start (XLA would otherwise
+            # be free to run all pair GEMMs first, with one live partial per pair).
+            roots, a3, dc3 = jax.lax.optimization_barrier(([v for _, v in stack], a3, dc3))
+            stack = [(n, v) for (n, _), v in zip(stack, roots)]
+        part, _ = wgrad_init_p.bind(a3[:, lo : lo + 2 * c], dc3[:, lo : lo + 2 * c], chunk_tokens=c, out_dtype=_F32)
+        stack.append((min(2, -(-(T - lo) // c)), part))
+        while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
+            (n, left), (_, right) = stack[-2:]
+            stack[-2:] = [(2 * n, left + right)]
+    # What is left are aligned subtrees of decreasing size; with absent padding they join right to
+    # left (the smallest sits under the rightmost nodes).
+    root = stack[-1][1]
+    for _, left in reversed(stack[:-1]):
+        root = left + root
+    return root
+
+
+def _wgrad(acc3, a3, dc3, out_dtype=_F32):
+    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N]: chunk partials by the canonical tree, float32.
+
+    acc3 None: the tree alone, cast once to `out_dtype` (float32 or the inputs' dtype); otherwise
+    the float32 ``acc3 + tree`` (acc3 added once).
     """
     T, K = a3.shape[-2:]
     N = dc3.shape[-1]
     Kp, Np = _padded(K, a3.dtype), _padded(N, a3.dtype)
     a3, dc3 = _pad_last2(a3, T, Kp), _pad_last2(dc3, T, Np)
-    if acc3 is None:
-        out, _ = wgrad_init_p.bind(a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS, out_dtype=np.dtype(out_dtype))
-    else:
+    chunks = -(-T // WGRAD_CHUNK_TOKENS)
+    if acc3 is not None and chunks <= 1:
         out = wgrad_p.bind(_pad_last2(acc3, Kp, Np), a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS)
+    else:
+        if chunks <= 3:
+            # The tree of up to 3 leaves, (p0 + p1) + p2, is the kernel's own chunk sequence (a
+            # half dB is cast in the last chunk's epilogue).
+            tree_dtype = _F32 if acc3 is not None else np.dtype(out_dtype)
+            out, _ = wgrad_init_p.bind(a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS, out_dtype=tree_dtype)
+        else:
+            out = _chunk_tree(a3, dc3)
+            if acc3 is None:
+                out = out.astype(out_dtype)
+        if acc3 is not None:
+            out = _pad_last2(acc3, Kp, Np) + out
     return out if (Kp, Np) == (K, N) else out[..., :K, :N]
 
 
@@ -308,27 +350,28 @@ def matmul(a, b, *, preferred_element_type=None):
 
 
 def matmul_weight_grad(a, dc, acc=None):
-    """``acc + a^T . dc`` over all tokens, with dB's chunk contract: the float32 accumulator.
+    """``acc + a^T . dc`` over all tokens, with dB's chunk tree: a float32 ``[K, N]``.
 
     Args:
       a: ``[..., K]`` activations (all leading dims are tokens, flattened row-major).
       dc: ``[..., N]`` output cotangents with the same leading dims, in a's dtype.
-      acc: float32 ``[K, N]`` running accumulator, or None to start from the first chunk's partial.
+      acc: float32 ``[K, N]`` to add the result to (once), or None.
 
-    Returns the updated float32 ``[K, N]`` accumulator. The tokens are reduced as a fixed sequence
-    of chunk GEMMs of ``WGRAD_CHUNK_TOKENS`` tokens (the last may be shorter), in order; each chunk
-    sums its tokens in ascending order in float32 from 0 and adds the partial to ``acc`` once.
+    The tokens are cut into chunks of ``WGRAD_CHUNK_TOKENS`` (the last may be shorter); each chunk
+    sums its tokens in ascending order in float32 from 0, and the chunk partials are combined by
+    the canonical balanced binary tree (``jaxdet.parallel.tree_sum``'s: lower index first, padded
+    to a power of two with absent leaves). Returns ``acc + tree`` (or the tree).
 
-    This is exactly how ``jax.grad`` of ``matmul(x, w)`` computes dW (then cast to w's dtype), so
-    for micro-batches ``x1, x2, ...`` whose token counts are all multiples of WGRAD_CHUNK_TOKENS
-    (except possibly the last)::
+    This is exactly how ``jax.grad`` of ``matmul(x, w)`` computes dW (then cast to w's dtype). An
+    aligned block of 2^j chunks is a subtree, so micro-batches of 2^j chunks each (the same j; the
+    last micro-batch may be shorter) reproduce the full batch::
 
-        acc = None
-        for x_i, dc_i in micro_batches:
-            acc = matmul_weight_grad(x_i, dc_i, acc)
-        # acc.astype(w.dtype) is bitwise the dW of the whole batch in one matmul
+        parts = [matmul_weight_grad(x_i, dc_i) for x_i, dc_i in micro_batches]
+        dw = jaxdet.parallel.tree_sum(parts).astype(w.dtype)   # bitwise jax.grad's dW of the whole batch
 
-    Appending zero rows (padding tokens) to ``a`` and ``dc`` does not change the result.
+    Up to 3 chunks the tree is the left fold, so ``acc = matmul_weight_grad(x_i, dc_i, acc)`` over
+    micro-batches of one chunk each gives the same bits too. Appending zero rows (padding tokens)
+    to ``a`` and ``dc`` does not change the result.
     """
     a_dtype = _check_array(a, "a")
     dc_dtype = _check_array(dc, "dc")
