@@ -197,6 +197,31 @@ apply_p = _ffi.define_primitive(
 )
 
 
+
+# Inside shard_map each handed-on or clipped leaf varies where its own leaf does (and, for apply,
+# where the decision does), not over the union of all the call's leaves: a replicated leaf clipped
+# next to sharded ones stays replicated. (The define_primitive default is the union of all inputs.)
+
+def _typed(aval, vma):
+    return _ffi._with_varying(aval, frozenset(vma))
+
+
+def _partials_through_varying(*leaves, batch_dims):
+    slots, *handed = _partials_through_abstract_eval(*leaves, batch_dims=batch_dims)
+    union = frozenset().union(*(_ffi.varying_axes(x) for x in leaves))
+    return (_typed(slots, union), *(_typed(h, _ffi.varying_axes(x)) for h, x in zip(handed, leaves)))
+
+
+def _apply_varying(ctrl, *leaves):
+    outs = _apply_abstract_eval(ctrl, *leaves)
+    decision = _ffi.varying_axes(ctrl)
+    return tuple(_typed(o, decision | _ffi.varying_axes(x)) for o, x in zip(outs, leaves))
+
+
+partials_through_p.def_abstract_eval(_partials_through_varying)
+apply_p.def_abstract_eval(_apply_varying)
+
+
 # ---- Batching helpers ---------------------------------------------------------------------------
 
 def _batch_size(args, dims):

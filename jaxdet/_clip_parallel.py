@@ -88,7 +88,7 @@ def global_slots(leaves, leaf_axes, axis_order, axis_sizes, *, invariant: bool):
     extra = {"to": "invarying"} if invariant else {}
     gathered = lax.all_gather(slots, gather_axes, axis=0, tiled=True, **extra)
     perm = slot_permutation([x.shape for x in leaves], leaf_axes, gather_axes, axis_sizes)
-    return jnp.take(gathered, perm, axis=0, unique_indices=True, mode="promise_in_bounds")
+    return gathered.at[perm].get(mode="promise_in_bounds", unique_indices=True)
 
 
 # ---- shard_map: axis_name= ----------------------------------------------------------------------
