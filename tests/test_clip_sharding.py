@@ -65,7 +65,8 @@ def on_8_devices(test):
 
     @functools.wraps(test)
     def report(*args, **kwargs):
-        outcome, message = _child_results().get(test.__name__, ("missing", "not run by the child pytest"))
+        name = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]  # with its parameters
+        outcome, message = _child_results().get(name, ("missing", "not run by the child pytest"))
         if outcome == "skipped":
             pytest.skip(message)
         if outcome != "passed":
