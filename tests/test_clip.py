@@ -648,6 +648,57 @@ def test_cpu_equals_gpu_bitwise(cpu, gpu, policy):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["propagate", "skip"])
+def test_staged_targets_cpu_equals_gpu_bitwise(cpu, gpu, policy):
+    # The three stages on their own (the path of vmap, shard_map and sharded jit, and of trees of
+    # more than MAX_ALIASED_LEAVES leaves): CPU == GPU, and == the fused call.
+    code = jaxdet.clip.NONFINITE_POLICIES[policy]
+    for name, tree, max_norm in _gpu_trees():
+        leaves = jax.tree.leaves(tree)
+        staged = jax.jit(lambda t: _kernels.staged_clip(t, jnp.float32(max_norm), code))
+        n_cpu, c_cpu = staged(_on(leaves, cpu))
+        n_gpu, c_gpu = staged(_on(leaves, gpu))
+        assert_bitwise(n_cpu, n_gpu, name)
+        assert_tree_bits_equal(c_cpu, c_gpu)
+        fused, fused_norm = jaxdet.clip_by_global_norm(_on(leaves[:MAX_ALIASED_LEAVES], gpu), max_norm, nonfinite=policy)
+        n_part, c_part = staged(_on(leaves[:MAX_ALIASED_LEAVES], gpu))
+        assert_bitwise(n_part, fused_norm, name)
+        assert_tree_bits_equal(c_part, fused)
+        assert_bitwise(jax.jit(lambda t: _kernels.staged_norm(t))(_on(leaves, gpu)), n_cpu, name)
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_per_example_equals_cpu(cpu, gpu):
+    batch = 6
+    tree = _per_example_tree(batch, seed=4)
+    tree["w"] = tree["w"].at[2].multiply(1e-3).at[4, 0, 0].set(np.inf)  # an unclipped and a non-finite example
+    for policy in ("propagate", "skip"):
+        f = jax.jit(jax.vmap(lambda t: jaxdet.clip_by_global_norm(t, 2.0, nonfinite=policy), in_axes=IN_AXES))
+        c_cpu, n_cpu = f(_on(tree, cpu))
+        c_gpu, n_gpu = f(_on(tree, gpu))
+        assert_bitwise(n_cpu, n_gpu)
+        assert_tree_bits_equal(c_cpu, c_gpu)
+    # Many leaves, per-example max_norm.
+    leaves = [jnp.stack([x, -3.0 * x, 1e-3 * x]) for x in _many_leaves(MAX_ALIASED_LEAVES + 5, seed=2)]
+    g = jax.jit(jax.vmap(lambda t, m: jaxdet.clip_by_global_norm(t, m)))
+    m = jnp.asarray([0.5, np.inf, 4.0], jnp.float32)
+    c_cpu, n_cpu = g(_on(leaves, cpu), _on(m, cpu))
+    c_gpu, n_gpu = g(_on(leaves, gpu), _on(m, gpu))
+    assert_bitwise(n_cpu, n_gpu)
+    assert_tree_bits_equal(c_cpu, c_gpu)
+
+
+@pytest.mark.gpu
+def test_gpu_many_leaves_compile_and_bits(cpu, gpu):
+    tree = _many_leaves(3000, seed=11)
+    f = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 1.0))
+    c_cpu, n_cpu = f(_on(tree, cpu))
+    c_gpu, n_gpu = f(_on(tree, gpu))
+    assert_bitwise(n_cpu, n_gpu)
+    assert_tree_bits_equal(c_cpu, c_gpu)
+
+
+@pytest.mark.gpu
 def test_gpu_matches_numpy_canonical_order(gpu):
     tree = mixed_tree(9, scale=4.0)
     clipped, norm = jaxdet.clip_by_global_norm(_on(tree, gpu), 1.0)

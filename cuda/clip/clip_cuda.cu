@@ -66,6 +66,7 @@ struct Item {
 
 template <int K>
 __device__ __forceinline__ Item ItemOf(const LeafTable<K>& t, int64_t g) {
+  if (t.batch == 1) return Item{0, static_cast<int32_t>(g)};  // no 64-bit division on the unbatched path
   const int32_t chunks = t.chunk_begin[t.count];
   return Item{g / chunks, static_cast<int32_t>(g % chunks)};
 }
