@@ -1,10 +1,12 @@
 """Fused, deterministic global-norm gradient clipping.
 
-The contract (docs/clipping.md, proven by tests/test_clip.py): the whole norm -> scale -> clip
-pipeline is one native call over all leaves of the tree, inside the compiled step (no host sync, no
-device-to-host copy). The norm is reduced in one canonical order (4096-element chunks, a fixed
-256-lane tree inside a chunk, a fixed float64 1024-lane tree over the chunks; cuda/clip_math.h), so
-the norm and every clipped element are bitwise identical on CPU and GPU and from run to run.
+The contract (docs/clipping.md, proven by tests/test_clip.py and tests/test_clip_sharding.py): the
+whole norm -> scale -> clip pipeline runs inside the compiled step (no host sync, no device-to-host
+copy), as one native call for up to 256 leaves or as three staged calls (jaxdet/_clip_kernels.py).
+The norm is reduced in one canonical order (4096-element chunks, a fixed 256-lane tree inside a
+chunk, a fixed float64 1024-lane tree over the chunks; cuda/clip/clip_math.h), so the norm and every
+clipped element are bitwise identical on CPU and GPU, from run to run, per example under vmap, and
+for a tree sharded over devices (jaxdet/_clip_parallel.py).
 
     norm  = sqrt(sum of squares), accumulated in float32 per chunk (also for bfloat16 / float16
             leaves) and in float64 over chunks, rounded once to float32
