@@ -81,7 +81,7 @@ def _clip_batch(args, dims, *, nonfinite):
 global_norm_p = _ffi.define_primitive(
     "jaxdet_global_norm",
     _global_norm_abstract_eval,
-    attributes=lambda: {},
+    attributes=dict,
     batching_rule=_global_norm_batch,
     multiple_results=True,
 )
@@ -190,7 +190,7 @@ finalize_p = _ffi.define_primitive(
 apply_p = _ffi.define_primitive(
     "jaxdet_clip_apply",
     _apply_abstract_eval,
-    attributes=lambda: {},
+    attributes=dict,
     batching_rule=_apply_batch,
     multiple_results=True,
     operand_output_aliases=lambda num_operands: {i: i - 1 for i in range(1, num_operands)},

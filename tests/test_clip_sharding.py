@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_bitwise
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdet
 from jaxdet import parallel
-from bitwise import assert_bitwise
 
 NDEV = 8
 HERE = len(jax.devices("cpu")) >= NDEV
