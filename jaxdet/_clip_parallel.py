@@ -31,13 +31,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdet import _clip_kernels as K
-
-
-def varying_axes(x) -> frozenset:
-    """The mesh axes a value varies over inside ``jax.shard_map`` (empty outside)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+from jaxdet._ffi import varying_axes
 
 
 def axis_names(axis_name) -> tuple:
