@@ -254,8 +254,6 @@ def partials_through(leaves, *, batch_dims=0):
 
     Chunk slots are numbered leaf by leaf, so the groups' slots side by side are the tree's.
     """
-    if not leaves:
-        return partials_p.bind(batch_dims=batch_dims), []
     slots, handed = [], []
     for group in _groups(leaves):
         s, *g = partials_through_p.bind(*group, batch_dims=batch_dims)
@@ -280,6 +278,8 @@ def staged_norm(leaves, *, batch_dims=0):
 
 def staged_clip(leaves, max_norm, nonfinite: int, *, batch_dims=0):
     """(norm, clipped) by the three stages; max_norm is () or the example dims' shape."""
+    if not leaves:  # an empty tree has norm 0 (per example: vmap of a batched max_norm)
+        return jnp.zeros(jnp.shape(max_norm), jnp.float32), []
     slots, leaves = partials_through(leaves, batch_dims=batch_dims)
     norm, ctrl = finalize_p.bind(slots, max_norm, nonfinite=nonfinite)
     return norm, apply_leaves(ctrl, leaves)

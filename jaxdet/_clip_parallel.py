@@ -73,16 +73,23 @@ def slot_permutation(local_shapes, leaf_axes, gather_axes, axis_sizes) -> np.nda
     return perm.astype(np.int32 if perm.size == 0 or perm.max() < 2**31 else np.int64)
 
 
-def global_slots(leaves, leaf_axes, axis_order, axis_sizes, *, invariant: bool):
-    """Steps 1-2: the global chunk slots, on every device, from each device's own leaves."""
-    slots = K.partials_p.bind(*leaves, batch_dims=0)
+def global_slots(leaves, leaf_axes, axis_order, axis_sizes, *, invariant: bool, hand_on: bool = False):
+    """Steps 1-2: the global chunk slots, on every device, from each device's own leaves.
+
+    Returns (slots, leaves): with `hand_on`, the leaves come back handed on by the partials calls,
+    for the apply stage to be their only in-place user (jaxdet/_clip_kernels.py).
+    """
+    if hand_on:
+        slots, leaves = K.partials_through(list(leaves))
+    else:
+        slots = K.partials_p.bind(*leaves, batch_dims=0)
     gather_axes = tuple(a for a in axis_order if any(a in axes for axes in leaf_axes))
-    if not gather_axes:
-        return slots
-    extra = {"to": "invarying"} if invariant else {}
-    gathered = lax.all_gather(slots, gather_axes, axis=0, tiled=True, **extra)
-    perm = slot_permutation([x.shape for x in leaves], leaf_axes, gather_axes, axis_sizes)
-    return gathered.at[perm].get(mode="promise_in_bounds", unique_indices=True)
+    if gather_axes:
+        extra = {"to": "invarying"} if invariant else {}
+        gathered = lax.all_gather(slots, gather_axes, axis=0, tiled=True, **extra)
+        perm = slot_permutation([x.shape for x in leaves], leaf_axes, gather_axes, axis_sizes)
+        slots = gathered.at[perm].get(mode="promise_in_bounds", unique_indices=True)
+    return slots, list(leaves)
 
 
 # ---- shard_map: axis_name= ----------------------------------------------------------------------
@@ -111,7 +118,7 @@ def _shard_map_plan(leaves, paths, names, fn):
 def shard_map_norm(leaves, paths, axis_name):
     names = axis_names(axis_name)
     part_leaves, leaf_axes, sizes = _shard_map_plan(leaves, paths, names, "global_norm")
-    slots = global_slots(part_leaves, leaf_axes, names, sizes, invariant=True)
+    slots, _ = global_slots(part_leaves, leaf_axes, names, sizes, invariant=True)
     norm, _ctrl = K.finalize_p.bind(slots, jnp.float32(np.inf), nonfinite=0)
     return norm
 
@@ -125,9 +132,11 @@ def shard_map_clip(leaves, paths, max_norm, nonfinite: int, axis_name):
             "on every device (invariant over axis_name)"
         )
     part_leaves, leaf_axes, sizes = _shard_map_plan(leaves, paths, names, "clip_by_global_norm")
-    slots = global_slots(part_leaves, leaf_axes, names, sizes, invariant=True)
+    slots, handed = global_slots(part_leaves, leaf_axes, names, sizes, invariant=True, hand_on=True)
+    # A gathered (misaligned) leaf was handed on in its gathered form: clip the local one.
+    local = [h if p is x else x for h, p, x in zip(handed, part_leaves, leaves)]
     norm, ctrl = K.finalize_p.bind(slots, max_norm, nonfinite=nonfinite)
-    return norm, K.apply_leaves(ctrl, leaves)
+    return norm, K.apply_leaves(ctrl, local)
 
 
 # ---- Sharded jit: custom_partitioning -----------------------------------------------------------
@@ -167,7 +176,7 @@ def _replicated(mesh):
 
 
 def _sharded_norm(leaves, leaf_axes, mesh):
-    slots = global_slots(leaves, leaf_axes, mesh.axis_names, dict(mesh.shape), invariant=False)
+    slots, _ = global_slots(leaves, leaf_axes, mesh.axis_names, dict(mesh.shape), invariant=False)
     norm, _ctrl = K.finalize_p.bind(slots, jnp.float32(np.inf), nonfinite=0)
     return norm
 
@@ -187,9 +196,10 @@ def _clip_partition(nonfinite, mesh, arg_shapes, result_shape):
     leaf_axes, leaf_shardings = _leaf_plan(mesh, arg_shapes[1:])
 
     def lower_fn(max_norm, *leaves):
-        slots = global_slots(leaves, leaf_axes, mesh.axis_names, dict(mesh.shape), invariant=False)
+        slots, leaves = global_slots(leaves, leaf_axes, mesh.axis_names, dict(mesh.shape), invariant=False,
+                                     hand_on=True)
         norm, ctrl = K.finalize_p.bind(slots, max_norm, nonfinite=nonfinite)
-        return (norm, *K.apply_leaves(ctrl, list(leaves)))
+        return (norm, *K.apply_leaves(ctrl, leaves))
 
     arg_shardings = (_replicated(mesh), *leaf_shardings)
     return mesh, lower_fn, (_replicated(mesh), *leaf_shardings), arg_shardings

@@ -123,7 +123,7 @@ def global_norm(tree, *, axis_name=None) -> jax.Array:
     """
     leaves, paths, _ = _check_leaves(tree, "global_norm")
     names = _check_axis_name(axis_name)
-    if names is not None:
+    if names is not None and leaves:
         return _parallel.shard_map_norm(leaves, paths, names)
     if not leaves or _any_varying(leaves):
         return _kernels.local_norm(leaves)
@@ -159,7 +159,7 @@ def clip_by_global_norm(tree, max_norm, *, nonfinite: str = "propagate", axis_na
     leaves, paths, treedef = _check_leaves(tree, "clip_by_global_norm")
     max_norm = _check_max_norm(max_norm)
     names = _check_axis_name(axis_name)
-    if names is not None:
+    if names is not None and leaves:
         norm, clipped = _parallel.shard_map_clip(leaves, paths, max_norm, policy, names)
     elif not leaves or _any_varying([max_norm, *leaves]):
         norm, clipped = _kernels.local_clip(leaves, max_norm, policy)

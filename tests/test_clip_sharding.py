@@ -341,3 +341,28 @@ def test_sharded_jit_with_gspmd_partitioner():
         jax.config.update("jax_use_shardy_partitioner", previous)
     assert_bitwise(norm, want_norm)
     assert_tree_bits(clipped, want)
+
+
+@on_8_devices
+def test_sharded_clipping_in_a_donated_step_needs_no_gradient_sized_buffer():
+    # Sharded jit and shard_map: each device's gradient shards are its only gradient-sized
+    # temporaries; clipping them (in place) adds none and copies nothing.
+    mesh = Mesh(np.array(jax.devices()[:NDEV]), ("x",))
+    n, size = 20, NDEV * 16384
+    params = [jax.device_put(jnp.ones((size,), jnp.float32), NamedSharding(mesh, P("x"))) for _ in range(n)]
+
+    def step(p, **kw):
+        g = jax.grad(lambda p: sum(jnp.sum(jnp.sin(x)) for x in p))(p)
+        g, norm = jaxdet.clip_by_global_norm(g, 1.0, **kw)
+        return [a - 0.1 * b for a, b in zip(p, g)], norm
+
+    sharded_jit = jax.jit(step, donate_argnums=0)
+    in_shard_map = jax.jit(
+        jax.shard_map(lambda p: step(p, axis_name="x"), mesh=mesh, in_specs=(P("x"),), out_specs=(P("x"), P())),
+        donate_argnums=0,
+    )
+    for f in (sharded_jit, in_shard_map):
+        compiled = f.lower(params).compile()
+        assert compiled.memory_analysis().temp_size_in_bytes <= n * size * 4 // NDEV + 64 * 1024
+        entry = compiled.as_text()
+        assert not re.search(r"\bcopy\(", entry[entry.index("\nENTRY"):])
