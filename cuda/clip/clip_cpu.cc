@@ -100,9 +100,7 @@ void ApplyExample(const clip::Leaf& leaf, int64_t offset, clip::Decision d) {
     case clip::kIdentity:
       if (out != in) std::memcpy(out, in, bytes);
       break;
-    case clip::kZero:
-      std::memset(out, 0, bytes);
-      break;
+    case clip::kZero: std::memset(out, 0, bytes); break;
     default:
       switch (leaf.dtype) {
         case clip::kF32: ScaleLeaf<F32Storage>(in, out, leaf.size, d.scale); break;
@@ -154,7 +152,8 @@ ffi::Error ClipCpu(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> n
 
 // ---- Staged targets (clip_ffi.h) ----
 
-ffi::Error PartialsCpu(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> slots, ffi::RemainingRets rets) {
+ffi::Error PartialsCpu(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> slots,
+                       ffi::RemainingRets rets) {
   constexpr const char* kOp = "jaxdet_clip_partials";
   IeeeSubnormalsScope ieee;
   const int64_t batch = clip::slot_batch(slots->dimensions());
@@ -164,7 +163,8 @@ ffi::Error PartialsCpu(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32
     if (auto err = clip::attach_results(rets, 0, leaves, batch, kOp); !err.success()) return err;
     for (const clip::Leaf& leaf : leaves) {
       if (leaf.out != leaf.in) {
-        std::memcpy(leaf.out, leaf.in, static_cast<size_t>(leaf.size * batch * clip::bytes_per_element(leaf.dtype)));
+        std::memcpy(leaf.out, leaf.in,
+                    static_cast<size_t>(leaf.size * batch * clip::bytes_per_element(leaf.dtype)));
       }
     }
   }
@@ -215,11 +215,9 @@ ffi::Error ApplyCpu(ffi::Buffer<ffi::U32> ctrl, ffi::RemainingArgs args, ffi::Re
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_global_norm_cpu, GlobalNormCpu,
-                              ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_global_norm_cpu, GlobalNormCpu,
+    ffi::Ffi::Bind().RemainingArgs().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu, ClipCpu,
                               ffi::Ffi::Bind()

@@ -78,8 +78,10 @@ __device__ __forceinline__ int FindLeaf(const LeafTable<K>& t, int32_t c) {
   int lo = 0, hi = t.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (t.chunk_begin[mid] <= c) lo = mid;
-    else hi = mid - 1;
+    if (t.chunk_begin[mid] <= c)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -200,16 +202,15 @@ __global__ void __launch_bounds__(kFinalLanes)
 }
 
 template <typename Storage>
-__device__ __forceinline__ typename Storage::Bits ApplyOne(typename Storage::Bits x, uint32_t mode,
-                                                           float scale) {
+__device__ __forceinline__ typename Storage::Bits ApplyOne(typename Storage::Bits x, uint32_t mode, float scale) {
   if (mode == clip::kMultiply) return clip::clip_element<Storage>(x, scale);
   if (mode == clip::kZero) return 0;
   return x;
 }
 
 template <typename Storage>
-__device__ __forceinline__ void ApplyChunk(const typename Storage::Bits* x, typename Storage::Bits* y,
-                                           int64_t n, uint32_t mode, float scale) {
+__device__ __forceinline__ void ApplyChunk(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t n,
+                                           uint32_t mode, float scale) {
   using Bits = typename Storage::Bits;
   const int lane = threadIdx.x;
   if (n == kChunk && (reinterpret_cast<uintptr_t>(x) % sizeof(Vec<Bits>)) == 0 &&
@@ -257,8 +258,8 @@ __global__ void __launch_bounds__(kLanes)
                                n, mode, scale);
         break;
       case kBF16:
-        ApplyChunk<BF16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, static_cast<uint16_t*>(t.out[L]) + off,
-                                n, mode, scale);
+        ApplyChunk<BF16Storage>(static_cast<const uint16_t*>(t.in[L]) + off,
+                                static_cast<uint16_t*>(t.out[L]) + off, n, mode, scale);
         break;
       default:
         ApplyChunk<F16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, static_cast<uint16_t*>(t.out[L]) + off,
@@ -327,9 +328,9 @@ std::vector<LeafTable<K>> Tables(const std::vector<Leaf>& leaves, int64_t batch)
 // ctrl: 2 * batch words (scale, mode bits); max_norm: one float, or one per example when
 // max_norm_stride is 1.
 template <int K>
-ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, int64_t batch, Passes passes,
-                  float* slots, int64_t example_chunks, const float* max_norm, int64_t max_norm_stride,
-                  int32_t policy, float* norm_out, float* ctrl, const char* op) {
+ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, int64_t batch, Passes passes, float* slots,
+                  int64_t example_chunks, const float* max_norm, int64_t max_norm_stride, int32_t policy,
+                  float* norm_out, float* ctrl, const char* op) {
   const std::vector<LeafTable<K>> tables = Tables<K>(leaves, batch);
   static const int partial_per_sm = BlocksPerSm(PartialKernel<K>);
   static const int apply_per_sm = BlocksPerSm(ApplyKernel<K>);
@@ -339,8 +340,8 @@ ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, int64_t 
     }
   }
   if (passes.finalize && batch > 0) {
-    FinalizeKernel<<<static_cast<unsigned>(batch), kFinalLanes, 0, stream>>>(slots, example_chunks, max_norm,
-                                                                            max_norm_stride, policy, norm_out, ctrl);
+    FinalizeKernel<<<static_cast<unsigned>(batch), kFinalLanes, 0, stream>>>(
+        slots, example_chunks, max_norm, max_norm_stride, policy, norm_out, ctrl);
   }
   if (passes.apply) {
     for (const LeafTable<K>& t : tables) {
@@ -413,9 +414,9 @@ ffi::Error PartialsCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Resul
     if (auto err = clip::attach_results(rets, 0, leaves, batch, kOp); !err.success()) return err;
     for (const Leaf& leaf : leaves) {
       if (leaf.out == leaf.in || leaf.size == 0) continue;
-      const cudaError_t status =
-          cudaMemcpyAsync(leaf.out, leaf.in, static_cast<size_t>(leaf.size * batch * clip::bytes_per_element(leaf.dtype)),
-                          cudaMemcpyDeviceToDevice, stream);
+      const cudaError_t status = cudaMemcpyAsync(
+          leaf.out, leaf.in, static_cast<size_t>(leaf.size * batch * clip::bytes_per_element(leaf.dtype)),
+          cudaMemcpyDeviceToDevice, stream);
       if (status != cudaSuccess) return cuda_error(kOp, status);
     }
   }
@@ -439,7 +440,8 @@ ffi::Error FinalizeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> slots, ffi::B
     return err;
   }
   if (batch == 0) return ffi::Error::Success();
-  if (batch > int64_t{INT32_MAX}) return ffi::Error::InvalidArgument(std::string(kOp) + ": more than 2^31 examples");
+  if (batch > int64_t{INT32_MAX})
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": more than 2^31 examples");
   FinalizeKernel<<<static_cast<unsigned>(batch), kFinalLanes, 0, stream>>>(
       slots.typed_data(), chunks, max_norm.typed_data(), max_norm.element_count() == 1 ? 0 : 1, nonfinite,
       norm->typed_data(), reinterpret_cast<float*>(ctrl->typed_data()));

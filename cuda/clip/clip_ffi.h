@@ -114,12 +114,14 @@ inline ffi::Error check_finalize_call(int64_t slot_count, int64_t max_norm_count
                                       int64_t ctrl_count, int32_t nonfinite, int64_t& chunks, const char* op) {
   if (auto err = check_policy(nonfinite, op); !err.success()) return err;
   const int64_t batch = norm_count;
-  if (ctrl_count != 2 * batch) return ffi::Error::InvalidArgument(std::string(op) + ": ctrl must be uint32[batch, 2]");
+  if (ctrl_count != 2 * batch)
+    return ffi::Error::InvalidArgument(std::string(op) + ": ctrl must be uint32[batch, 2]");
   if (max_norm_count != 1 && max_norm_count != batch) {
     return ffi::Error::InvalidArgument(std::string(op) + ": max_norm must be a scalar or one value per example");
   }
   if (batch == 0 ? slot_count != 0 : slot_count % batch != 0) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": the slot count is not a multiple of the example count");
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": the slot count is not a multiple of the example count");
   }
   chunks = batch == 0 ? 0 : slot_count / batch;
   return ffi::Error::Success();
@@ -127,8 +129,9 @@ inline ffi::Error check_finalize_call(int64_t slot_count, int64_t max_norm_count
 
 // The clip call: checks max_norm and the policy, collects the leaves and pairs each with its
 // (aliased) result buffer.
-inline ffi::Error decode_clip_call(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, int32_t nonfinite,
-                                   const float*& max_norm, std::vector<Leaf>& leaves, const char* op) {
+inline ffi::Error decode_clip_call(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                                   int32_t nonfinite, const float*& max_norm, std::vector<Leaf>& leaves,
+                                   const char* op) {
   if (args.size() < 1) return ffi::Error::InvalidArgument(std::string(op) + ": missing max_norm");
   auto max_norm_buf = args.get<ffi::Buffer<ffi::F32>>(0);
   if (max_norm_buf.has_error()) return max_norm_buf.error();
