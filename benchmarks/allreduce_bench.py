@@ -24,7 +24,12 @@ def parse():
     p.add_argument("--sizes-mb", default="4,256")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--inner", type=int, default=5)
-    p.add_argument("--cpu-devices", type=int, default=0, help="simulate this many CPU devices (smoke test)")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="simulate this many CPU devices (smoke test)",
+    )
     p.add_argument("--out", default="")
     return p.parse_args()
 
@@ -32,7 +37,9 @@ def parse():
 def main():
     args = parse()
     if args.cpu_devices:
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
+        )
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import jax.numpy as jnp
@@ -48,32 +55,44 @@ def main():
     devices = jax.devices()
     d = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
-    spec = dict(mesh=mesh, in_specs=P("d"), out_specs=P())
+    spec = {"mesh": mesh, "in_specs": P("d"), "out_specs": P()}
     f_psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x[0], "d"), **spec))
     f_tree = jax.jit(jax.shard_map(lambda x: tree_psum(x[0], "d"), **spec))
     rows = []
     for mb in (float(s) for s in args.sizes_mb.split(",")):
         n = int(mb * 2**20) // 4
         x = jax.device_put(
-            jax.random.normal(jax.random.key(0), (d, n), jnp.float32) * jnp.exp(jax.random.normal(jax.random.key(1), (d, 1))),
+            jax.random.normal(jax.random.key(0), (d, n), jnp.float32)
+            * jnp.exp(jax.random.normal(jax.random.key(1), (d, 1))),
             NamedSharding(mesh, P("d")),
         )
         t_psum, t_tree = timeit_pair(f_psum, f_tree, [(x,)], args.reps, args.inner)
         a, b = f_psum(x), f_tree(x)
-        same_devices = len({np.asarray(s.data).tobytes() for s in b.addressable_shards}) == 1
-        differ = int(jnp.sum(jax.lax.bitcast_convert_type(a, jnp.uint32) != jax.lax.bitcast_convert_type(b, jnp.uint32)))
+        same_devices = (
+            len({np.asarray(s.data).tobytes() for s in b.addressable_shards}) == 1
+        )
+        differ = int(
+            jnp.sum(
+                jax.lax.bitcast_convert_type(a, jnp.uint32)
+                != jax.lax.bitcast_convert_type(b, jnp.uint32)
+            )
+        )
         rows.append((mb, t_psum, t_tree, differ, n, same_devices))
         del x, a, b
     kind = getattr(devices[0], "device_kind", devices[0].platform)
     lines = [
-        f"All-reduce, float32, {d} x {kind}, jax {jax.__version__}, {datetime.date.today()}, "
-        f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}",
+        (
+            f"All-reduce, float32, {d} x {kind}, jax {jax.__version__}, {datetime.date.today()}, "
+            f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}"
+        ),
         "",
         "| MB per device | psum ms | tree_psum ms | tree / psum | elements psum != tree | tree equal on all devices |",
         "|---|---|---|---|---|---|",
     ]
     for mb, tp, tt, differ, n, same in rows:
-        lines.append(f"| {mb:g} | {tp:.3f} | {tt:.3f} | {tt / tp:.2f}x | {differ}/{n} | {same} |")
+        lines.append(
+            f"| {mb:g} | {tp:.3f} | {tt:.3f} | {tt / tp:.2f}x | {differ}/{n} | {same} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -35,7 +35,12 @@ def parse():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--inner", type=int, default=3)
-    p.add_argument("--cpu-devices", type=int, default=0, help="simulate this many CPU devices (smoke test)")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="simulate this many CPU devices (smoke test)",
+    )
     p.add_argument("--out", default="")
     return p.parse_args()
 
@@ -43,7 +48,9 @@ def parse():
 def main():
     args = parse()
     if args.cpu_devices:
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
+        )
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import ml_dtypes
@@ -62,10 +69,16 @@ def main():
     d = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
-    params = jax.device_put(fp.init_params(args.features, args.hidden, args.outputs, dtype=dtype), rep)
+    params = jax.device_put(
+        fp.init_params(args.features, args.hidden, args.outputs, dtype=dtype), rep
+    )
     opt_state = jax.device_put(fp._optimizer().init(params), rep)
     batch = fp._global_batch(
-        fp.make_batches(1, d * args.tokens_per_device, args.features, args.outputs, dtype=dtype)[0], shard)
+        fp.make_batches(
+            1, d * args.tokens_per_device, args.features, args.outputs, dtype=dtype
+        )[0],
+        shard,
+    )
     key = np.asarray(jaxdet.random.key(0))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     rows = []
@@ -73,13 +86,22 @@ def main():
         # Steps are timed without donation, so both sides read the same params every call.
         tree_step = fp.make_step(mesh, leaves=d * per)
         psum_step = fp.make_step(mesh, control=True)
-        t_psum, t_tree = timeit_pair(psum_step, tree_step, [(params, opt_state, batch, key)], args.reps, args.inner)
+        t_psum, t_tree = timeit_pair(
+            psum_step,
+            tree_step,
+            [(params, opt_state, batch, key)],
+            args.reps,
+            args.inner,
+        )
         rows.append((per, t_psum, t_tree))
     kind = getattr(devices[0], "device_kind", devices[0].platform)
     lines = [
-        f"Data-parallel train step, {d} x {kind}, {args.dtype}, {n_params / 1e6:.1f}M params "
-        f"({args.features}->{args.hidden}->{args.outputs}), {args.tokens_per_device} tokens per device, "
-        f"jax {jax.__version__}, {datetime.date.today()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}",
+        (
+            f"Data-parallel train step, {d} x {kind}, {args.dtype}, {n_params / 1e6:.1f}M params "
+            f"({args.features}->{args.hidden}->{args.outputs}), {args.tokens_per_device} tokens per device, "
+            f"jax {jax.__version__}, {datetime.date.today()}, "
+            f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}"
+        ),
         "",
         "| leaves per device | psum step ms | jaxdet.parallel step ms | ratio |",
         "|---|---|---|---|",

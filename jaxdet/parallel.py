@@ -18,19 +18,18 @@ The contracts (docs/parallel.md, proven by tests/test_parallel.py and tests/test
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["tree_sum", "tree_psum", "value_and_grad"]
+__all__ = ["tree_psum", "tree_sum", "value_and_grad"]
 
 
 # ---- The canonical tree on one device. ----
+
 
 def _add(x, y):
     return jax.tree.map(lambda u, v: u + v, x, y)
@@ -50,7 +49,10 @@ def tree_sum(xs):
     # Level by level, pairing neighbours and carrying an odd last one up unchanged, is the padded
     # tree: the carried node's sibling is absent.
     while len(xs) > 1:
-        xs = [_add(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+        xs = [
+            _add(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i]
+            for i in range(0, len(xs), 2)
+        ]
     return xs[0]
 
 
@@ -65,10 +67,13 @@ def _tree_rows(p):
 
 # ---- The canonical tree across devices. ----
 
+
 def _axis_names(axis_name, what="axis_name"):
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"{what} must be a mesh axis name (str) or a non-empty tuple of them, got {axis_name!r}")
+        raise TypeError(
+            f"{what} must be a mesh axis name (str) or a non-empty tuple of them, got {axis_name!r}"
+        )
     return names
 
 
@@ -83,17 +88,27 @@ def _check_power_of_two(n, what):
         raise ValueError(f"{what} must be a power of two, got {n}")
 
 
-def _as_summand(x, names):
-    x = jnp.asarray(x)
-    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
-        raise TypeError(f"tree_psum sums float (or integer) arrays, got {x.dtype}")
-    # Like psum: a value not varying over an axis counts once per device of it.
+def _varying(x, names):
     missing = tuple(n for n in names if n not in _varying_axes(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _as_summand(x, names):
+    x = jnp.asarray(x)
+    if not (
+        jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)
+    ):
+        raise TypeError(f"tree_psum sums float (or integer) arrays, got {x.dtype}")
+    # Like psum: a value not varying over an axis counts once per device of it.
+    return _varying(x, names)
+
+
 def _tree_psum_flat(flat, axis, size):
     n = flat.shape[0]
+    if n == 0:
+        return jnp.zeros(
+            (0,), flat.dtype
+        )  # nothing to move (a fresh constant is invariant)
     chunk = -(-n // size)
     if chunk * size != n:
         flat = jnp.pad(flat, (0, chunk * size - n))
@@ -137,7 +152,9 @@ def tree_psum(x, axis_name):
     out = [None] * len(leaves)
     for members in groups.values():
         flats = [leaves[i].reshape(-1) for i in members]
-        summed = _tree_psum_flat(jnp.concatenate(flats) if len(flats) > 1 else flats[0], axis, size)
+        summed = _tree_psum_flat(
+            jnp.concatenate(flats) if len(flats) > 1 else flats[0], axis, size
+        )
         start = 0
         for i in members:
             out[i] = summed[start : start + leaves[i].size].reshape(leaves[i].shape)
@@ -147,35 +164,36 @@ def tree_psum(x, axis_name):
 
 # ---- Data parallelism over leaves. ----
 
+
 def _mesh_axis_size(mesh, names):
     shape = dict(mesh.shape)
     for n in names:
         if n not in shape:
-            raise ValueError(f"axis_name {n!r} is not an axis of the mesh (axes: {tuple(shape)})")
+            raise ValueError(
+                f"axis_name {n!r} is not an axis of the mesh (axes: {tuple(shape)})"
+            )
     return math.prod(shape[n] for n in names)
 
 
-def _local_tree(leaf_fn, levels, first, names):
+def _local_tree(leaf_fn, levels, first, init):
     """The canonical subtree over 2**levels consecutive leaves from leaf `first` (a traced index).
 
-    A loop of 2 iterations per level, the leaf body innermost and compiled once: the leaf program is
+    A loop of 2 iterations per level, the leaf body innermost and traced once: the leaf program is
     the same for any number of leaves per device, and one float32 running root per level plus the
-    leaf being computed are live (log2(leaves per device) + 1 partials). Per-leaf outputs that are
-    not summed (aux) come back stacked in leaf order.
+    leaf being computed are live (log2(leaves per device) + 1 partials). `init` (zeros typed like a
+    root) only fixes the loop carry's type. Per-leaf outputs that are not summed (aux) come back
+    stacked in leaf order.
     """
     if levels == 0:
         return leaf_fn(first)
     half = 1 << (levels - 1)
 
     def body(root, i):
-        part, stacked = _local_tree(leaf_fn, levels - 1, first + i * half, names)
+        part, stacked = _local_tree(leaf_fn, levels - 1, first + i * half, init)
         # First half: its root as it is (a select, no add); second: left + right.
         root = jax.tree.map(lambda r, p: jnp.where(i == 0, p, r + p), root, part)
         return root, stacked
 
-    # The carry's start value only fixes its type (varying, like the parts); iteration 0 replaces it.
-    shapes = jax.eval_shape(lambda: leaf_fn(first)[0])
-    init = jax.tree.map(lambda s: lax.pcast(jnp.zeros(s.shape, s.dtype), names, to="varying"), shapes)
     root, stacked = lax.scan(body, init, jnp.arange(2, dtype=jnp.int32))
     return root, jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stacked)
 
@@ -215,7 +233,9 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
         raise TypeError(f"leaves must be an int, got {type(leaves).__name__}")
     _check_power_of_two(leaves, "leaves")
     if leaves < size:
-        raise ValueError(f"leaves must be at least the size of mesh axis {axis_name!r} ({size}), got {leaves}")
+        raise ValueError(
+            f"leaves must be at least the size of mesh axis {axis_name!r} ({size}), got {leaves}"
+        )
     per_device = leaves // size
     levels = per_device.bit_length() - 1
     spec_axis = names if len(names) > 1 else names[0]
@@ -230,28 +250,51 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
 
         def leaf(index):
             offset = (index - first) * leaf_batch_size
-            leaf_batch = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, offset, leaf_batch_size, 0), batch)
+            leaf_batch = jax.tree.map(
+                lambda x: lax.dynamic_slice_in_dim(x, offset, leaf_batch_size, 0), batch
+            )
             out, grads = grad_fn(params_v, leaf_batch, index, *args)
             loss, aux = out if has_aux else (out, None)
-            summed = (jnp.asarray(loss, jnp.float32), jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+            summed = (
+                jnp.asarray(loss, jnp.float32),
+                jax.tree.map(lambda g: g.astype(jnp.float32), grads),
+            )
             stacked = jax.tree.map(lambda x: jnp.expand_dims(x, 0), aux)
             return summed, stacked
 
-        (loss, grads), aux = _local_tree(leaf, levels, first, names)
+        init = None
+        if levels:
+            shapes = jax.eval_shape(lambda: leaf(first)[0])
+            init = jax.tree.map(
+                lambda t: _varying(jnp.zeros(t.shape, t.dtype), names), shapes
+            )
+        (loss, grads), aux = _local_tree(leaf, levels, first, init)
         loss, grads = tree_psum((loss, grads), names)
         grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
         if has_aux:
-            aux = jax.tree.map(lambda x: lax.all_gather(x, spec_axis, axis=0, tiled=True, to="invarying"), aux)
+            aux = jax.tree.map(
+                lambda x: lax.all_gather(
+                    _varying(x, names), spec_axis, axis=0, tiled=True, to="invarying"
+                ),
+                aux,
+            )
             return (loss, aux), grads
         return loss, grads
 
     def run(params, batch, *args):
-        sizes = {x.shape[0] if getattr(x, "ndim", 0) else None for x in jax.tree.leaves(batch)}
+        sizes = {
+            x.shape[0] if getattr(x, "ndim", 0) else None
+            for x in jax.tree.leaves(batch)
+        }
         if len(sizes) != 1 or None in sizes:
-            raise ValueError(f"every array of batch needs the same leading (batch) dim, got {sorted(map(str, sizes))}")
+            raise ValueError(
+                f"every array of batch needs the same leading (batch) dim, got {sorted(map(str, sizes))}"
+            )
         (batch_size,) = sizes
         if batch_size % leaves:
-            raise ValueError(f"the batch's leading dim ({batch_size}) must be a multiple of leaves ({leaves})")
+            raise ValueError(
+                f"the batch's leading dim ({batch_size}) must be a multiple of leaves ({leaves})"
+            )
         in_specs = (P(), P(spec_axis), *(P() for _ in args))
         f = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())
         return f(params, batch, *args)

@@ -507,3 +507,69 @@ def test_report_facts_hold_on_cpu():
     for name, fn in report_checks():
         ok, detail = fn()
         assert ok, f"{name}: {detail}"
+
+
+# ---- Higher derivatives: the backward is made of the same custom_vjp products (the product is
+# bilinear), so reverse-over-reverse works: gradient penalties, Hessian-vector products. ----
+
+def _f64(*xs):
+    return [np.asarray(x, np.float64) for x in xs]
+
+
+def _rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+
+
+def _penalty(mm, w, x):
+    """A gradient penalty: the squared norm of d loss / dx, a function of w and x."""
+    gx = jax.grad(lambda x: jnp.sum(jnp.sin(mm(x, w))))(x)
+    return jnp.sum(gx * gx)
+
+
+@pytest.mark.parametrize("batched_b", [False, True], ids=["shared_b", "batched_b"])
+def test_grad_of_grad_matches_float64(batched_b):
+    x = rand((3, 5, 40), jnp.float32, 30)
+    w = rand((3, 40, 24) if batched_b else (40, 24), jnp.float32, 31) / 4
+    got = jax.grad(_penalty, argnums=(1, 2))(jaxdet.matmul, w, x)
+    with jax.enable_x64(True):
+        ref = jax.grad(_penalty, argnums=(1, 2))(jnp.matmul, *_f64(w, x))
+    for g, r in zip(got, ref):
+        assert g.dtype == jnp.float32
+        assert _rel(g, r) < 1e-5, _rel(g, r)
+    # A Hessian-vector product, reverse over reverse (jaxdet.matmul is reverse-mode only).
+    loss = lambda mm, w: jnp.sum(jnp.sin(mm(x, w)))
+    v = rand(w.shape, jnp.float32, 32)
+    hvp = lambda mm, w, v: jax.grad(lambda w: jnp.vdot(jax.grad(lambda w: loss(mm, w))(w), v))(w)
+    with jax.enable_x64(True):
+        x64 = np.asarray(x, np.float64)
+        ref = jax.grad(lambda w: jnp.vdot(jax.grad(lambda w: jnp.sum(jnp.sin(jnp.matmul(x64, w))))(w),
+                                          np.asarray(v, np.float64)))(np.asarray(w, np.float64))
+    assert _rel(hvp(jaxdet.matmul, w, v), ref) < 1e-5
+
+
+def test_check_grads_second_order():
+    x = rand((4, 6, 16), jnp.float32, 33)
+    w = rand((16, 8), jnp.float32, 34)
+    f = lambda x, w: jnp.sum(jaxdet.matmul(x, w) ** 2)  # quartic: central differences are exact enough
+    check_grads(f, (x, w), order=2, modes=["rev"], eps=1e-2, atol=1e-2, rtol=1e-2)
+    check_grads(lambda x, w: jnp.sum(jaxdet.matmul(x, w, preferred_element_type=jnp.float32) ** 2),
+                (x, w[None].repeat(4, 0)), order=2, modes=["rev"], eps=1e-2, atol=1e-2, rtol=1e-2)
+
+
+def test_second_derivatives_are_jaxdet_products_in_every_dtype():
+    for dtype in DTYPES:
+        x = rand((2, 7, 24), dtype, 35)
+        w = rand((24, 16), dtype, 36)
+        grads = jax.grad(lambda w, x: _penalty(jaxdet.matmul, w, x).astype(jnp.float32), argnums=(0, 1))(w, x)
+        assert [g.dtype for g in grads] == [dtype, dtype]
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda w, x: _penalty(jaxdet.matmul, w, x).astype(jnp.float32)))(w, x))
+        assert "dot_general" not in jaxpr and "jaxdet_gemm" in jaxpr and "jaxdet_weight_grad" in jaxpr
+
+
+def test_forward_mode_is_not_supported():
+    # jaxdet.matmul is a jax.custom_vjp function: forward mode (jax.jvp, jacfwd, jvp-of-grad
+    # Hessian-vector products) raises JAX's custom_vjp error; use reverse over reverse.
+    x, w = rand((4, 8), jnp.float32, 37), rand((8, 3), jnp.float32, 38)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda w: jaxdet.matmul(x, w), (w,), (w,))
