@@ -20,6 +20,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_partials_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_finalize_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cpu);
 
 #if defined(JAXDET_WITH_CUDA)
 // CUDA handlers (cuda/<primitive>/*_cuda.cu).
@@ -27,6 +30,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_partials_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_finalize_cuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda);
@@ -60,6 +66,9 @@ NB_MODULE(_native, m) {
     d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cpu);
     d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cpu);
     d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cpu);
+    d["jaxdet_clip_partials"] = EncapsulateFfiHandler(jaxdet_clip_partials_cpu);
+    d["jaxdet_clip_finalize"] = EncapsulateFfiHandler(jaxdet_clip_finalize_cpu);
+    d["jaxdet_clip_apply"] = EncapsulateFfiHandler(jaxdet_clip_apply_cpu);
     return d;
   });
   m.def("cpu_gemm_isa", &jaxdet::cpu_gemm_isa,
@@ -81,6 +90,9 @@ NB_MODULE(_native, m) {
     d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cuda);
     d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cuda);
     d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cuda);
+    d["jaxdet_clip_partials"] = EncapsulateFfiHandler(jaxdet_clip_partials_cuda);
+    d["jaxdet_clip_finalize"] = EncapsulateFfiHandler(jaxdet_clip_finalize_cuda);
+    d["jaxdet_clip_apply"] = EncapsulateFfiHandler(jaxdet_clip_apply_cuda);
     d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
     d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
     d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cuda);
