@@ -4,10 +4,12 @@
     python benchmarks/clip_bench.py --sanitize      # each kernel once on small trees (compute-sanitizer)
     python benchmarks/clip_bench.py --allow-cpu     # smoke-test the script without a GPU
     python benchmarks/clip_bench.py --trace         # where the in-jit loop's time goes (profiler)
+    python benchmarks/clip_bench.py --compile       # jit compile time against the leaf count
 
 Trees: the GPT-2-small gradient tree (148 float32 leaves, 124.4M values; shapes from
-/work/shared/reference/baselines.md) and a seeded 1000-leaf tree of mixed sizes (1 .. 2^20 values,
-log-uniform) and dtypes (float32 / bfloat16 / float16 in turn).
+/work/shared/reference/baselines.md; one fused call) and a seeded 1000-leaf tree of mixed sizes
+(1 .. 2^20 values, log-uniform) and dtypes (float32 / bfloat16 / float16 in turn; more leaves
+than one aliased call takes, so it runs staged: partials and apply in groups, one finalize).
 
 Both functions are jitted and timed the same way: warm-up, then the median over `--reps` runs of
 `--calls` back-to-back calls (one jax.block_until_ready at the end of each run, time divided by the
@@ -274,7 +276,34 @@ def sanitize():
         print(f"{name}: norm {float(out[1]):.6g}")
     for name, tree in (("global_norm", small), ("global_norm many", many), ("global_norm empty", [])):
         print(f"{name}: {float(jax.block_until_ready(jaxdet.global_norm(tree))):.6g}")
+    # vmap: the staged kernels over a batch of examples, one decision each (identity, multiply, zero).
+    batch = [jnp.stack([x, x * 1e-6, x.at[...].set(jnp.inf) if x.size else x]) for x in small[1:8]]
+    for policy in ("propagate", "skip"):
+        out = jax.jit(jax.vmap(lambda t: jaxdet.clip_by_global_norm(t, 0.5, nonfinite=policy)))(batch)
+        print(f"vmap clip {policy}: norms {np.asarray(jax.block_until_ready(out[1]))}")
     print("sanitize runs done on", jax.devices()[0])
+
+
+def compile_times(args):
+    """Compile time of jit(clip_by_global_norm) against the leaf count, next to a jit of the same tree
+    that only doubles each leaf (what any jit with that many outputs costs). Gradients donated."""
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}\n")
+    print("| leaves | clip compile (s) | x * 2 compile (s) | clip first call (ms) |")
+    print("|---:|---:|---:|---:|")
+    for n in args.compile_leaves:
+        tree = [jax.device_put(jnp.full((8,), 1.0 + i % 7, jnp.float32), device) for i in range(n)]
+        row = [str(n)]
+        for fn in (lambda t: jaxdet.clip_by_global_norm(t, 1.0), lambda t: [x * 2 for x in t]):
+            lowered = jax.jit(fn, donate_argnums=0).lower(tree)
+            start = time.perf_counter()
+            compiled = lowered.compile()
+            row.append(f"{time.perf_counter() - start:.2f}")
+            if len(row) == 2:
+                start = time.perf_counter()
+                jax.block_until_ready(compiled(copy_of(tree)))
+                run_ms = (time.perf_counter() - start) * 1e3
+        print("| " + " | ".join(row + [f"{run_ms:.1f}"]) + " |", flush=True)
 
 
 def main():
@@ -285,9 +314,13 @@ def main():
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--loop", type=int, default=20, help="clips per dispatch in the in-jit loop mode")
     p.add_argument("--trace", action="store_true", help="profile the in-jit loops (jax.profiler) and exit")
+    p.add_argument("--compile", action="store_true", help="jit compile time against the leaf count and exit")
+    p.add_argument("--compile-leaves", type=int, nargs="+", default=[250, 500, 1000, 2000, 5000, 10000])
     args = p.parse_args()
     if args.sanitize:
         sanitize()
+    elif args.compile:
+        compile_times(args)
     elif args.trace:
         trace(args)
     else:

@@ -39,18 +39,22 @@ class ClipByGlobalNormState(NamedTuple):
     num_nonfinite: jax.Array
 
 
-def clip_by_global_norm(max_norm, *, nonfinite: str = "propagate"):
+def clip_by_global_norm(max_norm, *, nonfinite: str = "propagate", axis_name=None):
     """Drop-in for ``optax.clip_by_global_norm(max_norm)``; see ``jaxdet.clip_by_global_norm``.
 
     Same updates as optax's to rounding (optax scales by ``(g / norm) * max_norm`` in the leaf dtype,
     jaxdet by ``float32(g) * float32(max_norm / norm)``; the norm is accumulated in float32, where
     optax's overflows for float16 leaves). Differences on purpose: ``norm == max_norm`` is not
-    clipped, ``max_norm == 0`` with zero gradients gives zeros (optax: NaN), and ``nonfinite="skip"``
-    zeroes the update when the norm is inf or NaN.
+    clipped, ``max_norm == 0`` with zero gradients gives zeros (optax: NaN), ``nonfinite="skip"``
+    zeroes the update when the norm is inf or NaN, and float64 leaves are rejected (a TypeError
+    naming the leaf). ``axis_name``: inside ``jax.shard_map``, the updates are shards of a tree
+    sharded over that mesh axis (or axes), clipped by their global norm (see
+    ``jaxdet.clip_by_global_norm``). As optax allows for a transform without state, ``update``
+    also accepts ``state=None``; the state it returns then counts from that update.
     """
     optax = _require_optax()
-    policy = _clip._check_policy(nonfinite)  # errors at construction, before anything runs
-    del policy
+    _clip._check_policy(nonfinite)  # errors at construction, before anything runs
+    _clip._check_axis_name(axis_name)
     if not _clip.is_traced(max_norm):
         _clip._check_max_norm(max_norm)
 
@@ -60,8 +64,9 @@ def clip_by_global_norm(max_norm, *, nonfinite: str = "propagate"):
 
     def update_fn(updates, state, params=None):
         del params
-        clipped, norm = _clip.clip_by_global_norm(updates, max_norm, nonfinite=nonfinite)
-        num = state.num_nonfinite + jnp.logical_not(jnp.isfinite(norm)).astype(jnp.int32)
+        clipped, norm = _clip.clip_by_global_norm(updates, max_norm, nonfinite=nonfinite, axis_name=axis_name)
+        skipped = jnp.logical_not(jnp.isfinite(norm)).astype(jnp.int32)
+        num = skipped if state is None else state.num_nonfinite + skipped
         return clipped, ClipByGlobalNormState(norm=norm, num_nonfinite=num)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -22,11 +22,13 @@ import numpy as np
 import pytest
 
 import jaxdet
+from jaxdet import _clip_kernels as _kernels
 from jaxdet import _clip_reference as ref
 from bitwise import assert_bitwise, bits
 
 BF16 = jnp.bfloat16
 F16 = jnp.float16
+MAX_ALIASED_LEAVES = _kernels.MAX_ALIASED_LEAVES
 
 
 
@@ -296,6 +298,41 @@ def test_bad_inputs_raise_clear_errors():
         jaxdet.global_norm([np.ones((2,), np.float64)])
 
 
+def test_bad_leaves_name_the_leaf_and_the_expected_form():
+    good = jnp.ones((3,))
+    with pytest.raises(TypeError, match=r"leaf \['key'\].*key.*float32, bfloat16 or float16 array"):
+        jaxdet.clip_by_global_norm({"w": good, "key": jax.random.key(0)}, 1.0)
+    with pytest.raises(TypeError, match=r"leaf \['s'\] is a jax.ShapeDtypeStruct.*float32, bfloat16 or float16 array"):
+        jaxdet.clip_by_global_norm({"w": good, "s": jax.ShapeDtypeStruct((3,), jnp.float32)}, 1.0)
+    with pytest.raises(TypeError, match=r"leaf \[1\] is a jax.ShapeDtypeStruct"):
+        jaxdet.global_norm([good, jax.ShapeDtypeStruct((3,), jnp.float32)])
+    # Shapes go through jax.eval_shape, as for any JAX function.
+    out = jax.eval_shape(lambda t: jaxdet.clip_by_global_norm(t, 1.0), {"w": jax.ShapeDtypeStruct((3,), BF16)})
+    assert out[0]["w"].shape == (3,) and out[0]["w"].dtype == BF16 and out[1].dtype == jnp.float32
+
+
+def test_max_norm_device_array_is_checked_like_a_number():
+    good = {"w": jnp.ones((3,))}
+    for bad in (jnp.float32(np.nan), jnp.float32(-1.0), jnp.asarray(np.nan, BF16)):
+        with pytest.raises(ValueError, match="max_norm must be >= 0"):
+            jaxdet.clip_by_global_norm(good, bad)
+    with pytest.raises(ValueError, match="max_norm must be >= 0"):
+        jaxdet.optax.clip_by_global_norm(jnp.float32(np.nan))
+    c_dev, n_dev = jaxdet.clip_by_global_norm(good, jnp.float32(0.5))
+    c, n = jaxdet.clip_by_global_norm(good, 0.5)
+    assert_tree_bits_equal(c_dev, c)
+    assert_bitwise(n_dev, n)
+
+
+def test_traced_nan_max_norm_makes_every_leaf_nan():
+    # A traced max_norm is not read back before the kernel runs (no host sync); a NaN one gives a
+    # NaN scale (documented), so the mistake shows in every leaf rather than passing unnoticed.
+    tree = {"w": jnp.ones((3,)), "b": jnp.full((2,), 5.0, BF16)}
+    clipped, norm = jax.jit(lambda t, m: jaxdet.clip_by_global_norm(t, m))(tree, jnp.float32(np.nan))
+    assert math.isfinite(float(norm))
+    assert np.all(bits(clipped["w"]) == 0x7FC00000) and np.all(bits(clipped["b"]) == 0x7FC0)
+
+
 # ---- compiled-step properties --------------------------------------------------------------------
 
 def test_one_native_call_with_aliased_outputs():
@@ -329,6 +366,161 @@ def test_clip_inside_jit_needs_no_copy_of_intermediate_gradients():
     entry = hlo[hlo.index("\nENTRY"):]
     entry = entry[: entry.index("\n}")]
     assert " copy(" not in entry and "copy-start" not in entry
+
+
+def _many_leaves(n, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 3 * 4096, n)
+    return [jnp.asarray(rng.standard_normal(int(k)).astype(np.float32)).astype((jnp.float32, BF16, F16)[i % 3])
+            for i, k in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e9])
+def test_staged_path_for_many_leaves_bitwise_equals_canonical_order(max_norm):
+    n = 2 * MAX_ALIASED_LEAVES + 37  # three groups of aliased calls
+    tree = _many_leaves(n, seed=3)
+    clipped, norm = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, max_norm))(tree)
+    want_leaves, want_norm = ref.clip_by_global_norm(np_leaves(tree), max_norm)
+    assert_bitwise(norm, want_norm)
+    assert_bitwise(jax.jit(jaxdet.global_norm)(tree), want_norm)
+    for got, want in zip(clipped, want_leaves):
+        assert_bitwise(got, want)
+    # The fused call and the stages give the same bits on a tree both can take.
+    small = tree[:MAX_ALIASED_LEAVES]
+    fused = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, max_norm))(small)
+    staged = jax.jit(lambda t: _kernels.staged_clip(t, jnp.float32(max_norm), 0))(small)
+    assert_bitwise(fused[1], staged[0])
+    assert_tree_bits_equal(fused[0], staged[1])
+
+
+def test_staged_calls_alias_every_leaf_in_groups():
+    n = 2 * MAX_ALIASED_LEAVES + 1
+    text = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 1.0)).lower([jnp.ones((5,))] * n).as_text()
+    assert text.count("jaxdet_clip_global_norm") == 0
+    assert text.count("custom_call @jaxdet_clip_partials") == 3 and text.count("custom_call @jaxdet_clip_apply") == 3
+    assert text.count("custom_call @jaxdet_clip_finalize") == 1
+    # Each leaf is aliased twice: handed on by its partials call, clipped in place by its apply call.
+    assert text.count("output_operand_alias<") == 2 * n
+
+
+@pytest.mark.parametrize("n", [64, 2 * MAX_ALIASED_LEAVES + 88])
+def test_clipping_in_a_donated_step_needs_no_gradient_sized_buffer(n):
+    # Fused and staged: XLA's buffer assignment for a train step whose parameters are donated. The
+    # gradients are the only gradient-sized temporaries: clipping (in place) adds none and copies
+    # nothing. Without the aliasing the clipped leaves would be a second set (measured in
+    # docs/clipping.md).
+    size = 8192
+    params = [jnp.ones((size,), jnp.float32) for _ in range(n)]
+
+    def step(p):
+        g = jax.grad(lambda p: sum(jnp.sum(jnp.sin(x)) for x in p))(p)
+        g, norm = jaxdet.clip_by_global_norm(g, 1.0)
+        return [a - 0.1 * b for a, b in zip(p, g)], norm
+
+    compiled = jax.jit(step, donate_argnums=0).lower(params).compile()
+    grads = n * size * 4
+    assert compiled.memory_analysis().temp_size_in_bytes <= grads + 64 * 1024
+    entry = compiled.as_text()
+    entry = entry[entry.index("\nENTRY"):]
+    assert " copy(" not in entry and "copy-start" not in entry
+
+
+def test_ten_thousand_leaves_compile_and_run_in_bounded_time():
+    # Each native call aliases at most MAX_ALIASED_LEAVES leaves: the time XLA's fusion pass spends
+    # on aliased operands grows as their count cubed per call (2000 leaves in one call took 15 s).
+    # What is left grows as for any jit with that many outputs (docs/clipping.md has figures). The
+    # gradients are donated, as in a train step (a non-donated argument is copied first).
+    import time  # noqa: PLC0415
+
+    n = 10_000
+    rng = np.random.default_rng(7)
+    tree = [jnp.asarray(rng.standard_normal(int(k)).astype(np.float32)) for k in rng.integers(1, 40, n)]
+    want_leaves, want_norm = ref.clip_by_global_norm(np_leaves(tree), 1.0)
+    start = time.perf_counter()
+    clipped, norm = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 1.0), donate_argnums=0)(tree)
+    jax.block_until_ready(norm)
+    seconds = time.perf_counter() - start
+    print(f"jit(clip_by_global_norm) of {n} leaves: compile + run {seconds:.1f} s")
+    assert seconds < 60.0
+    assert_bitwise(norm, want_norm)
+    for got, want in zip(clipped, want_leaves):
+        assert_bitwise(got, want)
+
+
+# ---- vmap: per-example clipping -----------------------------------------------------------------
+
+def _per_example_tree(batch, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def r(shape, dtype, scale=1.0):
+        return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+    return {
+        "w": r((batch, 70, 130), jnp.float32, 3.0),  # 2 chunks + tail per example
+        "b": r((5, batch), BF16),  # batch dim not leading
+        "s": r((batch,), F16),  # 0-d per example
+        "e": r((batch, 0), jnp.float32),  # empty per example
+    }
+
+
+IN_AXES = ({"w": 0, "b": 1, "s": 0, "e": 0},)
+
+
+def _example(tree, i):
+    return {"w": tree["w"][i], "b": tree["b"][:, i], "s": tree["s"][i], "e": tree["e"][i]}
+
+
+@pytest.mark.parametrize("policy", ["propagate", "skip"])
+def test_vmap_clips_each_example_bitwise_as_alone(policy):
+    batch = 6
+    tree = _per_example_tree(batch)
+    tree["w"] = tree["w"].at[4, 0, 0].set(np.inf)  # one example with a non-finite norm
+    clipped, norms = jax.jit(
+        jax.vmap(lambda t: jaxdet.clip_by_global_norm(t, 2.0, nonfinite=policy), in_axes=IN_AXES)
+    )(tree)
+    norms_only = jax.vmap(jaxdet.global_norm, in_axes=IN_AXES)(tree)
+    for i in range(batch):
+        c, n = jaxdet.clip_by_global_norm(_example(tree, i), 2.0, nonfinite=policy)
+        assert_bitwise(norms[i], n)
+        assert_bitwise(norms_only[i], n)
+        for key in c:
+            assert_bitwise(clipped[key][i], c[key])
+    assert not math.isfinite(float(norms[4]))
+
+
+def test_vmap_per_example_max_norm_unbatched_leaves_and_nesting():
+    batch = 4
+    tree = _per_example_tree(batch, seed=1)
+    max_norms = jnp.asarray([0.0, 0.5, 30.0, np.inf], jnp.float32)
+    shared = jnp.asarray(np.linspace(-1, 1, 9000, dtype=np.float32))  # one leaf for every example
+    f = jax.vmap(lambda w, m, s: jaxdet.clip_by_global_norm({"w": w, "shared": s}, m), in_axes=(0, 0, None))
+    clipped, norms = f(tree["w"], max_norms, shared)
+    for i in range(batch):
+        c, n = jaxdet.clip_by_global_norm({"w": tree["w"][i], "shared": shared}, max_norms[i])
+        assert_bitwise(norms[i], n)
+        assert_bitwise(clipped["w"][i], c["w"])
+        assert_bitwise(clipped["shared"][i], c["shared"])
+    # vmap of vmap, and vmap of a jitted function (the primitive inside the jaxpr gets batched).
+    x = tree["w"].reshape(2, 2, 70, 130)
+    nested = jax.vmap(jax.vmap(jax.jit(lambda t: jaxdet.clip_by_global_norm([t, t[:3]], 1.0))))(x)
+    for i in range(2):
+        for j in range(2):
+            (c0, c1), n = jaxdet.clip_by_global_norm([x[i, j], x[i, j, :3]], 1.0)
+            assert_bitwise(nested[1][i, j], n)
+            assert_bitwise(nested[0][0][i, j], c0)
+            assert_bitwise(nested[0][1][i, j], c1)
+
+
+def test_vmap_over_many_leaves_and_empty_batch():
+    leaves = [jnp.stack([x, -2.0 * x]) for x in _many_leaves(MAX_ALIASED_LEAVES + 3, seed=9)]
+    clipped, norms = jax.vmap(lambda t: jaxdet.clip_by_global_norm(t, 1.0))(leaves)
+    for i in range(2):
+        c, n = jaxdet.clip_by_global_norm([x[i] for x in leaves], 1.0)
+        assert_bitwise(norms[i], n)
+        for got, want in zip(clipped, c):
+            assert_bitwise(got[i], want)
+    empty = jax.vmap(lambda t: jaxdet.clip_by_global_norm(t, 1.0))([jnp.ones((0, 5))])
+    assert empty[0][0].shape == (0, 5) and empty[1].shape == (0,)
 
 
 def _mlp_loss(params, x, y):
@@ -412,6 +604,11 @@ def test_optax_drop_in_state_and_skip():
     with pytest.raises(ValueError):
         jaxdet.optax.clip_by_global_norm(1.0, nonfinite="nope")
     assert isinstance(tx, optax.GradientTransformation)
+    # state=None, as optax allows for a transform without state: the state counts from this update.
+    u, fresh = tx.update(bad, None)
+    assert np.all(bits(u["a"]) == 0) and int(fresh.num_nonfinite) == 1
+    u, fresh = jax.jit(tx.update)(g, None)
+    assert float(fresh.norm) == 5.0 and int(fresh.num_nonfinite) == 0
 
 
 # ---- GPU: CPU == GPU bitwise ----------------------------------------------------------------------
@@ -448,6 +645,57 @@ def test_cpu_equals_gpu_bitwise(cpu, gpu, policy):
         assert_bitwise(n_cpu, n_gpu), name
         assert_tree_bits_equal(c_cpu, c_gpu)
         assert_bitwise(jaxdet.global_norm(_on(tree, gpu)), n_cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["propagate", "skip"])
+def test_staged_targets_cpu_equals_gpu_bitwise(cpu, gpu, policy):
+    # The three stages on their own (the path of vmap, shard_map and sharded jit, and of trees of
+    # more than MAX_ALIASED_LEAVES leaves): CPU == GPU, and == the fused call.
+    code = jaxdet.clip.NONFINITE_POLICIES[policy]
+    for name, tree, max_norm in _gpu_trees():
+        leaves = jax.tree.leaves(tree)
+        staged = jax.jit(lambda t: _kernels.staged_clip(t, jnp.float32(max_norm), code))
+        n_cpu, c_cpu = staged(_on(leaves, cpu))
+        n_gpu, c_gpu = staged(_on(leaves, gpu))
+        assert_bitwise(n_cpu, n_gpu, name)
+        assert_tree_bits_equal(c_cpu, c_gpu)
+        fused, fused_norm = jaxdet.clip_by_global_norm(_on(leaves[:MAX_ALIASED_LEAVES], gpu), max_norm, nonfinite=policy)
+        n_part, c_part = staged(_on(leaves[:MAX_ALIASED_LEAVES], gpu))
+        assert_bitwise(n_part, fused_norm, name)
+        assert_tree_bits_equal(c_part, fused)
+        assert_bitwise(jax.jit(lambda t: _kernels.staged_norm(t))(_on(leaves, gpu)), n_cpu, name)
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_per_example_equals_cpu(cpu, gpu):
+    batch = 6
+    tree = _per_example_tree(batch, seed=4)
+    tree["w"] = tree["w"].at[2].multiply(1e-3).at[4, 0, 0].set(np.inf)  # an unclipped and a non-finite example
+    for policy in ("propagate", "skip"):
+        f = jax.jit(jax.vmap(lambda t: jaxdet.clip_by_global_norm(t, 2.0, nonfinite=policy), in_axes=IN_AXES))
+        c_cpu, n_cpu = f(_on(tree, cpu))
+        c_gpu, n_gpu = f(_on(tree, gpu))
+        assert_bitwise(n_cpu, n_gpu)
+        assert_tree_bits_equal(c_cpu, c_gpu)
+    # Many leaves, per-example max_norm.
+    leaves = [jnp.stack([x, -3.0 * x, 1e-3 * x]) for x in _many_leaves(MAX_ALIASED_LEAVES + 5, seed=2)]
+    g = jax.jit(jax.vmap(lambda t, m: jaxdet.clip_by_global_norm(t, m)))
+    m = jnp.asarray([0.5, np.inf, 4.0], jnp.float32)
+    c_cpu, n_cpu = g(_on(leaves, cpu), _on(m, cpu))
+    c_gpu, n_gpu = g(_on(leaves, gpu), _on(m, gpu))
+    assert_bitwise(n_cpu, n_gpu)
+    assert_tree_bits_equal(c_cpu, c_gpu)
+
+
+@pytest.mark.gpu
+def test_gpu_many_leaves_compile_and_bits(cpu, gpu):
+    tree = _many_leaves(3000, seed=11)
+    f = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 1.0))
+    c_cpu, n_cpu = f(_on(tree, cpu))
+    c_gpu, n_gpu = f(_on(tree, gpu))
+    assert_bitwise(n_cpu, n_gpu)
+    assert_tree_bits_equal(c_cpu, c_gpu)
 
 
 @pytest.mark.gpu

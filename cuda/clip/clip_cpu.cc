@@ -67,32 +67,59 @@ float NormFromSlots(const float* slots, int64_t n) {
   return clip::norm_from_total(lane[0]);
 }
 
-// Steps 1-4: the chunk slots (into scratch[0, N)) and the norm.
-ffi::Error Norm(const std::vector<clip::Leaf>& leaves, float* scratch, int64_t scratch_size, float* norm_out,
-                const char* op) {
-  int64_t chunks = 0;
-  for (const clip::Leaf& leaf : leaves) chunks += clip::chunk_count(leaf.size);
-  if (scratch_size < chunks + 2) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": scratch result too small for the chunk count");
-  }
-  float* slot = scratch;
-  for (const clip::Leaf& leaf : leaves) {
-    switch (leaf.dtype) {
-      case clip::kF32: LeafPartials<F32Storage>(leaf.in, leaf.size, slot); break;
-      case clip::kBF16: LeafPartials<BF16Storage>(leaf.in, leaf.size, slot); break;
-      default: LeafPartials<F16Storage>(leaf.in, leaf.size, slot); break;
+// Steps 1-3 for every leaf of every example: slots[b * C + ...], leaf by leaf (clip_ffi.h).
+void Partials(const std::vector<clip::Leaf>& leaves, int64_t batch, float* slots) {
+  for (int64_t b = 0; b < batch; ++b) {
+    for (const clip::Leaf& leaf : leaves) {
+      const char* in = static_cast<const char*>(leaf.in) + b * leaf.size * clip::bytes_per_element(leaf.dtype);
+      switch (leaf.dtype) {
+        case clip::kF32: LeafPartials<F32Storage>(in, leaf.size, slots); break;
+        case clip::kBF16: LeafPartials<BF16Storage>(in, leaf.size, slots); break;
+        default: LeafPartials<F16Storage>(in, leaf.size, slots); break;
+      }
+      slots += clip::chunk_count(leaf.size);
     }
-    slot += clip::chunk_count(leaf.size);
   }
-  *norm_out = NormFromSlots(scratch, chunks);
-  return ffi::Error::Success();
 }
 
 template <typename Storage>
-void ScaleLeaf(const clip::Leaf& leaf, float scale) {
-  const auto* x = static_cast<const typename Storage::Bits*>(leaf.in);
-  auto* y = static_cast<typename Storage::Bits*>(leaf.out);
-  for (int64_t i = 0; i < leaf.size; ++i) y[i] = clip::clip_element<Storage>(x[i], scale);
+void ScaleLeaf(const void* in, void* out, int64_t size, float scale) {
+  const auto* x = static_cast<const typename Storage::Bits*>(in);
+  auto* y = static_cast<typename Storage::Bits*>(out);
+  for (int64_t i = 0; i < size; ++i) y[i] = clip::clip_element<Storage>(x[i], scale);
+}
+
+// Step 5 for one example of one leaf (`offset` elements into the leaf).
+void ApplyExample(const clip::Leaf& leaf, int64_t offset, clip::Decision d) {
+  if (leaf.size == 0) return;
+  const int64_t width = clip::bytes_per_element(leaf.dtype);
+  const void* in = static_cast<const char*>(leaf.in) + offset * width;
+  void* out = static_cast<char*>(leaf.out) + offset * width;
+  const size_t bytes = static_cast<size_t>(leaf.size * width);
+  switch (d.mode) {
+    case clip::kIdentity:
+      if (out != in) std::memcpy(out, in, bytes);
+      break;
+    case clip::kZero: std::memset(out, 0, bytes); break;
+    default:
+      switch (leaf.dtype) {
+        case clip::kF32: ScaleLeaf<F32Storage>(in, out, leaf.size, d.scale); break;
+        case clip::kBF16: ScaleLeaf<BF16Storage>(in, out, leaf.size, d.scale); break;
+        default: ScaleLeaf<F16Storage>(in, out, leaf.size, d.scale); break;
+      }
+  }
+}
+
+// Steps 1-4 of one call over unbatched leaves: the chunk slots (into scratch[0, N)) and the norm.
+ffi::Error Norm(const std::vector<clip::Leaf>& leaves, float* scratch, int64_t scratch_size, float* norm_out,
+                const char* op) {
+  const int64_t chunks = clip::example_chunks(leaves);
+  if (scratch_size < chunks + 2) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": scratch result too small for the chunk count");
+  }
+  Partials(leaves, 1, scratch);
+  *norm_out = NormFromSlots(scratch, chunks);
+  return ffi::Error::Success();
 }
 
 ffi::Error GlobalNormCpu(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> norm,
@@ -119,35 +146,78 @@ ffi::Error ClipCpu(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> n
   // The decision is also left in the scratch's last two words, as the CUDA target does.
   slots[scratch_size - 2] = d.scale;
   slots[scratch_size - 1] = f32_from_bits(d.mode);
+  for (const clip::Leaf& leaf : leaves) ApplyExample(leaf, 0, d);
+  return ffi::Error::Success();
+}
 
-  for (const clip::Leaf& leaf : leaves) {
-    if (leaf.size == 0) continue;
-    const size_t bytes = static_cast<size_t>(leaf.size) * (leaf.dtype == clip::kF32 ? 4 : 2);
-    switch (d.mode) {
-      case clip::kIdentity:
-        if (leaf.out != leaf.in) std::memcpy(leaf.out, leaf.in, bytes);
-        break;
-      case clip::kZero:
-        std::memset(leaf.out, 0, bytes);
-        break;
-      default:
-        switch (leaf.dtype) {
-          case clip::kF32: ScaleLeaf<F32Storage>(leaf, d.scale); break;
-          case clip::kBF16: ScaleLeaf<BF16Storage>(leaf, d.scale); break;
-          default: ScaleLeaf<F16Storage>(leaf, d.scale); break;
-        }
+// ---- Staged targets (clip_ffi.h) ----
+
+ffi::Error PartialsCpu(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> slots,
+                       ffi::RemainingRets rets) {
+  constexpr const char* kOp = "jaxdet_clip_partials";
+  IeeeSubnormalsScope ieee;
+  const int64_t batch = clip::slot_batch(slots->dimensions());
+  std::vector<clip::Leaf> leaves;
+  if (auto err = clip::collect_leaves(args, 0, leaves, kOp, batch); !err.success()) return err;
+  if (rets.size() != 0) {
+    if (auto err = clip::attach_results(rets, 0, leaves, batch, kOp); !err.success()) return err;
+    for (const clip::Leaf& leaf : leaves) {
+      if (leaf.out != leaf.in) {
+        std::memcpy(leaf.out, leaf.in,
+                    static_cast<size_t>(leaf.size * batch * clip::bytes_per_element(leaf.dtype)));
+      }
     }
+  }
+  if (static_cast<int64_t>(slots->element_count()) != batch * clip::example_chunks(leaves)) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": slots must hold batch * chunk-count floats");
+  }
+  Partials(leaves, batch, slots->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error FinalizeCpu(ffi::Buffer<ffi::F32> slots, ffi::Buffer<ffi::F32> max_norm,
+                       ffi::Result<ffi::Buffer<ffi::F32>> norm, ffi::Result<ffi::Buffer<ffi::U32>> ctrl,
+                       int32_t nonfinite) {
+  constexpr const char* kOp = "jaxdet_clip_finalize";
+  IeeeSubnormalsScope ieee;
+  const int64_t batch = static_cast<int64_t>(norm->element_count());
+  int64_t chunks = 0;
+  if (auto err = clip::check_finalize_call(static_cast<int64_t>(slots.element_count()),
+                                           static_cast<int64_t>(max_norm.element_count()), batch,
+                                           static_cast<int64_t>(ctrl->element_count()), nonfinite, chunks, kOp);
+      !err.success()) {
+    return err;
+  }
+  const bool per_example = max_norm.element_count() != 1;
+  for (int64_t b = 0; b < batch; ++b) {
+    const float n = NormFromSlots(slots.typed_data() + b * chunks, chunks);
+    const clip::Decision d = clip::clip_decision(n, max_norm.typed_data()[per_example ? b : 0], nonfinite);
+    norm->typed_data()[b] = n;
+    ctrl->typed_data()[2 * b] = f32_bits(d.scale);
+    ctrl->typed_data()[2 * b + 1] = d.mode;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ApplyCpu(ffi::Buffer<ffi::U32> ctrl, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  constexpr const char* kOp = "jaxdet_clip_apply";
+  IeeeSubnormalsScope ieee;
+  const int64_t batch = static_cast<int64_t>(ctrl.element_count() / 2);
+  std::vector<clip::Leaf> leaves;
+  if (auto err = clip::collect_leaves(args, 0, leaves, kOp, batch); !err.success()) return err;
+  if (auto err = clip::attach_results(rets, 0, leaves, batch, kOp); !err.success()) return err;
+  for (int64_t b = 0; b < batch; ++b) {
+    const clip::Decision d{ctrl.typed_data()[2 * b + 1], f32_from_bits(ctrl.typed_data()[2 * b])};
+    for (const clip::Leaf& leaf : leaves) ApplyExample(leaf, b * leaf.size, d);
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_global_norm_cpu, GlobalNormCpu,
-                              ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_global_norm_cpu, GlobalNormCpu,
+    ffi::Ffi::Bind().RemainingArgs().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu, ClipCpu,
                               ffi::Ffi::Bind()
@@ -156,5 +226,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu, ClipCpu,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets()
                                   .Attr<int32_t>("nonfinite"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_partials_cpu, PartialsCpu,
+                              ffi::Ffi::Bind().RemainingArgs().Ret<ffi::Buffer<ffi::F32>>().RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_finalize_cpu, FinalizeCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int32_t>("nonfinite"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_apply_cpu, ApplyCpu,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U32>>().RemainingArgs().RemainingRets());
 
 }  // namespace jaxdet

@@ -14,6 +14,10 @@
 // (__grid_constant__, up to 1024 leaves per launch, like apex's multi_tensor_apply), so nothing is
 // copied from host memory and the host never waits. More leaves run as several launches of pass 1
 // and pass 3 around one pass 2; launches only decide who computes a chunk, never what it holds.
+//
+// The fused targets (jaxdet_clip_global_norm, jaxdet_global_norm) run the passes in one call. The
+// staged targets (jaxdet_clip_partials / _finalize / _apply, cuda/clip_ffi.h) run one pass each,
+// over `batch` examples per leaf (vmap), with the same kernels: pass 2 runs one block per example.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,13 +48,28 @@ template <int K>
 struct LeafTable {
   const void* in[K];
   void* out[K];
-  int64_t size[K];
+  int64_t size[K];             // elements of one example
   int32_t chunk_begin[K + 1];  // launch-local chunk index of each leaf's first chunk; [count] = total
   uint8_t dtype[K];
   int32_t count;               // leaves in this launch (all non-empty)
   int32_t inplace;             // every out[i] == in[i]
-  int64_t slot_base;           // global slot of this launch's chunk 0
+  int64_t slot_base;           // slot of this launch's chunk 0 within an example
+  int64_t batch;               // examples per leaf
+  int64_t example_slots;       // slots of one example (all launches)
 };
+
+// Work item g of a launch: example g / chunks, launch-local chunk g % chunks.
+struct Item {
+  int64_t example;
+  int32_t chunk;
+};
+
+template <int K>
+__device__ __forceinline__ Item ItemOf(const LeafTable<K>& t, int64_t g) {
+  if (t.batch == 1) return Item{0, static_cast<int32_t>(g)};  // no 64-bit division on the unbatched path
+  const int32_t chunks = t.chunk_begin[t.count];
+  return Item{g / chunks, static_cast<int32_t>(g % chunks)};
+}
 static_assert(sizeof(LeafTable<1024>) < 32000, "kernel parameter limit (32764 bytes)");
 
 // The leaf that holds launch-local chunk c: the largest L with chunk_begin[L] <= c.
@@ -59,8 +78,10 @@ __device__ __forceinline__ int FindLeaf(const LeafTable<K>& t, int32_t c) {
   int lo = 0, hi = t.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (t.chunk_begin[mid] <= c) lo = mid;
-    else hi = mid - 1;
+    if (t.chunk_begin[mid] <= c)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -125,11 +146,14 @@ template <int K>
 __global__ void __launch_bounds__(kLanes)
     PartialKernel(const __grid_constant__ LeafTable<K> t, float* __restrict__ slots) {
   __shared__ float sh[kLanes];
-  const int32_t chunks = t.chunk_begin[t.count];
-  for (int32_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+  const int64_t items = t.batch * t.chunk_begin[t.count];
+  for (int64_t g = blockIdx.x; g < items; g += gridDim.x) {
+    const Item it = ItemOf(t, g);
+    const int32_t c = it.chunk;
     const int L = FindLeaf(t, c);
-    const int64_t off = int64_t{c - t.chunk_begin[L]} * kChunk;
-    const int64_t n = min(int64_t{kChunk}, t.size[L] - off);
+    const int64_t local = int64_t{c - t.chunk_begin[L]} * kChunk;
+    const int64_t n = min(int64_t{kChunk}, t.size[L] - local);
+    const int64_t off = it.example * t.size[L] + local;
     float acc;
     switch (t.dtype[L]) {
       case kF32: acc = LaneSum<F32Storage>(static_cast<const uint32_t*>(t.in[L]) + off, n); break;
@@ -137,16 +161,21 @@ __global__ void __launch_bounds__(kLanes)
       default: acc = LaneSum<F16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, n); break;
     }
     const float partial = BlockTree(acc, sh);
-    if (threadIdx.x == 0) slots[t.slot_base + c] = partial;
+    if (threadIdx.x == 0) slots[it.example * t.example_slots + t.slot_base + c] = partial;
   }
 }
 
-// Step 4 and the decision. ctrl (2 words: scale, mode bits) may be null (global_norm only).
+// Step 4 and the decision, one block per example (slots[b * n, (b + 1) * n) -> norm_out[b],
+// ctrl[2b, 2b + 2) = (scale, mode bits)). ctrl may be null (global_norm only); max_norm_stride is
+// 0 for one max_norm shared by every example, 1 for one per example.
 __global__ void __launch_bounds__(kFinalLanes)
     FinalizeKernel(const float* __restrict__ slots, int64_t n, const float* __restrict__ max_norm,
-                   int32_t policy, float* __restrict__ norm_out, float* __restrict__ ctrl) {
+                   int64_t max_norm_stride, int32_t policy, float* __restrict__ norm_out,
+                   float* __restrict__ ctrl) {
   __shared__ double sh[kFinalLanes];
   const int t = threadIdx.x;
+  const int64_t b = blockIdx.x;
+  slots += b * n;
   double d = 0.0;
   for (int64_t i = t; i < n; i += kFinalLanes) d = clip::d_add(d, static_cast<double>(slots[i]));
   sh[t] = d;
@@ -162,27 +191,26 @@ __global__ void __launch_bounds__(kFinalLanes)
     for (int s = 16; s >= 1; s >>= 1) r = clip::d_add(r, __shfl_down_sync(0xFFFFFFFFu, r, s));
     if (t == 0) {
       const float norm = clip::norm_from_total(r);
-      *norm_out = norm;
+      norm_out[b] = norm;
       if (ctrl != nullptr) {
-        const clip::Decision dec = clip::clip_decision(norm, *max_norm, policy);
-        ctrl[0] = dec.scale;
-        ctrl[1] = __uint_as_float(dec.mode);
+        const clip::Decision dec = clip::clip_decision(norm, max_norm[b * max_norm_stride], policy);
+        ctrl[2 * b] = dec.scale;
+        ctrl[2 * b + 1] = __uint_as_float(dec.mode);
       }
     }
   }
 }
 
 template <typename Storage>
-__device__ __forceinline__ typename Storage::Bits ApplyOne(typename Storage::Bits x, uint32_t mode,
-                                                           float scale) {
+__device__ __forceinline__ typename Storage::Bits ApplyOne(typename Storage::Bits x, uint32_t mode, float scale) {
   if (mode == clip::kMultiply) return clip::clip_element<Storage>(x, scale);
   if (mode == clip::kZero) return 0;
   return x;
 }
 
 template <typename Storage>
-__device__ __forceinline__ void ApplyChunk(const typename Storage::Bits* x, typename Storage::Bits* y,
-                                           int64_t n, uint32_t mode, float scale) {
+__device__ __forceinline__ void ApplyChunk(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t n,
+                                           uint32_t mode, float scale) {
   using Bits = typename Storage::Bits;
   const int lane = threadIdx.x;
   if (n == kChunk && (reinterpret_cast<uintptr_t>(x) % sizeof(Vec<Bits>)) == 0 &&
@@ -211,23 +239,27 @@ __device__ __forceinline__ void ApplyChunk(const typename Storage::Bits* x, type
 template <int K>
 __global__ void __launch_bounds__(kLanes)
     ApplyKernel(const __grid_constant__ LeafTable<K> t, const float* __restrict__ ctrl) {
-  const float scale = ctrl[0];
-  const uint32_t mode = __float_as_uint(ctrl[1]);
-  if (mode == clip::kIdentity && t.inplace) return;  // scale == 1: the aliased leaves already hold the result
-  const int32_t chunks = t.chunk_begin[t.count];
-  for (int32_t i = blockIdx.x; i < chunks; i += gridDim.x) {
-    const int32_t c = chunks - 1 - i;
+  // scale == 1: the aliased leaves already hold the result.
+  if (t.batch == 1 && __float_as_uint(ctrl[1]) == clip::kIdentity && t.inplace) return;
+  const int64_t items = t.batch * t.chunk_begin[t.count];
+  for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+    const Item it = ItemOf(t, items - 1 - i);
+    const float scale = ctrl[2 * it.example];
+    const uint32_t mode = __float_as_uint(ctrl[2 * it.example + 1]);
+    if (mode == clip::kIdentity && t.inplace) continue;
+    const int32_t c = it.chunk;
     const int L = FindLeaf(t, c);
-    const int64_t off = int64_t{c - t.chunk_begin[L]} * kChunk;
-    const int64_t n = min(int64_t{kChunk}, t.size[L] - off);
+    const int64_t local = int64_t{c - t.chunk_begin[L]} * kChunk;
+    const int64_t n = min(int64_t{kChunk}, t.size[L] - local);
+    const int64_t off = it.example * t.size[L] + local;
     switch (t.dtype[L]) {
       case kF32:
         ApplyChunk<F32Storage>(static_cast<const uint32_t*>(t.in[L]) + off, static_cast<uint32_t*>(t.out[L]) + off,
                                n, mode, scale);
         break;
       case kBF16:
-        ApplyChunk<BF16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, static_cast<uint16_t*>(t.out[L]) + off,
-                                n, mode, scale);
+        ApplyChunk<BF16Storage>(static_cast<const uint16_t*>(t.in[L]) + off,
+                                static_cast<uint16_t*>(t.out[L]) + off, n, mode, scale);
         break;
       default:
         ApplyChunk<F16Storage>(static_cast<const uint16_t*>(t.in[L]) + off, static_cast<uint16_t*>(t.out[L]) + off,
@@ -254,11 +286,16 @@ unsigned GridFor(int64_t chunks, int blocks_per_sm) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(chunks, cap)));
 }
 
-// Pass 1, pass 2, and (when ctrl is set and apply is true) pass 3, for non-empty leaves.
+// The passes a call runs. Pass 2 needs the slots of every example of every leaf of the call.
+struct Passes {
+  bool partials;
+  bool finalize;
+  bool apply;
+};
+
+// The launch tables of non-empty leaves (up to K per launch), `batch` examples per leaf.
 template <int K>
-ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, float* slots, int64_t total_chunks,
-                  const float* max_norm, int32_t policy, float* norm_out, float* ctrl, bool apply,
-                  const char* op) {
+std::vector<LeafTable<K>> Tables(const std::vector<Leaf>& leaves, int64_t batch) {
   std::vector<LeafTable<K>> tables;
   int64_t slot = 0;
   for (size_t first = 0; first < leaves.size(); first += K) {
@@ -267,6 +304,7 @@ ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, float* s
     t.count = static_cast<int32_t>(std::min<size_t>(K, leaves.size() - first));
     t.inplace = 1;
     t.slot_base = slot;
+    t.batch = batch;
     int64_t c = 0;
     for (int i = 0; i < t.count; ++i) {
       const Leaf& leaf = leaves[first + i];
@@ -282,42 +320,63 @@ ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, float* s
     slot += c;
     tables.push_back(t);
   }
+  for (LeafTable<K>& t : tables) t.example_slots = slot;
+  return tables;
+}
+
+// The passes of one call. slots: batch * (chunks of one example) floats; norm_out: batch floats;
+// ctrl: 2 * batch words (scale, mode bits); max_norm: one float, or one per example when
+// max_norm_stride is 1.
+template <int K>
+ffi::Error Launch(cudaStream_t stream, const std::vector<Leaf>& leaves, int64_t batch, Passes passes, float* slots,
+                  int64_t example_chunks, const float* max_norm, int64_t max_norm_stride, int32_t policy,
+                  float* norm_out, float* ctrl, const char* op) {
+  const std::vector<LeafTable<K>> tables = Tables<K>(leaves, batch);
   static const int partial_per_sm = BlocksPerSm(PartialKernel<K>);
   static const int apply_per_sm = BlocksPerSm(ApplyKernel<K>);
-  for (const LeafTable<K>& t : tables) {
-    const int32_t chunks = t.chunk_begin[t.count];
-    PartialKernel<K><<<GridFor(chunks, partial_per_sm), kLanes, 0, stream>>>(t, slots);
-  }
-  FinalizeKernel<<<1, kFinalLanes, 0, stream>>>(slots, total_chunks, max_norm, policy, norm_out, ctrl);
-  if (apply) {
+  if (passes.partials) {
     for (const LeafTable<K>& t : tables) {
-      const int32_t chunks = t.chunk_begin[t.count];
-      ApplyKernel<K><<<GridFor(chunks, apply_per_sm), kLanes, 0, stream>>>(t, ctrl);
+      PartialKernel<K><<<GridFor(batch * t.chunk_begin[t.count], partial_per_sm), kLanes, 0, stream>>>(t, slots);
+    }
+  }
+  if (passes.finalize && batch > 0) {
+    FinalizeKernel<<<static_cast<unsigned>(batch), kFinalLanes, 0, stream>>>(
+        slots, example_chunks, max_norm, max_norm_stride, policy, norm_out, ctrl);
+  }
+  if (passes.apply) {
+    for (const LeafTable<K>& t : tables) {
+      ApplyKernel<K><<<GridFor(batch * t.chunk_begin[t.count], apply_per_sm), kLanes, 0, stream>>>(t, ctrl);
     }
   }
   return last_launch_error(op);
 }
 
-ffi::Error Run(cudaStream_t stream, const std::vector<Leaf>& all, float* scratch, int64_t scratch_size,
-               const float* max_norm, int32_t policy, float* norm_out, bool apply, const char* op) {
+ffi::Error Run(cudaStream_t stream, const std::vector<Leaf>& all, int64_t batch, Passes passes, float* slots,
+               int64_t slot_count, const float* max_norm, int64_t max_norm_stride, int32_t policy, float* norm_out,
+               float* ctrl, const char* op) {
   std::vector<Leaf> leaves;
-  int64_t chunks = 0;
   for (const Leaf& leaf : all) {
-    if (leaf.size == 0) continue;
-    leaves.push_back(leaf);
-    chunks += clip::chunk_count(leaf.size);
+    if (leaf.size != 0) leaves.push_back(leaf);
   }
+  const int64_t chunks = clip::example_chunks(leaves);
   if (chunks > int64_t{INT32_MAX}) {
     return ffi::Error::InvalidArgument(std::string(op) + ": more than 2^31 chunks of 4096 elements");
   }
-  if (scratch_size < chunks + 2) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": scratch result too small for the chunk count");
+  if ((passes.partials || passes.finalize) && slot_count < batch * chunks) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": too few slots for the chunk count");
   }
-  float* ctrl = apply ? scratch + scratch_size - 2 : nullptr;
+  if (batch == 0) return ffi::Error::Success();
   const size_t n = leaves.size();
-  if (n <= 32) return Launch<32>(stream, leaves, scratch, chunks, max_norm, policy, norm_out, ctrl, apply, op);
-  if (n <= 256) return Launch<256>(stream, leaves, scratch, chunks, max_norm, policy, norm_out, ctrl, apply, op);
-  return Launch<1024>(stream, leaves, scratch, chunks, max_norm, policy, norm_out, ctrl, apply, op);
+  if (n <= 32) {
+    return Launch<32>(stream, leaves, batch, passes, slots, chunks, max_norm, max_norm_stride, policy, norm_out,
+                      ctrl, op);
+  }
+  if (n <= 256) {
+    return Launch<256>(stream, leaves, batch, passes, slots, chunks, max_norm, max_norm_stride, policy, norm_out,
+                       ctrl, op);
+  }
+  return Launch<1024>(stream, leaves, batch, passes, slots, chunks, max_norm, max_norm_stride, policy, norm_out,
+                      ctrl, op);
 }
 
 ffi::Error GlobalNormCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> norm,
@@ -325,8 +384,9 @@ ffi::Error GlobalNormCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Res
   constexpr const char* kOp = "jaxdet_global_norm";
   std::vector<Leaf> leaves;
   if (auto err = clip::collect_leaves(args, 0, leaves, kOp); !err.success()) return err;
-  return Run(stream, leaves, scratch->typed_data(), static_cast<int64_t>(scratch->element_count()), nullptr,
-             clip::kPropagate, norm->typed_data(), /*apply=*/false, kOp);
+  return Run(stream, leaves, 1, Passes{true, true, false}, scratch->typed_data(),
+             static_cast<int64_t>(scratch->element_count()), nullptr, 0, clip::kPropagate, norm->typed_data(),
+             nullptr, kOp);
 }
 
 ffi::Error ClipCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> norm,
@@ -335,8 +395,68 @@ ffi::Error ClipCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ff
   const float* max_norm = nullptr;
   std::vector<Leaf> leaves;
   if (auto err = clip::decode_clip_call(args, rets, nonfinite, max_norm, leaves, kOp); !err.success()) return err;
-  return Run(stream, leaves, scratch->typed_data(), static_cast<int64_t>(scratch->element_count()),
-             max_norm, nonfinite, norm->typed_data(), /*apply=*/true, kOp);
+  const int64_t scratch_size = static_cast<int64_t>(scratch->element_count());
+  if (scratch_size < 2) return ffi::Error::InvalidArgument(std::string(kOp) + ": scratch result too small");
+  float* ctrl = scratch->typed_data() + scratch_size - 2;
+  return Run(stream, leaves, 1, Passes{true, true, true}, scratch->typed_data(), scratch_size - 2, max_norm, 0,
+             nonfinite, norm->typed_data(), ctrl, kOp);
+}
+
+// ---- Staged targets (cuda/clip_ffi.h) ----
+
+ffi::Error PartialsCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> slots,
+                        ffi::RemainingRets rets) {
+  constexpr const char* kOp = "jaxdet_clip_partials";
+  const int64_t batch = clip::slot_batch(slots->dimensions());
+  std::vector<Leaf> leaves;
+  if (auto err = clip::collect_leaves(args, 0, leaves, kOp, batch); !err.success()) return err;
+  if (rets.size() != 0) {
+    if (auto err = clip::attach_results(rets, 0, leaves, batch, kOp); !err.success()) return err;
+    for (const Leaf& leaf : leaves) {
+      if (leaf.out == leaf.in || leaf.size == 0) continue;
+      const cudaError_t status = cudaMemcpyAsync(
+          leaf.out, leaf.in, static_cast<size_t>(leaf.size * batch * clip::bytes_per_element(leaf.dtype)),
+          cudaMemcpyDeviceToDevice, stream);
+      if (status != cudaSuccess) return cuda_error(kOp, status);
+    }
+  }
+  if (static_cast<int64_t>(slots->element_count()) != batch * clip::example_chunks(leaves)) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": slots must hold batch * chunk-count floats");
+  }
+  return Run(stream, leaves, batch, Passes{true, false, false}, slots->typed_data(),
+             static_cast<int64_t>(slots->element_count()), nullptr, 0, clip::kPropagate, nullptr, nullptr, kOp);
+}
+
+ffi::Error FinalizeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> slots, ffi::Buffer<ffi::F32> max_norm,
+                        ffi::Result<ffi::Buffer<ffi::F32>> norm, ffi::Result<ffi::Buffer<ffi::U32>> ctrl,
+                        int32_t nonfinite) {
+  constexpr const char* kOp = "jaxdet_clip_finalize";
+  const int64_t batch = static_cast<int64_t>(norm->element_count());
+  int64_t chunks = 0;
+  if (auto err = clip::check_finalize_call(static_cast<int64_t>(slots.element_count()),
+                                           static_cast<int64_t>(max_norm.element_count()), batch,
+                                           static_cast<int64_t>(ctrl->element_count()), nonfinite, chunks, kOp);
+      !err.success()) {
+    return err;
+  }
+  if (batch == 0) return ffi::Error::Success();
+  if (batch > int64_t{INT32_MAX})
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": more than 2^31 examples");
+  FinalizeKernel<<<static_cast<unsigned>(batch), kFinalLanes, 0, stream>>>(
+      slots.typed_data(), chunks, max_norm.typed_data(), max_norm.element_count() == 1 ? 0 : 1, nonfinite,
+      norm->typed_data(), reinterpret_cast<float*>(ctrl->typed_data()));
+  return last_launch_error(kOp);
+}
+
+ffi::Error ApplyCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> ctrl, ffi::RemainingArgs args,
+                     ffi::RemainingRets rets) {
+  constexpr const char* kOp = "jaxdet_clip_apply";
+  const int64_t batch = static_cast<int64_t>(ctrl.element_count() / 2);
+  std::vector<Leaf> leaves;
+  if (auto err = clip::collect_leaves(args, 0, leaves, kOp, batch); !err.success()) return err;
+  if (auto err = clip::attach_results(rets, 0, leaves, batch, kOp); !err.success()) return err;
+  return Run(stream, leaves, batch, Passes{false, false, true}, nullptr, 0, nullptr, 0, clip::kPropagate, nullptr,
+             reinterpret_cast<float*>(ctrl.typed_data()), kOp);
 }
 
 }  // namespace
@@ -356,5 +476,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda, ClipCuda,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets()
                                   .Attr<int32_t>("nonfinite"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_partials_cuda, PartialsCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_finalize_cuda, FinalizeCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int32_t>("nonfinite"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda, ApplyCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 }  // namespace jaxdet
