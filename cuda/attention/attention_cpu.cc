@@ -8,8 +8,9 @@
 // 0 .. limit - 1; lse2 float32 [B, H, T, G].
 //
 // Work unit: one (b, h) pair, on XLA's intra-op thread pool. Inside a unit the keys and values
-// are widened to float32 once; every row then follows the canonical order on its own, so the
-// bits of a row depend on nothing but its query, its limit and its sequence's keys and values.
+// are widened to float32 once (into per-thread scratch); every row then follows the canonical
+// order on its own, so the bits of a row depend on nothing but its query, its limit and its
+// sequence's keys and values.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -39,15 +40,29 @@ void narrow(const float* src, int64_t n, void* base, int64_t offset) {
 // The keys (transposed, [D][S]) or values ([S][D]) of one (b, h), widened to float32.
 template <typename Storage>
 void widen_kv(const void* x, const Dims& d, int64_t b, int64_t h, bool transposed, std::vector<float>& dst) {
-  dst.assign(static_cast<size_t>(d.S * d.D), 0.0f);
-  std::vector<float> row(static_cast<size_t>(d.D));
+  dst.resize(static_cast<size_t>(d.S * d.D));
+  const auto* src = static_cast<const typename Storage::Bits*>(x);
   for (int64_t s = 0; s < d.S; ++s) {
-    widen<Storage>(x, ((b * d.S + s) * d.H + h) * d.D, d.D, row.data());
+    const auto* row = src + ((b * d.S + s) * d.H + h) * d.D;
     for (int64_t e = 0; e < d.D; ++e) {
-      if (transposed) dst[e * d.S + s] = row[e];
-      else dst[s * d.D + e] = row[e];
+      if (transposed) dst[e * d.S + s] = Storage::load(row[e]);
+      else dst[s * d.D + e] = Storage::load(row[e]);
     }
   }
+}
+
+// Per thread, kept between calls (XLA's pool threads live as long as the process): vectors only
+// grow, so no call allocates once the sizes have been seen.
+struct Scratch {
+  std::vector<float> kt, vt, kf, vf, dk, dv, q, o, dout, acc, total, x, p;
+};
+
+Scratch& thread_scratch(const Dims& d) {
+  static thread_local Scratch s;
+  for (auto* v : {&s.q, &s.o, &s.dout, &s.acc, &s.total}) v->resize(static_cast<size_t>(d.D));
+  s.x.resize(kBlock);
+  s.p.resize(kBlock);
+  return s;
 }
 
 // x[j] = float32(q . k_j) * c for keys first .. first + n - 1 (memory rows): the dot product is the
@@ -78,10 +93,10 @@ template <typename Storage>
 void forward_unit(const ForwardArgs& a, int64_t unit) {
   const Dims& d = a.d;
   const int64_t b = unit / d.H, h = unit % d.H;
-  std::vector<float> kt, vf;
+  Scratch& sc = thread_scratch(d);
+  std::vector<float>&kt = sc.kt, &vf = sc.vf, &q = sc.q, &acc = sc.acc, &total = sc.total, &x = sc.x, &p = sc.p;
   widen_kv<Storage>(a.k, d, b, h, true, kt);
   widen_kv<Storage>(a.v, d, b, h, false, vf);
-  std::vector<float> q(d.D), acc(d.D), total(d.D), x(kBlock), p(kBlock);
   for (int64_t t = 0; t < d.T; ++t) {
     const RowKeys keys = row_keys(a.rows, d.T, d.S, b, t);
     for (int64_t g = 0; g < d.G; ++g) {
@@ -181,12 +196,14 @@ template <typename Storage>
 void backward_unit(const BackwardArgs& a, int64_t unit) {
   const Dims& d = a.d;
   const int64_t b = unit / d.H, h = unit % d.H;
-  std::vector<float> kt, vt, kf;
+  Scratch& sc = thread_scratch(d);
+  std::vector<float>&kt = sc.kt, &vt = sc.vt, &kf = sc.kf, &dk = sc.dk, &dv = sc.dv;
+  std::vector<float>&q = sc.q, &o = sc.o, &dout = sc.dout, &dq = sc.acc, &x = sc.x, &dp = sc.p;
   widen_kv<Storage>(a.k, d, b, h, true, kt);
   widen_kv<Storage>(a.v, d, b, h, true, vt);
   widen_kv<Storage>(a.k, d, b, h, false, kf);
-  std::vector<float> dk(static_cast<size_t>(d.S * d.D), 0.0f), dv(static_cast<size_t>(d.S * d.D), 0.0f);
-  std::vector<float> q(d.D), o(d.D), dout(d.D), dq(d.D), x(kBlock), dp(kBlock);
+  dk.assign(static_cast<size_t>(d.S * d.D), 0.0f);
+  dv.assign(static_cast<size_t>(d.S * d.D), 0.0f);
   for (int64_t t = 0; t < d.T; ++t) {
     const RowKeys keys = row_keys(a.rows, d.T, d.S, b, t);
     for (int64_t g = 0; g < d.G; ++g) {
