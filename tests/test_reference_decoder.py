@@ -12,7 +12,7 @@ import jaxdet
 from jaxdet.models import decoder
 from jaxdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
 
-CFG = decoder.DecoderConfig(vocab=128, d_model=64, heads=4, layers=2, d_ff=128, max_len=32)
+CFG = decoder.DecoderConfig(vocab=128, d_model=128, heads=2, layers=2, d_ff=128, max_len=32)
 SEQ = 17  # 16 next-token log-probs per sequence
 SIZES = (1, 4, 16, 64)
 _NEEDS = ("rms_norm", "softmax", "softmax_cross_entropy")
@@ -40,6 +40,8 @@ def test_config_is_checked():
         decoder.DecoderConfig(layers=0)
     with pytest.raises(ValueError, match="dtype must be"):
         decoder.DecoderConfig(dtype=jnp.float64)
+    with pytest.raises(ValueError, match="head dimension that jaxdet.attention supports"):
+        decoder.DecoderConfig(d_model=64, heads=4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -124,6 +126,30 @@ def test_audit_finds_nothing(norms):
         assert report.ok and not report.findings, str(report)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("prompt,capacity", [(1, SEQ), (5, SEQ), (16, 3 * SEQ)])
+def test_decode_loop_log_probs_equal_the_training_forward(norms, dtype, prompt, capacity):
+    # A prompt in one call, then one token per step against a KV cache: the sampler's log-probs
+    # are the trainer's, bit for bit.
+    cfg, params, tokens = _setup(dtype)
+    train = decoder.token_log_probs(params, tokens[:8], cfg)
+    decode = jax.jit(lambda p, t: decoder.decode_log_probs(p, t, cfg, prompt=prompt, capacity=capacity))
+    assert_bitwise_equal(decode(params, tokens[:8]), train, "decode-loop log-probs")
+
+
+def test_extend_with_per_sequence_positions(norms):
+    # Sequences at different lengths in one decode step (ragged prompts).
+    cfg, params, tokens = _setup()
+    train = decoder.logits(params, tokens[:2], cfg)
+    cache = decoder.init_cache(cfg, 2, SEQ)
+    _, cache = decoder.extend(params, cache, tokens[:2, :6], 0, cfg)
+    start = jnp.asarray([3, 6])  # sequence 0 continues at position 3 (its cache past 3 is never read)
+    step = jnp.stack([tokens[0, 3], tokens[1, 6]])[:, None]
+    logits, _ = decoder.extend(params, cache, step, start, cfg)
+    assert_bitwise_equal(logits[0, 0], train[0, 3])
+    assert_bitwise_equal(logits[1, 0], train[1, 6])
+
+
 def test_deterministic(norms):
     cfg, params, tokens = _setup()
     assert_deterministic(lambda p, t: decoder.token_log_probs(p, t, cfg), params, tokens[:16], runs=2, recompile=True)
@@ -138,3 +164,14 @@ def test_gpu_log_probs_and_gradient_rows_do_not_depend_on_the_batch(norms, gpu, 
         x = decoder.embed(params, tokens[:, :-1], cfg)
         grad = jax.grad(lambda e, t: jnp.sum(decoder.token_losses(params, e, t, cfg)))
         assert_batch_invariant(lambda b: grad(*b), (x, tokens[:, 1:]), sizes=SIZES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_decode_loop_log_probs_equal_the_training_forward(norms, gpu, dtype):
+    with jax.default_device(gpu):
+        cfg, params, tokens = _setup(dtype)
+        train = decoder.token_log_probs(params, tokens[:8], cfg)
+        for prompt, capacity in ((1, SEQ), (7, 4 * SEQ)):
+            decode = decoder.decode_log_probs(params, tokens[:8], cfg, prompt=prompt, capacity=capacity)
+            assert_bitwise_equal(decode, train, "decode-loop log-probs")

@@ -3,12 +3,13 @@
 Every operation that adds floats in an order is a jaxdet op: the dense layers, the token and
 position embeddings (one-hot rows through ``jaxdet.matmul``, so their gradients follow
 ``jaxdet.matmul_weight_grad``'s chunk contract instead of a scatter-add), causal attention
-(``jaxdet.matmul`` for QKᵀ and PV with ``jaxdet.softmax``, until jaxdet's fused attention),
-``jaxdet.rms_norm`` and the per-token ``jaxdet.softmax_cross_entropy``. What is left is
-elementwise (residual adds, GELU, the causal mask, scaling) or data movement (reshapes,
-transposes). So a sequence's per-token log-probs and its rows of the input gradient have the same
-bits alone and inside any batch (tests/test_reference_decoder.py), and ``jaxdet.audit`` finds
-nothing in it. There are no biases: a bias gradient is a sum over tokens in XLA's order.
+(``jaxdet.attention``), ``jaxdet.rms_norm`` and the per-token ``jaxdet.softmax_cross_entropy``.
+What is left is elementwise (residual adds, GELU) or data movement (reshapes, cache updates). So a
+sequence's per-token log-probs and its rows of the input gradient have the same bits alone and
+inside any batch, and the token-by-token decode loop over a KV cache (``init_cache``, ``extend``,
+``decode_log_probs``) gives the training forward's log-probs bit for bit
+(tests/test_reference_decoder.py); ``jaxdet.audit`` finds nothing in it. There are no biases: a
+bias gradient is a sum over tokens in XLA's order.
 """
 
 from __future__ import annotations
@@ -20,8 +21,20 @@ import jax
 import jax.numpy as jnp
 
 import jaxdet
+from jaxdet.attention import SUPPORTED_HEAD_DIMS
 
-__all__ = ["DecoderConfig", "init", "embed", "forward", "logits", "token_losses", "token_log_probs"]
+__all__ = [
+    "DecoderConfig",
+    "init",
+    "embed",
+    "forward",
+    "logits",
+    "token_losses",
+    "token_log_probs",
+    "init_cache",
+    "extend",
+    "decode_log_probs",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +55,11 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig.{name} must be a positive int, got {value!r}")
         if self.d_model % self.heads:
             raise ValueError(f"DecoderConfig.d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
+        if self.d_model // self.heads not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"DecoderConfig.d_model // heads ({self.d_model // self.heads}) must be a head dimension that "
+                f"jaxdet.attention supports: {SUPPORTED_HEAD_DIMS}"
+            )
         if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"DecoderConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")
 
@@ -97,18 +115,15 @@ def embed(params, tokens, cfg: DecoderConfig):
     return tok + pos
 
 
-def _attention(x, block, cfg):
+def _qkv(x, block, cfg):
     b, s, d = x.shape
-    h, dh = cfg.heads, d // cfg.heads
-    qkv = jaxdet.matmul(x, block["qkv"]).reshape(b, s, 3, h, dh)
-    q, k, v = (jnp.transpose(qkv[:, :, i], (0, 2, 1, 3)) for i in range(3))  # [b, h, s, dh]
-    scores = jaxdet.matmul(q, jnp.swapaxes(k, -1, -2), preferred_element_type=jnp.float32)
-    scores = scores * jnp.float32(1.0 / math.sqrt(dh))
-    causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
-    probs = jaxdet.softmax(jnp.where(causal, scores, -jnp.inf)).astype(x.dtype)
-    out = jaxdet.matmul(probs, v)  # masked keys have probability +0, so they add +0
-    out = jnp.transpose(out, (0, 2, 1, 3)).reshape(b, s, d)
-    return jaxdet.matmul(out, block["proj"])
+    qkv = jaxdet.matmul(x, block["qkv"]).reshape(b, s, 3, cfg.heads, d // cfg.heads)
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [b, s, heads, dh]
+
+
+def _attention_out(out, block):
+    b, s, h, dh = out.shape
+    return jaxdet.matmul(out.reshape(b, s, h * dh), block["proj"])
 
 
 def _mlp(x, block):
@@ -119,7 +134,8 @@ def forward(params, x, cfg: DecoderConfig):
     """Pre-norm transformer blocks over embeddings ``x`` ``[batch, seq, d_model]``; returns the
     final hidden states (normalized), ``[batch, seq, d_model]``."""
     for block in params["blocks"]:
-        x = x + _attention(jaxdet.rms_norm(x, block["norm1"], cfg.eps), block, cfg)
+        q, k, v = _qkv(jaxdet.rms_norm(x, block["norm1"], cfg.eps), block, cfg)
+        x = x + _attention_out(jaxdet.attention(q, k, v), block)
         x = x + _mlp(jaxdet.rms_norm(x, block["norm2"], cfg.eps), block)
     return jaxdet.rms_norm(x, params["norm"], cfg.eps)
 
@@ -144,3 +160,67 @@ def token_log_probs(params, tokens, cfg: DecoderConfig):
     _check_tokens(tokens, cfg)
     x = embed(params, tokens[:, :-1], cfg)
     return -token_losses(params, x, tokens[:, 1:], cfg)
+
+
+# ---- Decoding with a KV cache. Every row of every op above is computed by the same jaxdet kernels
+# whether the sequence is processed whole or a chunk at a time, and jaxdet.attention gives a query
+# the same bits against the cache as in the causal pass, so the log-probs are those of training. ----
+
+def init_cache(cfg: DecoderConfig, batch: int, capacity: int) -> list:
+    """An empty KV cache: per layer ``(k, v)``, each ``[batch, capacity, heads, d_model // heads]``
+    in ``cfg.dtype``. Positions at or past a sequence's length are never read."""
+    shape = (batch, capacity, cfg.heads, cfg.d_model // cfg.heads)
+    return [(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.layers)]
+
+
+def _write(cache, new, start):
+    """cache[b, start[b] + i] = new[b, i] for every sequence b."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, 0))(cache, new, start)
+
+
+def extend(params, cache, tokens, start, cfg: DecoderConfig):
+    """Runs ``tokens`` ``[batch, n]`` at positions ``start .. start + n - 1`` (``start``: int or
+    int ``[batch]``, each sequence's length so far) against the cache, which holds positions
+    ``0 .. start - 1``. Returns the next-token logits ``[batch, n, vocab]`` (float32) and the cache
+    with the new positions written. ``n = 1`` is one decode step; a prompt can go in one call."""
+    _check_tokens(tokens, cfg)
+    b, n = tokens.shape
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
+    positions = start[:, None] + jnp.arange(n, dtype=jnp.int32)
+    x = jaxdet.matmul(jax.nn.one_hot(tokens, cfg.vocab, dtype=cfg.dtype), params["tok"])
+    x = x + jaxdet.matmul(jax.nn.one_hot(positions, cfg.max_len, dtype=cfg.dtype), params["pos"])
+    new_cache = []
+    for block, (kc, vc) in zip(params["blocks"], cache):
+        q, k, v = _qkv(jaxdet.rms_norm(x, block["norm1"], cfg.eps), block, cfg)
+        kc, vc = _write(kc, k, start), _write(vc, v, start)
+        out = jaxdet.attention(q, kc, vc, q_positions=positions, kv_lengths=start + n)
+        x = x + _attention_out(out, block)
+        x = x + _mlp(jaxdet.rms_norm(x, block["norm2"], cfg.eps), block)
+        new_cache.append((kc, vc))
+    hidden = jaxdet.rms_norm(x, params["norm"], cfg.eps)
+    return jaxdet.matmul(hidden, params["out"], preferred_element_type=jnp.float32), new_cache
+
+
+def decode_log_probs(params, tokens, cfg: DecoderConfig, *, prompt: int = 1, capacity: int | None = None):
+    """``token_log_probs`` computed the way a sampler does: the first ``prompt`` tokens in one
+    ``extend`` call, then one token per step (a ``lax.scan``) against a KV cache of ``capacity``
+    positions (default: the sequence length). Bitwise equal to ``token_log_probs``."""
+    _check_tokens(tokens, cfg)
+    b, s = tokens.shape
+    if not 1 <= prompt < s:
+        raise ValueError(f"prompt must be in [1, {s - 1}] for {s} tokens, got {prompt}")
+    capacity = s if capacity is None else capacity
+    if capacity < s - 1:
+        raise ValueError(f"capacity ({capacity}) must hold the {s - 1} positions that are run")
+    cache = init_cache(cfg, b, capacity)
+    logits, cache = extend(params, cache, tokens[:, :prompt], 0, cfg)
+    first = jaxdet.softmax_cross_entropy(logits, tokens[:, 1:prompt + 1])
+
+    def step(cache, t):
+        token = jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1)
+        logits, cache = extend(params, cache, token, t, cfg)
+        target = jax.lax.dynamic_slice_in_dim(tokens, t + 1, 1, 1)
+        return cache, jaxdet.softmax_cross_entropy(logits, target)[:, 0]
+
+    _, rest = jax.lax.scan(step, cache, jnp.arange(prompt, s - 1))
+    return -jnp.concatenate([first, jnp.moveaxis(rest, 0, 1)], axis=1)
