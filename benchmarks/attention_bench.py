@@ -54,8 +54,10 @@ def implementations(on_gpu):
 
 def reference(impl):
     def f(q, k, v, kv_len=None):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=kv_len is None, key_value_seq_lengths=kv_len,
-                                            implementation=impl)
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=kv_len is None, key_value_seq_lengths=kv_len, implementation=impl
+        )
+
     return f
 
 
@@ -76,8 +78,11 @@ def ratio(base, mine):
 
 def training(shapes, dtype, on_gpu, reps):
     print("## Training (causal), forward and backward\n")
-    print("| B | T | heads q/kv | D | pass | jaxdet ms | jaxdet TFLOP/s | "
-          + " | ".join(f"{i} ms | ratio {i}" for i in implementations(on_gpu)) + " |")
+    print(
+        "| B | T | heads q/kv | D | pass | jaxdet ms | jaxdet TFLOP/s | "
+        + " | ".join(f"{i} ms | ratio {i}" for i in implementations(on_gpu))
+        + " |"
+    )
     print("|---|---|---|---|---|---|---|" + "---|---|" * len(implementations(on_gpu)))
     for B, T, N, K, D in shapes:
         q, k, v = rand(0, (B, T, N, D), dtype), rand(1, (B, T, K, D), dtype), rand(2, (B, T, K, D), dtype)
@@ -86,6 +91,7 @@ def training(shapes, dtype, on_gpu, reps):
         def fwd_bwd(f):
             def loss(q, k, v):
                 return jnp.sum(f(q, k, v).astype(jnp.float32))
+
             return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
         mine = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
@@ -123,8 +129,10 @@ def decode(shapes, dtype, on_gpu, reps, peak):
                 best, best_impl = bt, impl
         bytes_read = 2 * B * S * K * D * jnp.dtype(dtype).itemsize
         frac = f"{bytes_read / t / peak:.2f}" if peak else "-"
-        print(f"| {B} | {S} | {N}/{K} | {D} | {fmt(t)} | {frac} | {fmt(best) if best else '-'} ({best_impl}) | "
-              f"{ratio(best, t) if best else '-'} |")
+        print(
+            f"| {B} | {S} | {N}/{K} | {D} | {fmt(t)} | {frac} | {fmt(best) if best else '-'} ({best_impl}) | "
+            f"{ratio(best, t) if best else '-'} |"
+        )
     print()
 
 
@@ -138,11 +146,16 @@ def sanitize():
             loss = lambda q, k, v, **kw: jnp.sum(jaxdet.attention(q, k, v, **kw).astype(jnp.float32))  # noqa: E731
             jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
             jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v, segment_ids=seg))
-            jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v, causal=False, kv_lengths=jnp.asarray([5, 70])))
+            jax.block_until_ready(
+                jax.grad(loss, argnums=(0, 1, 2))(q, k, v, causal=False, kv_lengths=jnp.asarray([5, 70]))
+            )
             # decode against a cache longer than one split (split mode + combine on the GPU)
             kc, vc = rand(3, (2, 1100, 2, D), dtype), rand(4, (2, 1100, 2, D), dtype)
-            jax.block_until_ready(jaxdet.attention(q[:, :1], kc, vc, q_positions=jnp.asarray([[1000], [600]]),
-                                                   kv_lengths=jnp.asarray([1001, 1100])))
+            jax.block_until_ready(
+                jaxdet.attention(
+                    q[:, :1], kc, vc, q_positions=jnp.asarray([[1000], [600]]), kv_lengths=jnp.asarray([1001, 1100])
+                )
+            )
     print("sanitize: every attention kernel ran")
 
 

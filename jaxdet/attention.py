@@ -43,6 +43,7 @@ _LOG2E = 1.4426950408889634
 # rows int32 [B, T, 2] = (kv_start, limit): query (b, t) sees memory rows kv_start .. kv_start +
 # limit - 1 of its batch element's keys, its sequence's positions 0 .. limit - 1. ----
 
+
 def _fwd_abstract_eval(q, k, v, rows, *, scale):
     B, T, H, G, _ = q.shape
     return (jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray((B, H, T, G), jnp.float32))
@@ -62,8 +63,8 @@ def _fold_batch(args, dims):
     size = next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
     out = []
     for x, d in zip(args, dims):
-        x = jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
-        out.append(x.reshape((size * x.shape[1],) + x.shape[2:]))
+        moved = jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
+        out.append(moved.reshape((size * moved.shape[1],) + moved.shape[2:]))
     return size, out
 
 
@@ -154,12 +155,15 @@ _attention5.defvjp(_attention5_fwd, _attention5_bwd)
 
 # ---- Which keys each query sees. ----
 
+
 def _segment_rows(segment_ids, causal):
     """(kv_start, limit) per query of packed sequences: a segment is a run of equal ids; its
     positions restart at 0."""
     T = segment_ids.shape[1]
     idx = jnp.arange(T, dtype=jnp.int32)
-    first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], jnp.bool_), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    first = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], jnp.bool_), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
+    )
     start = lax.cummax(jnp.where(first, idx, 0), axis=1)
     if causal:
         return start, idx - start + 1
@@ -169,7 +173,9 @@ def _segment_rows(segment_ids, causal):
 
 
 def _position_rows(B, T, S, causal, q_positions, kv_lengths):
-    kv_len = jnp.full((B,), S, jnp.int32) if kv_lengths is None else jnp.broadcast_to(kv_lengths.astype(jnp.int32), (B,))
+    kv_len = (
+        jnp.full((B,), S, jnp.int32) if kv_lengths is None else jnp.broadcast_to(kv_lengths.astype(jnp.int32), (B,))
+    )
     kv_len = jnp.clip(kv_len, 0, S)
     if not causal:
         limit = jnp.broadcast_to(kv_len[:, None], (B, T))
@@ -182,6 +188,7 @@ def _position_rows(B, T, S, causal, q_positions, kv_lengths):
 
 
 # ---- Checks. ----
+
 
 def _check_float_array(x, name):
     if not (hasattr(x, "dtype") and hasattr(x, "shape")):
@@ -244,8 +251,16 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     if ranks[0] == 3:
         unbatched = lambda x: None if x is None else jnp.asarray(x)[None]  # noqa: E731
         kv1 = None if kv_lengths is None else jnp.reshape(jnp.asarray(kv_lengths), (1,))
-        out = attention(q[None], k[None], v[None], causal=causal, scale=scale, q_positions=unbatched(q_positions),
-                        kv_lengths=kv1, segment_ids=unbatched(segment_ids))
+        out = attention(
+            q[None],
+            k[None],
+            v[None],
+            causal=causal,
+            scale=scale,
+            q_positions=unbatched(q_positions),
+            kv_lengths=kv1,
+            segment_ids=unbatched(segment_ids),
+        )
         return out[0]
     B, T, N, D = q.shape
     S, K = k.shape[1], k.shape[2]

@@ -73,6 +73,7 @@ TOLERANCE = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 # ---- Accuracy. ----
 
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("causal", [True, False])
@@ -106,6 +107,7 @@ def test_scale_and_masks(device):
 
 # ---- Row invariance. ----
 
+
 def _embed(x, batch, at, seed):
     """x (batch 1) placed at index `at` of a batch of random other rows."""
     others = _rand((batch,) + x.shape[1:], x.dtype, seed)
@@ -122,7 +124,7 @@ def test_rows_do_not_depend_on_the_batch(device, dtype):
         for batch in (4, 16, 64):
             for at in (0, batch // 2, batch - 1):
                 out = f(*(_embed(x, batch, at, seed=batch + i) for i, x in enumerate((q, k, v))))
-                assert_bitwise(out[at:at + 1], alone)
+                assert_bitwise(out[at : at + 1], alone)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -178,6 +180,7 @@ def test_gqa_equals_repeated_heads(device):
 
 # ---- Prefill/decode invariance. ----
 
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_chunked_prefill_equals_full(device, dtype):
@@ -230,6 +233,7 @@ def test_decode_step_by_step_equals_full(device, dtype):
 
 # ---- Transformations. ----
 
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_vmap_and_jit(device):
     q, k, v = _qkv(6, 40, 40, 4, 2, 64, jnp.bfloat16)
@@ -245,11 +249,11 @@ def test_vmap_and_jit(device):
         assert_bitwise(shared[1][::-1], jaxdet.attention(q[::-1], k, v)[::-1])
         # vmapped q_positions (decode of several candidates against one cache)
         ts = (3, 17, 39)
-        qt = jnp.stack([q[:, t:t + 1] for t in ts])
+        qt = jnp.stack([q[:, t : t + 1] for t in ts])
         pos = jnp.asarray([[t] for t in ts], jnp.int32)
         outs = jax.vmap(lambda a, p: jaxdet.attention(a, k, v, q_positions=jnp.broadcast_to(p, (6, 1))))(qt, pos)
         for i, t in enumerate(ts):
-            assert_bitwise(outs[i], direct[:, t:t + 1])
+            assert_bitwise(outs[i], direct[:, t : t + 1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -264,13 +268,20 @@ def test_deterministic(device):
 
 # ---- Gradients. ----
 
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_check_grads(device, causal):
     q, k, v = _qkv(2, 9, 9, 4, 2, 64)
     with jax.default_device(_device(device)):
-        check_grads(lambda q, k, v: jaxdet.attention(q, k, v, causal=causal), (q, k, v), order=1, modes=["rev"],
-                    atol=1e-2, rtol=1e-2)
+        check_grads(
+            lambda q, k, v: jaxdet.attention(q, k, v, causal=causal),
+            (q, k, v),
+            order=1,
+            modes=["rev"],
+            atol=1e-2,
+            rtol=1e-2,
+        )
 
 
 def _loss_weights(shape, seed=7):
@@ -309,8 +320,9 @@ def test_gradients_rows_do_not_depend_on_the_batch(device):
     w = _loss_weights((1, 60, 4, 64))
 
     def grads(q, k, v, w):
-        return jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w),
-                        argnums=(0, 1, 2))(q, k, v)
+        return jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2))(
+            q, k, v
+        )
 
     f = jax.jit(grads)
     with jax.default_device(_device(device)):
@@ -319,7 +331,7 @@ def test_gradients_rows_do_not_depend_on_the_batch(device):
             big = [_embed(x, batch, at, seed=batch + i) for i, x in enumerate((q, k, v, w))]
             out = f(*big)
             for g, a in zip(out, alone):  # dq rows, and this sequence's dk/dv
-                assert_bitwise(g[at:at + 1], a)
+                assert_bitwise(g[at : at + 1], a)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -330,16 +342,18 @@ def test_dq_rows_of_a_chunk_equal_the_full_pass(device):
     with jax.default_device(_device(device)):
         full = jax.grad(lambda q: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w))(q)
         pos = jnp.arange(a, b, dtype=jnp.int32)[None]
-        chunk = jax.grad(lambda qc: jnp.sum(jaxdet.attention(qc, k, v, q_positions=pos).astype(jnp.float32)
-                                            * w[:, a:b]))(q[:, a:b])
+        chunk = jax.grad(
+            lambda qc: jnp.sum(jaxdet.attention(qc, k, v, q_positions=pos).astype(jnp.float32) * w[:, a:b])
+        )(q[:, a:b])
     assert_bitwise(chunk, full[:, a:b])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradients_deterministic(device):
     q, k, v = _qkv(2, 80, 80, 4, 2, 64, jnp.bfloat16)
-    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) ** 2),
-                         argnums=(0, 1, 2)))
+    f = jax.jit(
+        jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    )
     with jax.default_device(_device(device)):
         a = f(q, k, v)
         b = f(q, k, v)
@@ -349,11 +363,14 @@ def test_gradients_deterministic(device):
 
 # ---- Edge cases and errors. ----
 
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_that_see_nothing_are_zero(device):
     q, k, v = _qkv(2, 4, 8, 2, 2, 64)
     with jax.default_device(_device(device)):
-        out = jaxdet.attention(q, k, v, kv_lengths=jnp.asarray([0, 8]), q_positions=jnp.asarray([[0, 1, 2, 3], [-1, 0, 5, 9]]))
+        out = jaxdet.attention(
+            q, k, v, kv_lengths=jnp.asarray([0, 8]), q_positions=jnp.asarray([[0, 1, 2, 3], [-1, 0, 5, 9]])
+        )
     out = np.asarray(out)
     assert not np.any(out[0]) and not np.any(out[1, 0])
     assert np.all(np.isfinite(out))
@@ -396,6 +413,7 @@ def test_errors():
 
 # ---- CPU and GPU. ----
 
+
 @pytest.mark.gpu
 def test_gpu_float32_equals_cpu():
     # The float32 GPU kernels follow the CPU order step for step (not a contract; a check that
@@ -408,6 +426,7 @@ def test_gpu_float32_equals_cpu():
 
 
 # ---- The contract checks of jaxdet report (the same functions). ----
+
 
 @pytest.mark.parametrize("name,check", contracts.report_checks(), ids=[n for n, _ in contracts.report_checks()])
 def test_contract_checks(name, check):
@@ -469,7 +488,8 @@ def collectives(f, *args):
     text = jax.jit(f).lower(*args).compile().as_text()
     return sorted(set(re.findall(r"\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)", text)))
 for spec in (P("data"), P(None, "data")):
-    args = [jax.device_put(x, NamedSharding(m, spec)) for x in (q,)] + [jax.device_put(x, NamedSharding(m, P("data") if spec == P("data") else P())) for x in (k, v)]
+    kv_spec = P("data") if spec == P("data") else P()
+    args = [jax.device_put(q, NamedSharding(m, spec))] + [jax.device_put(x, NamedSharding(m, kv_spec)) for x in (k, v)]
     f = lambda q, k, v: jaxdet.attention(q, k, v)
     same(jax.jit(f)(*args), want)
     assert collectives(f, *args) == [], (spec, collectives(f, *args))
@@ -489,6 +509,13 @@ def test_shard_map_and_sharded_jit():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", _SHARDING_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600, check=False, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDING_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd="/",
+    )
     assert "SHARDING-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

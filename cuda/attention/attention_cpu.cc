@@ -45,8 +45,10 @@ void widen_kv(const void* x, const Dims& d, int64_t b, int64_t h, bool transpose
   for (int64_t s = 0; s < d.S; ++s) {
     const auto* row = src + ((b * d.S + s) * d.H + h) * d.D;
     for (int64_t e = 0; e < d.D; ++e) {
-      if (transposed) dst[e * d.S + s] = Storage::load(row[e]);
-      else dst[s * d.D + e] = Storage::load(row[e]);
+      if (transposed)
+        dst[e * d.S + s] = Storage::load(row[e]);
+      else
+        dst[s * d.D + e] = Storage::load(row[e]);
     }
   }
 }

@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(256) DeltaKernel(Problem p, const void* o, con
     const int64_t h = bh % p.H, b = bh / p.H;
     const int64_t off = q_index(p, b, h, r);
     float acc = 0.0f;
-    for (int64_t e = 0; e < p.D; ++e) acc = f_add(acc, f_mul(load_elem<Storage>(dout, off + e), load_elem<Storage>(o, off + e)));
+    for (int64_t e = 0; e < p.D; ++e)
+      acc = f_add(acc, f_mul(load_elem<Storage>(dout, off + e), load_elem<Storage>(o, off + e)));
     delta[i] = acc;
   }
 }
@@ -127,8 +128,8 @@ __global__ void __launch_bounds__(256) DeltaKernel(Problem p, const void* o, con
 }  // namespace attn
 }  // namespace jaxdet
 
-#include "attention/attention_simt.cuh"
 #include "attention/attention_mma.cuh"
+#include "attention/attention_simt.cuh"
 
 namespace jaxdet {
 namespace attn {
@@ -139,7 +140,8 @@ namespace {
 int device_smem_optin() {
   int device = 0, bytes = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 48 * 1024;
-  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) return 48 * 1024;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 48 * 1024;
   return bytes;
 }
 
@@ -163,7 +165,8 @@ Problem make_problem(const Dims& d, const ffi::AnyBuffer& q, const ffi::AnyBuffe
 
 ffi::Error check_grid(const char* op, const Problem& p) {
   if (p.B > 65535 || p.H > 65535) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": at most 65535 batch elements and 65535 KV heads per call");
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": at most 65535 batch elements and 65535 KV heads per call");
   }
   if (p.R >= (int64_t{1} << 31) || p.S >= (int64_t{1} << 31)) {
     return ffi::Error::InvalidArgument(std::string(op) + ": too many rows");
@@ -172,12 +175,14 @@ ffi::Error check_grid(const char* op, const Problem& p) {
 }
 
 template <class Elem>
-ffi::Error forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o, float* lse2) {
+ffi::Error forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
+                       float* lse2) {
   switch (p.D) {
     case 64: return launch_forward_mma<Elem, 64>(stream, scratch, p, o, lse2, device_smem_optin());
     case 128: return launch_forward_mma<Elem, 128>(stream, scratch, p, o, lse2, device_smem_optin());
     case 256: return launch_forward_mma<Elem, 256>(stream, scratch, p, o, lse2, device_smem_optin());
-    default: return ffi::Error::InvalidArgument("jaxdet_attention_fwd: head dimension must be 64, 128 or 256 on the GPU");
+    default:
+      return ffi::Error::InvalidArgument("jaxdet_attention_fwd: head dimension must be 64, 128 or 256 on the GPU");
   }
 }
 
@@ -187,7 +192,8 @@ ffi::Error backward_mma(cudaStream_t stream, const Problem& p, const BackwardOut
     case 64: return launch_backward_mma<Elem, 64>(stream, p, out, device_smem_optin());
     case 128: return launch_backward_mma<Elem, 128>(stream, p, out, device_smem_optin());
     case 256: return launch_backward_mma<Elem, 256>(stream, p, out, device_smem_optin());
-    default: return ffi::Error::InvalidArgument("jaxdet_attention_bwd: head dimension must be 64, 128 or 256 on the GPU");
+    default:
+      return ffi::Error::InvalidArgument("jaxdet_attention_bwd: head dimension must be 64, 128 or 256 on the GPU");
   }
 }
 
@@ -201,9 +207,7 @@ ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   if (auto err = check_grid(op, p); !err.success()) return err;
   if (p.B * p.H * p.R == 0) return ffi::Error::Success();
   switch (q.element_type()) {
-    case ffi::F32:
-      launch_forward_simt<F32Storage>(stream, p, o->untyped_data(), lse2->typed_data());
-      break;
+    case ffi::F32: launch_forward_simt<F32Storage>(stream, p, o->untyped_data(), lse2->typed_data()); break;
     case ffi::BF16:
       if (auto err = forward_mma<__nv_bfloat16>(stream, scratch, p, o->untyped_data(), lse2->typed_data());
           !err.success()) {
@@ -211,7 +215,8 @@ ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
       }
       break;
     case ffi::F16:
-      if (auto err = forward_mma<__half>(stream, scratch, p, o->untyped_data(), lse2->typed_data()); !err.success()) {
+      if (auto err = forward_mma<__half>(stream, scratch, p, o->untyped_data(), lse2->typed_data());
+          !err.success()) {
         return err;
       }
       break;
@@ -246,7 +251,8 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   const int64_t rows_total = p.B * p.H * p.R;
   if (rows_total > 0) {
     auto mem = scratch.Allocate(static_cast<size_t>(rows_total) * sizeof(float), 256);
-    if (!mem.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the delta workspace");
+    if (!mem.has_value())
+      return ffi::Error::Internal(std::string(op) + ": could not allocate the delta workspace");
     out.delta = static_cast<float*>(*mem);
   } else {
     out.delta = nullptr;

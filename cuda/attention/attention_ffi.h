@@ -23,7 +23,8 @@ inline ffi::Error check_dims(const char* op, const ffi::AnyBuffer& q, const ffi:
                              const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& rows, Dims* dims) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), rd = rows.dimensions();
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || rd.size() != 3) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": expected q [B,T,H,G,D], k and v [B,S,H,D], rows [B,T,2]");
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": expected q [B,T,H,G,D], k and v [B,S,H,D], rows [B,T,2]");
   }
   Dims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
   for (int i = 0; i < 4; ++i) {

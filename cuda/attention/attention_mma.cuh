@@ -198,8 +198,9 @@ struct FwdGeom {
 // One block of the online softmax for the warp's 16 rows (two per lane: grp and grp + 8), keys at
 // positions pos0 .. pos0 + 63 of the pass; lim[] are the lane's rows' limits.
 template <class Elem, int D>
-__device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const Elem* Vb, int pos0, const int (&lim)[2],
-                                          float c, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4], int lane) {
+__device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const Elem* Vb, int pos0,
+                                          const int (&lim)[2], float c, float (&m)[2], float (&l)[2],
+                                          float (&acc)[D / 8][4], int lane) {
   const int q4 = lane & 3;
   float s[8][4];
   rows_dot_tile<Elem, D>(Qw, Kb, s, lane);
@@ -279,9 +280,8 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
   const Elem* v = static_cast<const Elem*>(p.v);
 
   load_row_info<kRows, kThreads>(p, b, r0, rows);
-  load_tile<Elem, D, kThreads>(Qs, kRows, q, [&](int i) -> const Elem* {
-    return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr;
-  });
+  load_tile<Elem, D, kThreads>(
+      Qs, kRows, q, [&](int i) -> const Elem* { return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr; });
   cp_async_commit();
   constexpr int kStashPerLane = D / 2;  // the lane's accumulator elements: D/8 tiles x 4
   float* my_stash = stash + warp * kStashPerLane * 32 + lane;
@@ -365,7 +365,8 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
         const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-          *reinterpret_cast<float2*>(ws.acc + base * D + dt * 8 + 2 * q4) = make_float2(acc[dt][2 * rr], acc[dt][2 * rr + 1]);
+          *reinterpret_cast<float2*>(ws.acc + base * D + dt * 8 + 2 * q4) =
+              make_float2(acc[dt][2 * rr], acc[dt][2 * rr + 1]);
         }
         if (q4 == 0) ws.ml[base] = make_float2(m[rr], l[rr]);
       }
@@ -382,7 +383,8 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
     for (int dt = 0; dt < D / 8; ++dt) {
       const Bits lo = Storage::store(finish_out(my_stash[(dt * 4 + 2 * rr) * 32], l_tot[rr]));
       const Bits hi = Storage::store(finish_out(my_stash[(dt * 4 + 2 * rr + 1) * 32], l_tot[rr]));
-      *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) =
+          static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
     }
     if (q4 == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot[rr], l_tot[rr]);
   }
@@ -419,7 +421,8 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
     return ffi::Error::Internal(std::string(op) + ": this GPU has too little shared memory per block (" +
                                 std::to_string(smem) + " bytes needed)");
   }
-  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (status != cudaSuccess) return cuda_error(op, status);
   return ffi::Error::Success();
 }
@@ -509,9 +512,8 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
   const Elem* dout = static_cast<const Elem*>(out.dout);
 
   load_row_info<kRows, kThreads>(p, b, r0, rows);
-  load_tile<Elem, D, kThreads>(Qs, kRows, q, [&](int i) -> const Elem* {
-    return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr;
-  });
+  load_tile<Elem, D, kThreads>(
+      Qs, kRows, q, [&](int i) -> const Elem* { return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr; });
   load_tile<Elem, D, kThreads>(dOs, kRows, dout, [&](int i) -> const Elem* {
     return r0 + i < p.R ? dout + q_index(p, b, h, r0 + i) : nullptr;
   });
@@ -589,7 +591,8 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
     for (int dt = 0; dt < D / 8; ++dt) {
       const Bits lo = Storage::store(f_mul(dq[dt][2 * rr], out.scale));
       const Bits hi = Storage::store(f_mul(dq[dt][2 * rr + 1], out.scale));
-      *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * q4) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * q4) =
+          static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
     }
   }
 }
@@ -630,7 +633,8 @@ struct DkdvGeom {
 };
 
 template <class Elem, int D, int kWhich, int kStages>
-__global__ void __launch_bounds__(128) DkdvMmaKernel(Problem p, BackwardOut out, const int2* ranges, int64_t tiles) {
+__global__ void __launch_bounds__(128)
+    DkdvMmaKernel(Problem p, BackwardOut out, const int2* ranges, int64_t tiles) {
   using Geo = DkdvGeom<Elem, D, kStages>;
   using Storage = typename MmaElem<Elem>::Storage;
   constexpr int P = Geo::kP, kThreads = 128;
@@ -655,12 +659,10 @@ __global__ void __launch_bounds__(128) DkdvMmaKernel(Problem p, BackwardOut out,
   const Elem* dout = static_cast<const Elem*>(out.dout);
   const int2* my_ranges = ranges + b * tiles;
 
-  load_tile<Elem, D, kThreads>(Ks, kBlock, k, [&](int j) -> const Elem* {
-    return j0 + j < p.S ? k + kv_index(p, b, h, j0 + j) : nullptr;
-  });
-  load_tile<Elem, D, kThreads>(Vs, kBlock, v, [&](int j) -> const Elem* {
-    return j0 + j < p.S ? v + kv_index(p, b, h, j0 + j) : nullptr;
-  });
+  load_tile<Elem, D, kThreads>(
+      Ks, kBlock, k, [&](int j) -> const Elem* { return j0 + j < p.S ? k + kv_index(p, b, h, j0 + j) : nullptr; });
+  load_tile<Elem, D, kThreads>(
+      Vs, kBlock, v, [&](int j) -> const Elem* { return j0 + j < p.S ? v + kv_index(p, b, h, j0 + j) : nullptr; });
   cp_async_commit();
 
   // The next tile at or after `from` whose key range meets [j0, j_end): the same on every thread.
@@ -737,7 +739,8 @@ __global__ void __launch_bounds__(128) DkdvMmaKernel(Problem p, BackwardOut out,
         const int row = nt * 8 + 2 * q4 + (i & 1);
         const int rs = ts[row];
         const bool visible = rs <= j && j - rs < tl[row];
-        const float pr = visible ? FastMath::exp2(f_sub(f_mul(st[nt][i], p.c), rlse[stage * kQueryTile + row])) : 0.0f;
+        const float pr =
+            visible ? FastMath::exp2(f_sub(f_mul(st[nt][i], p.c), rlse[stage * kQueryTile + row])) : 0.0f;
         if (kDk) dpt[nt][i] = visible ? f_mul(pr, f_sub(dpt[nt][i], rdelta[stage * kQueryTile + row])) : 0.0f;
         st[nt][i] = pr;
       }
@@ -780,7 +783,8 @@ ffi::Error launch_dkdv(cudaStream_t stream, const Problem& p, const BackwardOut&
   const size_t smem = DkdvGeom<Elem, D, kStages>::bytes();
   auto kernel = DkdvMmaKernel<Elem, D, kWhich, kStages>;
   if (auto err = prepare(kernel, smem, smem_optin, "jaxdet_attention_bwd"); !err.success()) return err;
-  const dim3 grid(static_cast<unsigned>((p.S + kBlock - 1) / kBlock), static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
+  const dim3 grid(static_cast<unsigned>((p.S + kBlock - 1) / kBlock), static_cast<unsigned>(p.H),
+                  static_cast<unsigned>(p.B));
   kernel<<<grid, 128, smem, stream>>>(p, out, out.tile_ranges, out.query_tiles);
   return ffi::Error::Success();
 }

@@ -29,7 +29,7 @@ def check_batch_invariance():
     bad = 0
     for batch, at in ((4, 1), (16, 15)):
         big = [_rand((batch,) + x.shape[1:], x.dtype, 10 + i).at[at].set(x[0]) for i, x in enumerate((q, k, v))]
-        bad += count_bit_differences(f(*big)[at:at + 1], alone)
+        bad += count_bit_differences(f(*big)[at : at + 1], alone)
     return bad == 0, f"a sequence alone vs inside batches of 4 and 16: {bad} output elements differ"
 
 
@@ -46,8 +46,13 @@ def check_decode_equals_prefill():
             kc, vc = carry
             kc = lax.dynamic_update_slice_in_dim(kc, lax.dynamic_slice_in_dim(k, t, 1, 1), t, 1)
             vc = lax.dynamic_update_slice_in_dim(vc, lax.dynamic_slice_in_dim(v, t, 1, 1), t, 1)
-            out = jaxdet.attention(lax.dynamic_slice_in_dim(q, t, 1, 1), kc, vc, q_positions=jnp.full((1, 1), t),
-                                   kv_lengths=jnp.full((1,), t + 1))
+            out = jaxdet.attention(
+                lax.dynamic_slice_in_dim(q, t, 1, 1),
+                kc,
+                vc,
+                q_positions=jnp.full((1, 1), t),
+                kv_lengths=jnp.full((1,), t + 1),
+            )
             return (kc, vc), out[:, 0]
 
         return jnp.moveaxis(lax.scan(step, (cache, cache), jnp.arange(T))[1], 0, 1)
@@ -87,8 +92,9 @@ def check_gradient_rows():
 
     @jax.jit
     def grads(q, k, v, w):
-        return jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w),
-                        argnums=(0, 1, 2))(q, k, v)
+        return jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2))(
+            q, k, v
+        )
 
     alone = grads(q, k, v, w)
     big = [_rand((8,) + x.shape[1:], x.dtype, 20 + i).at[5].set(x[0]) for i, x in enumerate((q, k, v, w))]

@@ -166,6 +166,7 @@ def token_log_probs(params, tokens, cfg: DecoderConfig):
 # whether the sequence is processed whole or a chunk at a time, and jaxdet.attention gives a query
 # the same bits against the cache as in the causal pass, so the log-probs are those of training. ----
 
+
 def init_cache(cfg: DecoderConfig, batch: int, capacity: int) -> list:
     """An empty KV cache: per layer ``(k, v)``, each ``[batch, capacity, heads, d_model // heads]``
     in ``cfg.dtype``. Positions at or past a sequence's length are never read."""
@@ -190,9 +191,9 @@ def extend(params, cache, tokens, start, cfg: DecoderConfig):
     x = jaxdet.matmul(jax.nn.one_hot(tokens, cfg.vocab, dtype=cfg.dtype), params["tok"])
     x = x + jaxdet.matmul(jax.nn.one_hot(positions, cfg.max_len, dtype=cfg.dtype), params["pos"])
     new_cache = []
-    for block, (kc, vc) in zip(params["blocks"], cache):
+    for block, (k_cache, v_cache) in zip(params["blocks"], cache):
         q, k, v = _qkv(jaxdet.rms_norm(x, block["norm1"], cfg.eps), block, cfg)
-        kc, vc = _write(kc, k, start), _write(vc, v, start)
+        kc, vc = _write(k_cache, k, start), _write(v_cache, v, start)
         out = jaxdet.attention(q, kc, vc, q_positions=positions, kv_lengths=start + n)
         x = x + _attention_out(out, block)
         x = x + _mlp(jaxdet.rms_norm(x, block["norm2"], cfg.eps), block)
@@ -214,7 +215,7 @@ def decode_log_probs(params, tokens, cfg: DecoderConfig, *, prompt: int = 1, cap
         raise ValueError(f"capacity ({capacity}) must hold the {s - 1} positions that are run")
     cache = init_cache(cfg, b, capacity)
     logits, cache = extend(params, cache, tokens[:, :prompt], 0, cfg)
-    first = jaxdet.softmax_cross_entropy(logits, tokens[:, 1:prompt + 1])
+    first = jaxdet.softmax_cross_entropy(logits, tokens[:, 1 : prompt + 1])
 
     def step(cache, t):
         token = jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1)
