@@ -124,6 +124,13 @@ __global__ void __launch_bounds__(256) DeltaKernel(Problem p, const void* o, con
   }
 }
 
+template <typename Storage>
+void launch_delta(cudaStream_t stream, const Problem& p, const BackwardOut& out) {
+  const int64_t n = p.B * p.H * p.R;
+  if (n == 0) return;
+  DeltaKernel<Storage><<<grid_for(n, 256), 256, 0, stream>>>(p, out.o, out.dout, out.delta);
+}
+
 }  // namespace
 }  // namespace attn
 }  // namespace jaxdet

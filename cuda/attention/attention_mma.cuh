@@ -184,82 +184,153 @@ struct SplitOut {
   int64_t nsplit;  // 0: final mode (the kernel merges the splits and writes o and lse2)
 };
 
-template <class Elem, int D, int kWarps>
+template <class Elem, int D, int kWarps, int kGroups>
 struct FwdGeom {
   static constexpr int kP = D + kPad;
-  static constexpr int kRows = 16 * kWarps;
+  static constexpr int kRows = 16 * kGroups * kWarps;
   static constexpr size_t kQ = size_t{kRows} * kP * sizeof(Elem);
   static constexpr size_t kKV = size_t{2} * kBlock * kP * sizeof(Elem);  // K or V, two stages
   static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
-  static constexpr size_t kStash = size_t{kWarps} * 16 * D * sizeof(float);
+  // The running totals: per lane G * D / 2 accumulator elements and (m, l) of its 2 G rows.
+  static constexpr int kStashPerLane = kGroups * D / 2 + 4 * kGroups;
+  static constexpr size_t kStash = size_t{kWarps} * 32 * kStashPerLane * sizeof(float);
   static constexpr size_t bytes(bool final_mode) { return kQ + 2 * kKV + kRowInfo + (final_mode ? kStash : 0); }
 };
 
-// One block of the online softmax for the warp's 16 rows (two per lane: grp and grp + 8), keys at
-// positions pos0 .. pos0 + 63 of the pass; lim[] are the lane's rows' limits.
-template <class Elem, int D>
-__device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const Elem* Vb, int pos0,
-                                          const int (&lim)[2], float c, float (&m)[2], float (&l)[2],
-                                          float (&acc)[D / 8][4], int lane) {
-  const int q4 = lane & 3;
-  float s[8][4];
-  rows_dot_tile<Elem, D>(Qw, Kb, s, lane);
-  float bm[2] = {neg_inf(), neg_inf()};
+// s[g] = scores of the warp's row group g (16 rows at A + 16 g rows) against the 64 rows of Bt:
+// each K fragment is loaded once for all groups; every element is the same MMA chain over the
+// head dimension (ascending 16-wide steps) as in rows_dot_tile.
+template <class Elem, int D, int G>
+__device__ __forceinline__ void groups_dot_tile(const Elem* A, const Elem* Bt, float (&s)[G][8][4], int lane) {
+  constexpr int P = D + kPad;
+  const int grp = lane >> 2, q4 = lane & 3;
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+  for (int g = 0; g < G; ++g) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
-      const float x = key < lim[i >> 1] ? f_mul(s[nt][i], c) : neg_inf();
-      s[nt][i] = x;
-      bm[i >> 1] = max_nan(bm[i >> 1], x);
+    for (int nt = 0; nt < 8; ++nt) s[g][nt][0] = s[g][nt][1] = s[g][nt][2] = s[g][nt][3] = 0.0f;
+  }
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t a[G][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const Elem* a0 = A + (g * 16 + grp) * P + ks * 16 + 2 * q4;
+      a[g][0] = lds32(a0);
+      a[g][1] = lds32(a0 + 8 * P);
+      a[g][2] = lds32(a0 + 8);
+      a[g][3] = lds32(a0 + 8 * P + 8);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const Elem* b0 = Bt + (nt * 8 + grp) * P + ks * 16 + 2 * q4;
+      const uint32_t lo = lds32(b0), hi = lds32(b0 + 8);
+#pragma unroll
+      for (int g = 0; g < G; ++g) MmaElem<Elem>::mma(s[g][nt], a[g], lo, hi);
     }
   }
-  float mn[2], alpha[2];
-  bool empty[2];
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
-    bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
-    mn[rr] = max_nan(m[rr], bm[rr]);
-    empty[rr] = mn[rr] == neg_inf();
-    alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(f_sub(m[rr], mn[rr]));
-  }
-  // The lane's probabilities summed in (tile, column) order, then across the row's 4 lanes by a
-  // butterfly (the same value on all 4).
-  float ts[2] = {0.0f, 0.0f};
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int rr = i >> 1;
-      const float pr = empty[rr] ? 0.0f : FastMath::exp2(f_sub(s[nt][i], mn[rr]));
-      s[nt][i] = pr;
-      ts[rr] = f_add(ts[rr], pr);
-    }
-  }
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    ts[rr] = f_add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 1));
-    ts[rr] = f_add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 2));
-    l[rr] = f_add(f_mul(l[rr], alpha[rr]), ts[rr]);
-    m[rr] = mn[rr];
-  }
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    acc[dt][0] = f_mul(acc[dt][0], alpha[0]);
-    acc[dt][1] = f_mul(acc[dt][1], alpha[0]);
-    acc[dt][2] = f_mul(acc[dt][2], alpha[1]);
-    acc[dt][3] = f_mul(acc[dt][3], alpha[1]);
-  }
-  tile_times_rows<Elem, D>(s, Vb, acc, lane);
 }
 
-template <class Elem, int D, int kWarps>
+// acc[g] += x[g] . M for every row group, each V fragment loaded once: per element the same MMA
+// chain over M's 64 rows (ascending 16-row steps) as in tile_times_rows.
+template <class Elem, int D, int G>
+__device__ __forceinline__ void groups_times_rows(const float (&x)[G][8][4], const Elem* M,
+                                                  float (&acc)[G][D / 8][4], int lane) {
+  constexpr int P = D + kPad;
+  const int mi = lane >> 3, mr = lane & 7;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t a[G][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      a[g][0] = MmaElem<Elem>::pack(x[g][2 * kk][0], x[g][2 * kk][1]);
+      a[g][1] = MmaElem<Elem>::pack(x[g][2 * kk][2], x[g][2 * kk][3]);
+      a[g][2] = MmaElem<Elem>::pack(x[g][2 * kk + 1][0], x[g][2 * kk + 1][1]);
+      a[g][3] = MmaElem<Elem>::pack(x[g][2 * kk + 1][2], x[g][2 * kk + 1][3]);
+    }
+    const Elem* row = M + (kk * 16 + (mi & 1) * 8 + mr) * P + (mi >> 1) * 8;
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, row + dp * 16);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        MmaElem<Elem>::mma(acc[g][2 * dp], a[g], b[0], b[1]);
+        MmaElem<Elem>::mma(acc[g][2 * dp + 1], a[g], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// One block of the online softmax for the warp's row groups (16 rows each, two per lane: grp and
+// grp + 8), keys at positions pos0 .. pos0 + 63 of the pass; lim[g][] are the lane's rows' limits.
+template <class Elem, int D, int G>
+__device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const Elem* Vb, int pos0,
+                                          const int (&lim)[G][2], float c, float (&m)[G][2], float (&l)[G][2],
+                                          float (&acc)[G][D / 8][4], int lane) {
+  const int q4 = lane & 3;
+  float s[G][8][4];
+  groups_dot_tile<Elem, D, G>(Qw, Kb, s, lane);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float bm[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
+        const float x = key < lim[g][i >> 1] ? f_mul(s[g][nt][i], c) : neg_inf();
+        s[g][nt][i] = x;
+        bm[i >> 1] = max_nan(bm[i >> 1], x);
+      }
+    }
+    float mn[2], alpha[2];
+    bool empty[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
+      bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
+      mn[rr] = max_nan(m[g][rr], bm[rr]);
+      empty[rr] = mn[rr] == neg_inf();
+      alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(f_sub(m[g][rr], mn[rr]));
+    }
+    // The lane's probabilities summed in (tile, column) order, then across the row's 4 lanes by a
+    // butterfly (the same value on all 4).
+    float ts[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int rr = i >> 1;
+        const float pr = empty[rr] ? 0.0f : FastMath::exp2(f_sub(s[g][nt][i], mn[rr]));
+        s[g][nt][i] = pr;
+        ts[rr] = f_add(ts[rr], pr);
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      ts[rr] = f_add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 1));
+      ts[rr] = f_add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 2));
+      l[g][rr] = f_add(f_mul(l[g][rr], alpha[rr]), ts[rr]);
+      m[g][rr] = mn[rr];
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      acc[g][dt][0] = f_mul(acc[g][dt][0], alpha[0]);
+      acc[g][dt][1] = f_mul(acc[g][dt][1], alpha[0]);
+      acc[g][dt][2] = f_mul(acc[g][dt][2], alpha[1]);
+      acc[g][dt][3] = f_mul(acc[g][dt][3], alpha[1]);
+    }
+  }
+  groups_times_rows<Elem, D, G>(s, Vb, acc, lane);
+}
+
+// A CTA: kWarps warps of kGroups row groups of 16 rows (in final mode), or one warp of one group
+// (split mode). Either way every row runs fwd_block's operations on the same blocks.
+template <class Elem, int D, int kWarps, int kGroups>
 __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, float* lse2, SplitOut ws) {
-  using Geo = FwdGeom<Elem, D, kWarps>;
+  using Geo = FwdGeom<Elem, D, kWarps, kGroups>;
   using Storage = typename MmaElem<Elem>::Storage;
-  constexpr int P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32;
+  constexpr int P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32, G = kGroups;
   extern __shared__ __align__(16) unsigned char smem[];
   Elem* Qs = reinterpret_cast<Elem*>(smem);
   Elem* Ks = reinterpret_cast<Elem*>(smem + Geo::kQ);
@@ -283,29 +354,50 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
   load_tile<Elem, D, kThreads>(
       Qs, kRows, q, [&](int i) -> const Elem* { return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr; });
   cp_async_commit();
-  constexpr int kStashPerLane = D / 2;  // the lane's accumulator elements: D/8 tiles x 4
+  // The running totals, lane-interleaved so that each access is conflict-free: the lane's
+  // accumulator elements (per group: D/8 tiles x 4), then m and l of its rows.
+  constexpr int kStashPerLane = Geo::kStashPerLane;
   float* my_stash = stash + warp * kStashPerLane * 32 + lane;
+  float* m_tot = my_stash + G * (D / 2) * 32;  // [g][rr] at ((g * 2 + rr) * 32)
+  float* l_tot = m_tot + 2 * G * 32;
   if (!split_mode) {
-    for (int i = 0; i < kStashPerLane; ++i) my_stash[i * 32] = 0.0f;
+    for (int i = 0; i < G * D / 2; ++i) my_stash[i * 32] = 0.0f;
+    for (int i = 0; i < 2 * G; ++i) {
+      m_tot[i * 32] = neg_inf();
+      l_tot[i * 32] = 0.0f;
+    }
   }
   cp_async_wait<0>();
   __syncthreads();
 
-  const int row_local[2] = {warp * 16 + grp, warp * 16 + grp + 8};
-  const Elem* Qw = Qs + warp * 16 * P;
-  float m_tot[2] = {neg_inf(), neg_inf()}, l_tot[2] = {0.0f, 0.0f};
-  float m[2], l[2], acc[D / 8][4];
-  auto reset = [&]() {
-    m[0] = m[1] = neg_inf();
-    l[0] = l[1] = 0.0f;
+  int row_local[G][2];
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+  for (int g = 0; g < G; ++g) {
+    row_local[g][0] = (warp * G + g) * 16 + grp;
+    row_local[g][1] = row_local[g][0] + 8;
+  }
+  const Elem* Qw = Qs + warp * G * 16 * P;
+  float m[G][2], l[G][2], acc[G][D / 8][4];
+  auto reset = [&]() {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m[g][0] = m[g][1] = neg_inf();
+      l[g][0] = l[g][1] = 0.0f;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) acc[g][dt][0] = acc[g][dt][1] = acc[g][dt][2] = acc[g][dt][3] = 0.0f;
+    }
   };
 
   int cur = -1, plimit = 0;
   while ((cur = next_pass<kRows>(rows, cur, &plimit)) != INT_MAX) {
-    const int lim[2] = {rows.start[row_local[0]] == cur ? rows.limit[row_local[0]] : 0,
-                        rows.start[row_local[1]] == cur ? rows.limit[row_local[1]] : 0};
+    int lim[G][2];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        lim[g][rr] = rows.start[row_local[g][rr]] == cur ? rows.limit[row_local[g][rr]] : 0;
+      }
+    }
     const int nblocks = (plimit + kBlock - 1) / kBlock;
     const int blk_begin = split_mode ? z * kBlocksPerSplit : 0;
     const int blk_end = split_mode ? min(nblocks, blk_begin + kBlocksPerSplit) : nblocks;
@@ -333,60 +425,75 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
         cp_async_wait<0>();
       }
       __syncthreads();
-      fwd_block<Elem, D>(Qw, Ks + stage * kBlock * P, Vs + stage * kBlock * P, blk * kBlock, lim, p.c, m, l, acc,
-                         lane);
+      fwd_block<Elem, D, G>(Qw, Ks + stage * kBlock * P, Vs + stage * kBlock * P, blk * kBlock, lim, p.c, m, l,
+                            acc, lane);
       __syncthreads();
       const bool split_done = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
       if (split_done && !split_mode) {
         // Merge the split into the running total (the stash), rows whose split saw a key only.
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          if (split_is_empty(m[rr])) continue;
-          const Rescale rs = rescale<FastMath>(m_tot[rr], m[rr]);
-          l_tot[rr] = merge_term(l_tot[rr], rs.old_scale, l[rr], rs.in_scale);
+        for (int g = 0; g < G; ++g) {
 #pragma unroll
-          for (int dt = 0; dt < D / 8; ++dt) {
+          for (int rr = 0; rr < 2; ++rr) {
+            if (split_is_empty(m[g][rr])) continue;
+            float& mt = m_tot[(g * 2 + rr) * 32];
+            float& lt = l_tot[(g * 2 + rr) * 32];
+            const Rescale rs = rescale<FastMath>(mt, m[g][rr]);
+            lt = merge_term(lt, rs.old_scale, l[g][rr], rs.in_scale);
 #pragma unroll
-            for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
-              float& t = my_stash[(dt * 4 + i) * 32];
-              t = merge_term(t, rs.old_scale, acc[dt][i], rs.in_scale);
+            for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+              for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
+                float& t = my_stash[((g * (D / 8) + dt) * 4 + i) * 32];
+                t = merge_term(t, rs.old_scale, acc[g][dt][i], rs.in_scale);
+              }
             }
+            mt = rs.m_new;
           }
-          m_tot[rr] = rs.m_new;
         }
         reset();
       }
     }
     if (split_mode) {
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int64_t r = r0 + row_local[rr];
-        if (r >= p.R || rows.start[row_local[rr]] != cur) continue;
-        const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
+      for (int g = 0; g < G; ++g) {
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          *reinterpret_cast<float2*>(ws.acc + base * D + dt * 8 + 2 * q4) =
-              make_float2(acc[dt][2 * rr], acc[dt][2 * rr + 1]);
+        for (int rr = 0; rr < 2; ++rr) {
+          const int64_t r = r0 + row_local[g][rr];
+          if (r >= p.R || rows.start[row_local[g][rr]] != cur) continue;
+          const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+            *reinterpret_cast<float2*>(ws.acc + base * D + dt * 8 + 2 * q4) =
+                make_float2(acc[g][dt][2 * rr], acc[g][dt][2 * rr + 1]);
+          }
+          if (q4 == 0) ws.ml[base] = make_float2(m[g][rr], l[g][rr]);
         }
-        if (q4 == 0) ws.ml[base] = make_float2(m[rr], l[rr]);
       }
     }
   }
   if (split_mode) return;
   using Bits = typename Storage::Bits;
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int64_t r = r0 + row_local[rr];
-    if (r >= p.R) continue;
-    Bits* out = static_cast<Bits*>(o) + q_index(p, b, h, r);
+  for (int g = 0; g < G; ++g) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      const Bits lo = Storage::store(finish_out(my_stash[(dt * 4 + 2 * rr) * 32], l_tot[rr]));
-      const Bits hi = Storage::store(finish_out(my_stash[(dt * 4 + 2 * rr + 1) * 32], l_tot[rr]));
-      *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) =
-          static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    for (int rr = 0; rr < 2; ++rr) {
+      const int64_t r = r0 + row_local[g][rr];
+      if (r >= p.R) continue;
+      Bits* out = static_cast<Bits*>(o) + q_index(p, b, h, r);
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        const float* t = my_stash + ((g * (D / 8) + dt) * 4 + 2 * rr) * 32;
+        const float lt = l_tot[(g * 2 + rr) * 32];
+        const Bits lo = Storage::store(finish_out(t[0], lt));
+        const Bits hi = Storage::store(finish_out(t[32], lt));
+        *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) =
+            static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      }
+      if (q4 == 0) {
+        lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot[(g * 2 + rr) * 32], l_tot[(g * 2 + rr) * 32]);
+      }
     }
-    if (q4 == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot[rr], l_tot[rr]);
   }
 }
 
@@ -427,6 +534,18 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
   return ffi::Error::Success();
 }
 
+template <class Elem, int D, int kWarps, int kGroups>
+ffi::Error launch_final(cudaStream_t stream, const Problem& p, void* o, float* lse2, int smem_optin) {
+  using Geo = FwdGeom<Elem, D, kWarps, kGroups>;
+  const size_t smem = Geo::bytes(true);
+  auto kernel = FwdMmaKernel<Elem, D, kWarps, kGroups>;
+  if (auto err = prepare(kernel, smem, smem_optin, "jaxdet_attention_fwd"); !err.success()) return err;
+  const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
+                  static_cast<unsigned>(p.B));
+  kernel<<<grid, kWarps * 32, smem, stream>>>(p, o, lse2, SplitOut{nullptr, nullptr, 0});
+  return ffi::Error::Success();
+}
+
 template <class Elem, int D>
 ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
                               float* lse2, int smem_optin) {
@@ -438,11 +557,10 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
   // The launch shape never changes a bit (see the file comment); split mode only when the final
   // mode would leave most of the GPU idle.
   const bool split = nsplit > 1 && (p.R <= 16 || p.B * p.H * final_tiles < 2 * int64_t{current_sm_count()});
-  const dim3 block_grid_yz(1, static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
   if (split) {
-    using Geo = FwdGeom<Elem, D, 1>;
+    using Geo = FwdGeom<Elem, D, 1, 1>;
     const size_t smem = Geo::bytes(false);
-    if (auto err = prepare(FwdMmaKernel<Elem, D, 1>, smem, smem_optin, op); !err.success()) return err;
+    if (auto err = prepare(FwdMmaKernel<Elem, D, 1, 1>, smem, smem_optin, op); !err.success()) return err;
     const int64_t rows = p.B * p.H * nsplit * p.R;
     auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), 256);
     auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), 256);
@@ -451,28 +569,24 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     }
     SplitOut ws{static_cast<float*>(*acc), static_cast<float2*>(*ml), nsplit};
     const int64_t tiles = (p.R + 15) / 16;
-    const dim3 grid(static_cast<unsigned>(tiles * nsplit), block_grid_yz.y, block_grid_yz.z);
-    FwdMmaKernel<Elem, D, 1><<<grid, 32, smem, stream>>>(p, o, lse2, ws);
+    const dim3 grid(static_cast<unsigned>(tiles * nsplit), static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
+    FwdMmaKernel<Elem, D, 1, 1><<<grid, 32, smem, stream>>>(p, o, lse2, ws);
     CombineKernel<Storage><<<grid_for(p.B * p.H * p.R * p.D, 256), 256, 0, stream>>>(p, ws, o, lse2);
     return ffi::Error::Success();
   }
-  SplitOut none{nullptr, nullptr, 0};
-  if constexpr (kWide) {
-    using Geo = FwdGeom<Elem, D, 4>;
-    const size_t smem = Geo::bytes(true);
-    if (smem <= static_cast<size_t>(smem_optin)) {
-      if (auto err = prepare(FwdMmaKernel<Elem, D, 4>, smem, smem_optin, op); !err.success()) return err;
-      const dim3 grid(static_cast<unsigned>((p.R + 63) / 64), block_grid_yz.y, block_grid_yz.z);
-      FwdMmaKernel<Elem, D, 4><<<grid, 128, smem, stream>>>(p, o, lse2, none);
-      return ffi::Error::Success();
+  if constexpr (D == 64) {
+    // Two row groups per warp: each K/V fragment read from shared memory feeds 32 rows. (At head
+    // dimension 128 the two groups' accumulators do not fit in registers without spilling.)
+    if (p.R > 64 && FwdGeom<Elem, D, 4, 2>::bytes(true) <= static_cast<size_t>(smem_optin)) {
+      return launch_final<Elem, D, 4, 2>(stream, p, o, lse2, smem_optin);
     }
   }
-  using Geo = FwdGeom<Elem, D, 1>;
-  const size_t smem = Geo::bytes(true);
-  if (auto err = prepare(FwdMmaKernel<Elem, D, 1>, smem, smem_optin, op); !err.success()) return err;
-  const dim3 grid(static_cast<unsigned>((p.R + 15) / 16), block_grid_yz.y, block_grid_yz.z);
-  FwdMmaKernel<Elem, D, 1><<<grid, 32, smem, stream>>>(p, o, lse2, none);
-  return ffi::Error::Success();
+  if constexpr (kWide) {
+    if (FwdGeom<Elem, D, 4, 1>::bytes(true) <= static_cast<size_t>(smem_optin)) {
+      return launch_final<Elem, D, 4, 1>(stream, p, o, lse2, smem_optin);
+    }
+  }
+  return launch_final<Elem, D, 1, 1>(stream, p, o, lse2, smem_optin);
 }
 
 // ---- Backward. ----

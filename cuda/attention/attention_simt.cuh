@@ -216,13 +216,6 @@ void launch_forward_simt(cudaStream_t stream, const Problem& p, void* o, float* 
 }
 
 template <typename Storage>
-void launch_delta(cudaStream_t stream, const Problem& p, const BackwardOut& out) {
-  const int64_t n = p.B * p.H * p.R;
-  if (n == 0) return;
-  DeltaKernel<Storage><<<grid_for(n, 256), 256, 0, stream>>>(p, out.o, out.dout, out.delta);
-}
-
-template <typename Storage>
 void launch_backward_simt(cudaStream_t stream, const Problem& p, const BackwardOut& out) {
   launch_delta<Storage>(stream, p, out);
   if (p.B * p.H * p.R > 0) {
