@@ -116,8 +116,9 @@ def _embed(x, batch, at, seed):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
-def test_rows_do_not_depend_on_the_batch(device, dtype):
-    q, k, v = _qkv(1, 70, 70, 8, 2, 64, dtype)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_rows_do_not_depend_on_the_batch(device, dtype, D):
+    q, k, v = _qkv(1, 70, 70, 8, 2, D, dtype)
     f = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
     with jax.default_device(_device(device)):
         alone = f(q, k, v)
@@ -221,9 +222,10 @@ def _decode_all(q, k, v, capacity):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_decode_step_by_step_equals_full(device, dtype):
+@pytest.mark.parametrize("D", [64, 128])
+def test_decode_step_by_step_equals_full(device, dtype, D):
     T = 600
-    q, k, v = _qkv(2, T, T, 8, 2, 64, dtype)
+    q, k, v = _qkv(2, T, T, 8, 2, D, dtype)
     decode = jax.jit(_decode_all, static_argnums=3)
     with jax.default_device(_device(device)):
         full = jaxdet.attention(q, k, v)
