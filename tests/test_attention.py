@@ -351,6 +351,26 @@ def test_dq_rows_of_a_chunk_equal_the_full_pass(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_dq_rows_of_packed_sequences_equal_alone(device):
+    lengths = [37, 100, 50]
+    T = sum(lengths)
+    q, k, v = _qkv(1, T, T, 4, 2, 64, jnp.bfloat16)
+    w = _loss_weights((1, T, 4, 64))
+    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+
+    def dq(q, k, v, w, **kw):
+        return jax.grad(lambda q: jnp.sum(jaxdet.attention(q, k, v, **kw).astype(jnp.float32) * w))(q)
+
+    with jax.default_device(_device(device)):
+        packed = dq(q, k, v, w, segment_ids=seg)
+        start = 0
+        for n in lengths:
+            sl = slice(start, start + n)
+            assert_bitwise(packed[:, sl], dq(q[:, sl], k[:, sl], v[:, sl], w[:, sl]))
+            start += n
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gradients_deterministic(device):
     q, k, v = _qkv(2, 80, 80, 4, 2, 64, jnp.bfloat16)
     f = jax.jit(
