@@ -18,6 +18,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
+#define JAXDET_ROWOPS_HANDLERS(X) \
+  X(norm_fwd) X(norm_bwd) X(norm_param_grad) X(softmax_fwd) X(softmax_bwd) X(xent_fwd) X(xent_bwd) X(det_math)
+#define JAXDET_DECLARE_CPU(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##name##_cpu);
+JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CPU)
 
 #if defined(JAXDET_WITH_CUDA)
 // CUDA handlers (cuda/*_cuda.cu).
@@ -28,6 +32,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda);
+#define JAXDET_DECLARE_CUDA(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##name##_cuda);
+JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CUDA)
 #endif
 
 namespace {
@@ -58,6 +64,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cpu);
     d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cpu);
     d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cpu);
+#define JAXDET_ADD_CPU(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cpu);
+    JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CPU)
     return d;
   });
   m.def("cpu_gemm_isa", []() { return std::string(jaxdet::cpu_gemm_isa()); },
@@ -74,6 +82,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
     d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
     d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cuda);
+#define JAXDET_ADD_CUDA(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cuda);
+    JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CUDA)
 #endif
     return d;
   });

@@ -1,0 +1,198 @@
+"""Batch-invariant RMSNorm and LayerNorm, bitwise equal on CPU and GPU.
+
+The contracts (docs/norm.md, proven by tests/test_norm.py):
+
+* Row invariance, forward and backward: a row's output and input gradient depend only on that row,
+  the parameters (and, backward, that row's cotangent); every row is reduced over its features in
+  the canonical span order (cuda/common/det_math.h), whatever the number of rows.
+* CPU == GPU bitwise: the same float32 operations in the same order on both backends.
+* Parameter gradients: dscale = sum over tokens of g * xhat and dbias = sum of g, by the canonical
+  balanced tree over tokens (jaxdet.parallel.tree_sum's tree, one token per leaf), so a device that
+  holds an aligned power-of-two block of tokens holds a subtree.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdet import _ffi, _rows
+
+__all__ = ["rms_norm", "layer_norm", "GRAD_BLOCK_TOKENS"]
+
+# Tokens per partial that the parameter-gradient kernels write (an aligned subtree of the tree over
+# tokens; cuda/norm/norm_math.h kGradBlock). The upper levels of the tree combine the partials.
+GRAD_BLOCK_TOKENS = 32
+
+_F32 = np.dtype(jnp.float32)
+
+
+# ---- Primitive 1: jaxdet_norm_fwd. x [G, R, n], w f32 [1 or G, n], b f32 [1 or G, n] or [0]
+# -> y [G, R, n] (x's dtype), stats f32 [G, R, 2] = (mean, rstd). ----
+
+def _fwd_abstract_eval(x, w, b, *, eps, center):
+    return (_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:2] + (2,), _F32))
+
+
+def _fold_groups(args, dims, row_args):
+    """Brings the vmapped axis to the front and folds it into G. `row_args[i]` says whether
+    argument i is shaped like x ([G, R, ...]); the others are parameters [Gp, n] (Gp in {1, G}),
+    kept shared when unbatched with Gp == 1 (or empty), else broadcast to [B * G, n]."""
+    size = _rows.batch_size(args, dims)
+    moved = [_rows.moved_to_front(a, d, size) if is_row else a for a, d, is_row in zip(args, dims, row_args)]
+    G = next(a.shape[1] for a, is_row in zip(moved, row_args) if is_row)
+    out = []
+    for a, d, is_row in zip(moved, dims, row_args):
+        if not is_row:
+            if a.size == 0 or (_ffi.not_mapped(d) and a.shape[0] == 1):
+                out.append(a)
+                continue
+            a = jnp.broadcast_to(_rows.moved_to_front(a, d, size), (size, G) + a.shape[-1:])
+        out.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+    return size, out
+
+
+def _unfold(x, size):
+    return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+
+
+def _fwd_batch(args, dims, *, eps, center):
+    size, (x, w, b) = _fold_groups(args, dims, (True, False, False))
+    y, stats = norm_fwd_p.bind(x, w, b, eps=eps, center=center)
+    return (_unfold(y, size), _unfold(stats, size)), (0, 0)
+
+
+norm_fwd_p = _ffi.define_primitive(
+    "jaxdet_norm_fwd",
+    _fwd_abstract_eval,
+    attributes=lambda eps, center: dict(eps=np.float32(eps), center=bool(center)),
+    batching_rule=_fwd_batch,
+    multiple_results=True,
+)
+
+
+# ---- Primitive 2: jaxdet_norm_bwd. x, w, stats, g -> dx [G, R, n]. ----
+
+def _bwd_abstract_eval(x, w, stats, g, *, center):
+    return _rows.shaped(x.shape, x.dtype)
+
+
+def _bwd_batch(args, dims, *, center):
+    size, (x, w, stats, g) = _fold_groups(args, dims, (True, False, True, True))
+    return _unfold(norm_bwd_p.bind(x, w, stats, g, center=center), size), 0
+
+
+norm_bwd_p = _ffi.define_primitive(
+    "jaxdet_norm_bwd",
+    _bwd_abstract_eval,
+    attributes=lambda center: dict(center=bool(center)),
+    batching_rule=_bwd_batch,
+)
+
+
+# ---- Primitive 3: jaxdet_norm_param_grad. x [G, T, n], stats [G, T, 2], g [G, T, n] ->
+# partials f32 [G, ceil(T / GRAD_BLOCK_TOKENS), n] for the scale and (has_bias) the bias. ----
+
+def _pg_abstract_eval(x, stats, g, *, has_bias):
+    G, T, n = x.shape
+    blocks = -(-T // GRAD_BLOCK_TOKENS)
+    return (_rows.shaped((G, blocks, n), _F32), _rows.shaped((G, blocks if has_bias else 0, n), _F32))
+
+
+def _pg_batch(args, dims, *, has_bias):
+    size, flat = _fold_groups(args, dims, (True, True, True))
+    pw, pb = norm_param_grad_p.bind(*flat, has_bias=has_bias)
+    return (_unfold(pw, size), _unfold(pb, size)), (0, 0)
+
+
+norm_param_grad_p = _ffi.define_primitive(
+    "jaxdet_norm_param_grad",
+    _pg_abstract_eval,
+    attributes=lambda has_bias: {},
+    batching_rule=_pg_batch,
+    multiple_results=True,
+)
+
+
+# ---- The differentiable core on x3 [1, T, n], w [1, n], b [1, n] or [0] (all float32 params). ----
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _norm(x3, w, b, eps, center):
+    return norm_fwd_p.bind(x3, w, b, eps=eps, center=center)[0]
+
+
+def _norm_fwd(x3, w, b, eps, center):
+    y, stats = norm_fwd_p.bind(x3, w, b, eps=eps, center=center)
+    return y, (x3, w, b, stats)
+
+
+def _norm_bwd(eps, center, res, g):
+    x3, w, b, stats = res
+    has_bias = b.size > 0
+    dx = norm_bwd_p.bind(x3, w, stats, g, center=center)
+    pw, pb = norm_param_grad_p.bind(x3, stats, g, has_bias=has_bias)
+    dw = _rows.tree_rows(pw)  # [1, n]: the upper levels of the tree over tokens
+    db = _rows.tree_rows(pb) if has_bias else jnp.zeros_like(b)
+    return dx, dw, db
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+def _check_param(p, name, n):
+    p = _rows.check_float_array(p, name)
+    if p.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) (the last dimension of x), got {tuple(p.shape)}")
+    return p
+
+
+def _apply(x, scale, bias, eps, center):
+    x = _rows.check_float_array(x, "x")
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension (the features are its last axis), got a scalar")
+    n = x.shape[-1]
+    scale = _check_param(scale, "scale", n) if scale is not None else None
+    bias = _check_param(bias, "bias", n) if bias is not None else None
+    eps = _rows.check_eps(eps)
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    # Parameters enter the kernels as float32 (exact widening); their gradients come back as
+    # float32 tree sums and are rounded once to the parameter dtype by the astype's transpose.
+    w = (jnp.ones((n,), _F32) if scale is None else scale.astype(_F32)).reshape(1, n)
+    b = jnp.zeros((0,), _F32) if bias is None else bias.astype(_F32).reshape(1, n)
+    y = _norm(x.reshape(1, -1, n), w, b, eps, center)
+    return y.reshape(x.shape)
+
+
+def rms_norm(x, scale, eps: float = 1e-6):
+    """RMSNorm over the last axis: ``y = x * rstd * scale``, ``rstd = 1 / sqrt(mean(x^2) + eps)``.
+
+    Args:
+      x: ``[..., n]`` float32, bfloat16 or float16 (every leading index is a token).
+      scale: ``[n]`` float32, bfloat16 or float16, or None (no scale: ones).
+      eps: a static Python float >= 0, added to the mean square in float32.
+
+    Returns ``y`` with x's shape and dtype. Statistics and arithmetic are float32 (x and scale
+    widened exactly), each operation rounded once, in the order of docs/norm.md; y is rounded once
+    to x's dtype. A row's bits depend only on that row and ``scale``, and equal on CPU and GPU.
+    Reverse-mode differentiable (``jax.custom_vjp``): dx is row-invariant too; dscale is the
+    canonical tree over tokens of ``g * xhat`` in float32, rounded once to scale's dtype.
+    """
+    return _apply(x, scale, None, eps, center=False)
+
+
+def layer_norm(x, scale, bias, eps: float = 1e-6):
+    """LayerNorm over the last axis: ``y = (x - mean) * rstd * scale + bias``,
+    ``rstd = 1 / sqrt(mean((x - mean)^2) + eps)`` (two-pass variance).
+
+    Args:
+      x: ``[..., n]`` float32, bfloat16 or float16.
+      scale, bias: ``[n]`` float32, bfloat16 or float16, or None (no scale / no bias).
+      eps: a static Python float >= 0.
+
+    The same contracts as :func:`rms_norm`; dbias is the canonical tree over tokens of ``g``.
+    """
+    return _apply(x, scale, bias, eps, center=True)
