@@ -5,7 +5,7 @@ M = 1 .. 4096 and at other positions), the weight-gradient chunk semantics, edge
 messages. Prints one line per check and a summary; exit status 1 on any failure.
 
     python benchmarks/gemm_kernels_check.py [--quick]
-Run it again with JAXDET_GEMM_FORCE_SM80=1 on a Hopper GPU to check the sm_80 kernels.
+Run it again with JAXDET_TESTING=gemm=sm80 on a Hopper GPU to check the sm_80 kernels.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gemm_ffi import gemm, wgrad, wgrad_init  # noqa: E402
 
+from jaxdet._switches import active_testing_overrides  # noqa: E402
+
 QUICK = "--quick" in sys.argv
 FAILS = []
-TAG = "sm80-forced" if os.environ.get("JAXDET_GEMM_FORCE_SM80", "0") not in ("", "0") else "default"
+TAG = "sm80-forced" if active_testing_overrides().get("gemm") == "sm80" else "default"
 
 
 def report(name, ok, detail=""):

@@ -1,13 +1,13 @@
-"""Hashes of GEMM results, to show that a scheduling knob does not change any bit.
+"""Hashes of GEMM results, to show that a change of the kernels' schedule or build leaves every bit.
 
-    python benchmarks/gemm_schedule_bits.py > default.txt
-    JAXDET_GEMM_RASTER=m python benchmarks/gemm_schedule_bits.py > m.txt
-    JAXDET_GEMM_RASTER=n python benchmarks/gemm_schedule_bits.py > n.txt
-    diff default.txt m.txt; diff default.txt n.txt   # empty: the same bits
+    python benchmarks/gemm_schedule_bits.py > before.txt     # with the old build
+    python benchmarks/gemm_schedule_bits.py > after.txt      # with the new one
+    diff before.txt after.txt                                # empty: the same bits
 
 Runs the forward, dA and dB of `jaxdet.matmul` (bfloat16) on fixed random inputs whose tile grids
-are taller than wide and wider than tall (the scheduler's raster order flips between them), and
-with few rows and a long reduction, and prints one SHA-256 per result.
+are taller than wide and wider than tall (the Hopper scheduler's raster order differs between
+them), and with few rows and a long reduction, and prints one SHA-256 per result. On a GPU it is
+`tools/gpu_session.sh gemm-bits`.
 """
 
 from __future__ import annotations

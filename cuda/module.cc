@@ -2,15 +2,17 @@
 // the platform it runs on. jaxdet/_ffi.py registers them with XLA on import.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 
+#include "common/testing.h"
 #include "gemm/matmul_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
 
-// CPU handlers (cuda/*_cpu.cc).
+// CPU handlers (cuda/<primitive>/*_cpu.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cpu);
@@ -24,7 +26,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
 JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CPU)
 
 #if defined(JAXDET_WITH_CUDA)
-// CUDA handlers (cuda/*_cuda.cu).
+// CUDA handlers (cuda/<primitive>/*_cuda.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cuda);
@@ -68,10 +70,16 @@ NB_MODULE(_native, m) {
     JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CPU)
     return d;
   });
-  m.def("cpu_gemm_isa", []() { return std::string(jaxdet::cpu_gemm_isa()); },
-        "The instruction-set variant of the CPU GEMM: avx512, avx2 or generic.");
-  m.def("_set_cpu_gemm_isa", [](const std::string& name) { return jaxdet::set_cpu_gemm_isa(name.c_str()); },
-        "Tests only: switch the CPU GEMM variant; False if unknown or unsupported here.");
+  m.def("cpu_gemm_isa", &jaxdet::cpu_gemm_isa,
+        "The instruction-set variant of the CPU GEMM in this process: avx512, avx2 or generic "
+        "(ValueError if JAXDET_TESTING names a variant this CPU lacks).");
+  m.def("cpu_gemm_variants", &jaxdet::cpu_gemm_variants,
+        "The CPU GEMM variants this CPU supports, best first.");
+  m.def("testing_overrides", []() {
+    nb::dict d;
+    for (const auto& [key, value] : jaxdet::testing_overrides()) d[key.c_str()] = value;
+    return d;
+  }, "The items of the testing switch JAXDET_TESTING as the native code read them (once per process).");
   m.def("cuda_targets", []() {
     nb::dict d;
 #if defined(JAXDET_WITH_CUDA)

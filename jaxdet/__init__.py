@@ -21,6 +21,10 @@ def _require_compiled_extension():
 
 _require_compiled_extension()
 
+from jaxdet import _switches  # noqa: E402
+
+_switches.validate_testing_env()  # a mistyped JAXDET_TESTING is an error, never silently ignored
+
 from jaxdet import random
 from jaxdet._ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet.dropout import dropout

@@ -1,7 +1,75 @@
-"""Placeholder until the native branch lands (replaced by its version)."""
+"""The one testing switch of jaxdet's native code: the environment variable JAXDET_TESTING.
+
+A comma-separated list of ``key=value`` items, read once per process by the native code
+(cuda/common/testing.h; docs/DEVELOPING.md):
+
+- ``gemm=sm80``: the CUDA GEMM runs its sm_80 kernels on a Hopper GPU too;
+- ``cpu_gemm=avx512|avx2|generic``: the CPU GEMM variant (refused if this CPU lacks it).
+
+An item changes which kernel runs, so, like the device model, it is part of what the bits may
+depend on: it exists for the tests that compare kernels, and the report names every active item.
+"""
+
+from __future__ import annotations
+
+import os
 
 TESTING_ENV = "JAXDET_TESTING"
 
+# key -> accepted values
+TESTING_ITEMS = {
+    "gemm": ("sm80",),
+    "cpu_gemm": ("avx512", "avx2", "generic"),
+}
 
-def active_testing_overrides():
-    return {}
+
+def _accepted() -> str:
+    return ", ".join(f"{key}={'|'.join(values)}" for key, values in TESTING_ITEMS.items())
+
+
+def parse_testing_overrides(value: str | None) -> dict[str, str]:
+    """The items of a JAXDET_TESTING value as {key: value} (empty for None or "").
+
+    Raises ValueError, naming the variable and the accepted items, for an item that is not
+    ``key=value``, an unknown key or value, or a key given twice.
+    """
+    items: dict[str, str] = {}
+    for raw in (value or "").split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        key, sep, val = (part.strip() for part in item.partition("="))
+        if not sep or key not in TESTING_ITEMS or val not in TESTING_ITEMS[key] or key in items:
+            why = "is given twice" if key in items and sep else "is not an accepted item"
+            raise ValueError(
+                f"{TESTING_ENV}={value!r}: {item!r} {why}. {TESTING_ENV} is a comma-separated list of "
+                f"testing overrides; the accepted items are {_accepted()} (unset it for normal use)."
+            )
+        items[key] = val
+    return items
+
+
+def validate_testing_env(environ=None) -> dict[str, str]:
+    """Check JAXDET_TESTING in `environ` (default os.environ); return its items.
+
+    Raises ValueError for a malformed or unknown item, and for a ``cpu_gemm`` variant this CPU lacks.
+    """
+    environ = os.environ if environ is None else environ
+    items = parse_testing_overrides(environ.get(TESTING_ENV))
+    if "cpu_gemm" in items:
+        from jaxdet import _native
+
+        supported = list(_native.cpu_gemm_variants())
+        if items["cpu_gemm"] not in supported:
+            raise ValueError(
+                f"{TESTING_ENV}: cpu_gemm={items['cpu_gemm']} is not supported by this CPU "
+                f"(supported here: {', '.join(supported)})."
+            )
+    return items
+
+
+def active_testing_overrides() -> dict[str, str]:
+    """The items of JAXDET_TESTING as the native code read them (once per process); {} when unset."""
+    from jaxdet import _native
+
+    return dict(_native.testing_overrides())

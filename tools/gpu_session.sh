@@ -6,8 +6,8 @@
 #   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: options for the
 #   benchmark); SANITIZE=0 skips the sanitizers.
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
-#   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), raster (the persistent scheduler's
-#   raster order: heuristic, along M, along N; timings and result hashes).
+#   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
+#   to diff between two builds: benchmarks/gemm_schedule_bits.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
 mkdir -p "$OUT"
@@ -106,18 +106,7 @@ if asked db-chunks; then
     echo "rc=$?"; grep -E "^dB" "$OUT/bench_db_$c.log"
   done
 fi
-if asked raster; then  # RASTER_BENCH=0: only the result hashes
-  for r in default heuristic m n; do
-    if [ "${RASTER_BENCH:-1}" = 1 ]; then
-      echo "== raster order: $r"
-      env JAXDET_GEMM_RASTER=$r timeout 200 python3 benchmarks/matmul_bench.py --ops ${RASTER_OPS:-fwd,dA,dB} \
-        --shapes ${RASTER_SHAPES:-4096x4096,4096x14336,14336x4096,4096x128256} --ms ${RASTER_MS:-4096,16384} \
-        --reps 10 --inner 3 > "$OUT/bench_raster_$r.log" 2>&1; echo "rc=$?"
-      grep -E "^(fwd|dA |dB )" "$OUT/bench_raster_$r.log"
-    fi
-    env JAXDET_GEMM_RASTER=$r python3 benchmarks/gemm_schedule_bits.py > "$OUT/bits_raster_$r.txt" 2>&1
-  done
-  echo "result hashes, default vs heuristic, m, n (no diff output = the same bits):"
-  for r in heuristic m n; do diff "$OUT/bits_raster_default.txt" "$OUT/bits_raster_$r.txt"; done
-  wc -l < "$OUT/bits_raster_default.txt"
+if asked gemm-bits; then
+  python3 benchmarks/gemm_schedule_bits.py > "$OUT/gemm_bits.txt" 2>&1; echo "rc=$?"
+  cat "$OUT/gemm_bits.txt"
 fi

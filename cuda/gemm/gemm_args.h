@@ -1,7 +1,7 @@
 // Host-side description of one GEMM launch, shared by the FFI handlers (matmul_cuda.cu) and the
-// CUTLASS instantiations (gemm_sm90_*.cu, gemm_sm80_*.cu, gemm_simt_*.cu). No CUTLASS here, so the
-// dispatcher compiles fast and the instantiations can live in their own translation units (and
-// their own CUDA architectures).
+// generated CUTLASS instantiations (cuda/gemm/kernels.cmake). No CUTLASS here, so the dispatcher
+// compiles fast and the instantiations can live in their own translation units (and their own
+// CUDA architectures).
 //
 // Every launcher computes, for l < L, m < M, n < N:
 //   D[l](m, n) = sum_{k ascending in fixed tiles} opA[l](m, k) * opB[l](k, n)   (f32 accumulate)
@@ -39,46 +39,9 @@ struct GemmArgs {
 // Empty string on success, otherwise a message (the caller prefixes the FFI target's name).
 using Status = std::string;
 
-// Launchers. Layout letters: first = A, second = B; N = row-major as stored ([M,K] / [K,N]), T =
-// read transposed in place (A stored [K,M] = column-major A; B stored [N,K] = column-major B).
-// Output element: same as the inputs, or f32 ("f32" in the name). D is always row-major [M,N].
+// A launcher: one CUTLASS instantiation, generated from the list in cuda/gemm/kernels.cmake,
+// which also writes the header declaring them all (generated/gemm_launchers.h).
 #define JAXDET_GEMM_LAUNCHER(name) Status name(const GemmArgs& args, cudaStream_t stream)
-
-// Hopper (sm_90a), CUTLASS 3.x TMA warp-specialized, persistent data-parallel scheduler:
-// cooperative 128x256x64, cluster 1x1x1, for nn, nt and the weight gradient (tn). The tn
-// launchers differ only in their epilogue's C and D types: the mainloop, and so every partial
-// sum, is the same kernel configuration.
-JAXDET_GEMM_LAUNCHER(sm90_bf16_nn_bf16);
-JAXDET_GEMM_LAUNCHER(sm90_bf16_nn_f32);
-JAXDET_GEMM_LAUNCHER(sm90_bf16_nt_bf16);
-JAXDET_GEMM_LAUNCHER(sm90_bf16_nt_f32);
-JAXDET_GEMM_LAUNCHER(sm90_bf16_tn_f32acc);  // D = C + A^T B, f32 C/D (weight gradient chunks)
-JAXDET_GEMM_LAUNCHER(sm90_bf16_tn_bf16);    // D = A^T B, bf16 D (a weight gradient of one chunk)
-JAXDET_GEMM_LAUNCHER(sm90_bf16_tn_f32acc_bf16);  // D = C + A^T B, f32 C, bf16 D (its last chunk)
-JAXDET_GEMM_LAUNCHER(sm90_f16_nn_f16);
-JAXDET_GEMM_LAUNCHER(sm90_f16_nn_f32);
-JAXDET_GEMM_LAUNCHER(sm90_f16_nt_f16);
-JAXDET_GEMM_LAUNCHER(sm90_f16_nt_f32);
-JAXDET_GEMM_LAUNCHER(sm90_f16_tn_f32acc);
-JAXDET_GEMM_LAUNCHER(sm90_f16_tn_f16);
-JAXDET_GEMM_LAUNCHER(sm90_f16_tn_f32acc_f16);
-
-// sm_80 and later (CUTLASS 2.x multistage tensor-op kernels, mma.sync), all four layouts; the
-// *_f32 launchers also take beta = 1 with an f32 C (the weight gradient off Hopper).
-#define JAXDET_SM80_LAUNCHERS(T)                                                          \
-  JAXDET_GEMM_LAUNCHER(sm80_##T##_nn_##T); JAXDET_GEMM_LAUNCHER(sm80_##T##_nn_f32);      \
-  JAXDET_GEMM_LAUNCHER(sm80_##T##_nt_##T); JAXDET_GEMM_LAUNCHER(sm80_##T##_nt_f32);      \
-  JAXDET_GEMM_LAUNCHER(sm80_##T##_tn_##T); JAXDET_GEMM_LAUNCHER(sm80_##T##_tn_f32);      \
-  JAXDET_GEMM_LAUNCHER(sm80_##T##_tt_##T); JAXDET_GEMM_LAUNCHER(sm80_##T##_tt_f32);
-JAXDET_SM80_LAUNCHERS(bf16)
-JAXDET_SM80_LAUNCHERS(f16)
-#undef JAXDET_SM80_LAUNCHERS
-
-// True float32 on every architecture (CUTLASS 2.x SIMT sgemm: FFMA, never TF32); any alignment.
-JAXDET_GEMM_LAUNCHER(simt_f32_nn);
-JAXDET_GEMM_LAUNCHER(simt_f32_nt);
-JAXDET_GEMM_LAUNCHER(simt_f32_tn);
-JAXDET_GEMM_LAUNCHER(simt_f32_tt);
 
 }  // namespace gemm
 }  // namespace jaxdet

@@ -1,6 +1,6 @@
 // sm_80+ GEMM launchers (CUTLASS 2.x GemmUniversal, batched mode): the bf16/f16 tensor-op kernels
 // (mma.sync m16n8k16, multistage cp.async) and the true-float32 SIMT kernel (FFMA; never TF32).
-// Included by the gemm_sm80_*.cu / gemm_simt_*.cu translation units.
+// Included by the generated translation units of the sm80 family (cuda/gemm/kernels.cmake).
 //
 // Batch invariance: the threadblock/warp/instruction shapes and stage count are compile-time
 // constants of each launcher; split-K is fixed at 1 (each threadblock walks all of K in order);
@@ -79,25 +79,19 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
   return {};
 }
 
+// The launcher of one generated unit (cuda/gemm/kernels.cmake): the SIMT kernel for float32, the
+// tensor-op kernel otherwise. CUTLASS 2.x epilogues take one type for C and D.
+template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD>
+Status launch(const GemmArgs& args, cudaStream_t stream) {
+  static_assert(std::is_same_v<ElementC, ElementD>, "the sm_80 kernels read C in D's type");
+  if constexpr (std::is_same_v<Element, float>) {
+    static_assert(std::is_same_v<ElementD, float>, "the float32 SIMT kernel writes float32");
+    return run<SimtGemm<LayoutA, LayoutB>>(args, stream);
+  } else {
+    return run<TensorOpGemm<Element, LayoutA, LayoutB, ElementD>>(args, stream);
+  }
+}
+
 }  // namespace sm80
 }  // namespace gemm
 }  // namespace jaxdet
-
-#define JAXDET_SM80_DEFINE(name, E, LA, LB, EO)                                                 \
-  namespace jaxdet {                                                                           \
-  namespace gemm {                                                                             \
-  Status name(const GemmArgs& args, cudaStream_t stream) {                                     \
-    return sm80::run<sm80::TensorOpGemm<E, cutlass::layout::LA, cutlass::layout::LB, EO>>(args, \
-                                                                                    stream);   \
-  }                                                                                            \
-  }                                                                                            \
-  }
-
-#define JAXDET_SIMT_DEFINE(name, LA, LB)                                                        \
-  namespace jaxdet {                                                                           \
-  namespace gemm {                                                                             \
-  Status name(const GemmArgs& args, cudaStream_t stream) {                                     \
-    return sm80::run<sm80::SimtGemm<cutlass::layout::LA, cutlass::layout::LB>>(args, stream);  \
-  }                                                                                            \
-  }                                                                                            \
-  }

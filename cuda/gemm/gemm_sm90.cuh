@@ -1,18 +1,16 @@
 // Hopper (sm_90a) GEMM launchers: CUTLASS 3.x collective builder, TMA warp-specialized cooperative
-// kernel, persistent data-parallel tile scheduler. Included by the gemm_sm90_*.cu translation
-// units, which are compiled for sm_90a only (one instantiation per unit, so they build in
-// parallel).
+// kernel, persistent data-parallel tile scheduler. Included by the generated translation units of
+// the sm90 family (cuda/gemm/kernels.cmake), which are compiled for sm_90a only.
 //
 // Batch invariance: the tile (and so the wgmma instruction and the K-tile sequence), the schedule
 // and the scheduler are compile-time constants of each launcher. One CTA owns a whole output
-// tile and walks K from 0 upwards in tiles of kTileK; a row's bits therefore depend only on that
+// tile and walks K from 0 upwards in tiles of 64 (TileShape); a row's bits depend only on that
 // row of A and on B. TMA zero-fills the out-of-bounds part of edge tiles, and zeros add exactly.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -34,10 +32,9 @@ namespace jaxdet {
 namespace gemm {
 namespace sm90 {
 
-// The fixed configuration of the forward and dA kernels (nn, nt; bf16 and f16): 128x256x64 tile,
-// two consumer warpgroups (cooperative, each issues wgmma m64n256k16 on its 64 rows), cluster
-// 1x1x1 (a 2x1 cluster leaves half the SMs idle when M <= 128). The weight-gradient kernels (tn,
-// f32 C and D) use the same tile and schedule.
+// The fixed configuration of every Hopper kernel (forward nn, dA nt, weight gradient tn; bf16 and
+// f16): 128x256x64 tile, two consumer warpgroups (cooperative, each issues wgmma m64n256k16 on its
+// 64 rows), cluster 1x1x1 (a 2x1 cluster leaves half the SMs idle when M <= 128).
 using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
@@ -45,20 +42,17 @@ using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 // ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C.
-// ClusterM, the schedules and the tile are template parameters so that variants can be measured;
-// each launcher fixes them at compile time.
-template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD, int ClusterM = 1,
-          class KSchedule = MainloopSchedule, class ESchedule = EpilogueSchedule, class Tile_ = TileShape>
+template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD>
 struct Config {
-  using TileShape = Tile_;
-  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   using LayoutD = cutlass::layout::RowMajor;
-  // Raster order of the persistent scheduler (see raster_order below): along N for the forward and
-  // dA kernels (A row-major), CUTLASS's heuristic for the weight gradient (A column-major). Measured
-  // on an H100 (benchmarks/RESULTS.md): along N lifts the forward at N = 128256 from 0.89x to
-  // 1.0x of jnp.dot, where the heuristic rasters along M; the weight gradient ran best with the
-  // heuristic.
-  static constexpr bool kRasterAlongN = std::is_same_v<LayoutA, cutlass::layout::RowMajor>;
+  // Raster order of the persistent scheduler: along N for the forward and dA kernels (A row-major),
+  // CUTLASS's heuristic for the weight gradient (A column-major), the faster of the orders for each
+  // on an H100 (benchmarks/RESULTS.md). Like the swizzle below it only decides which CTA computes
+  // which tile, never what a tile computes (identical result hashes for the heuristic, along M and
+  // along N: benchmarks/gemm_schedule_bits.py).
+  static constexpr auto kRasterOrder = std::is_same_v<LayoutA, cutlass::layout::RowMajor>
+                                           ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
+                                           : cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using ElementSource = std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>;
@@ -67,13 +61,13 @@ struct Config {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC,
-      ElementD, LayoutD, kAlignD, ESchedule, Fusion>::CollectiveOp;
+      ElementD, LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
       LayoutB, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      KSchedule>::CollectiveOp;
+      MainloopSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, TileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -102,29 +96,6 @@ Stride make_stride3(int64_t s0, int64_t s1, int64_t s2) {
 // only decides which CTA computes which output tile, never what a tile computes (verified on the
 // GPU: identical output hashes for swizzle 1 and 8, cluster 1x1 and 2x1).
 constexpr int kSwizzle = 8;
-
-// The raster order of the persistent scheduler (along M or N first): like the swizzle it only
-// decides which CTA computes which tile (checked: identical result hashes with the raster forced
-// along M and along N, benchmarks/gemm_schedule_bits.py). Each launcher has a fixed default
-// (Config::kRasterAlongN); JAXDET_GEMM_RASTER=m, n or heuristic (read once per process) overrides
-// it, to measure the others.
-inline cutlass::gemm::kernel::detail::RasterOrderOptions raster_order(bool along_n_default) {
-  using R = cutlass::gemm::kernel::detail::RasterOrderOptions;
-  static const int forced = [] {  // 0: the launcher's default
-    const char* v = std::getenv("JAXDET_GEMM_RASTER");
-    if (v == nullptr) return 0;
-    if (v[0] == 'm' || v[0] == 'M') return 1;
-    if (v[0] == 'n' || v[0] == 'N') return 2;
-    if (v[0] == 'h' || v[0] == 'H') return 3;
-    return 0;
-  }();
-  switch (forced) {
-    case 1: return R::AlongM;
-    case 2: return R::AlongN;
-    case 3: return R::Heuristic;
-    default: return along_n_default ? R::AlongN : R::Heuristic;
-  }
-}
 
 inline bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
 
@@ -160,7 +131,7 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
       {{}, static_cast<const typename Kernel::ElementC*>(g.c), sc, static_cast<ElementD*>(g.d), sd},
       hw};
   args.scheduler.max_swizzle_size = kSwizzle;  // which CTA takes which tile: not the numerics
-  args.scheduler.raster_order = raster_order(Cfg::kRasterAlongN);  // the same
+  args.scheduler.raster_order = Cfg::kRasterOrder;                 // the same
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = g.beta;
 
@@ -197,27 +168,12 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
   return {};
 }
 
+// The launcher of one generated unit (cuda/gemm/kernels.cmake).
+template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD>
+Status launch(const GemmArgs& args, cudaStream_t stream) {
+  return run<Config<ElementAB, LayoutA, LayoutB, ElementC, ElementD>>(args, stream);
+}
+
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace jaxdet
-
-// A launcher with a full Config (cluster, schedules, tile), for measuring other configurations.
-#define JAXDET_SM90_DEFINE_X(name, ...)                                 \
-  namespace jaxdet {                                                    \
-  namespace gemm {                                                      \
-  Status name(const GemmArgs& args, cudaStream_t stream) {              \
-    return sm90::run<sm90::Config<__VA_ARGS__>>(args, stream);          \
-  }                                                                     \
-  }                                                                     \
-  }
-
-// One launcher per translation unit.
-#define JAXDET_SM90_DEFINE(name, EAB, LA, LB, EC, ED)                                         \
-  namespace jaxdet {                                                                          \
-  namespace gemm {                                                                            \
-  Status name(const GemmArgs& args, cudaStream_t stream) {                                    \
-    return sm90::run<sm90::Config<EAB, cutlass::layout::LA, cutlass::layout::LB, EC, ED>>(   \
-        args, stream);                                                                        \
-  }                                                                                           \
-  }                                                                                           \
-  }

@@ -8,26 +8,32 @@
 // M, the blocking, the row's position or the threads: row invariance by construction. K blocks
 // (KC) only pause that sum in float32 memory and resume it.
 //
-// Variants, chosen once per process from the CPU (never from shapes): AVX-512F+FMA, AVX2+FMA, and
-// a portable fallback. The two FMA variants give identical bits (each step is fma(a, b, acc));
-// the portable fallback rounds the product first (acc + round(a*b)), so its bits differ from the
-// FMA variants. Bits may therefore differ between CPUs with and without FMA, never between calls,
-// shapes, thread counts or batch compositions on one machine.
+// Variants, chosen once per process from the CPU (never from shapes): AVX-512F+FMA, AVX2+FMA (x86
+// only), and a portable fallback (every CPU). The two FMA variants give identical bits (each step
+// is fma(a, b, acc)); the portable fallback rounds the product first (acc + round(a*b)), so its
+// bits differ from the FMA variants. Bits may therefore differ between CPUs with and without FMA,
+// never between calls, shapes, thread counts or batch compositions on one machine.
+//
+// Threads: the output tiles are handed out from one shared counter to the calling thread and to
+// tasks on XLA's intra-op thread pool (common/parallel.h); each tile is computed whole by one thread.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <vector>
 
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define JAXDET_X86 1
 #include <immintrin.h>
+#endif
 
 #include "common/ffi_common.h"
-#include "matmul_cpu.h"
+#include "common/parallel.h"
 #include "common/philox.h"
+#include "common/testing.h"
+#include "matmul_cpu.h"
 
 namespace jaxdet {
 namespace matmul_cpu {
@@ -53,8 +59,15 @@ struct GemmProblem {
   bool accumulate;  // out (float32) = out + partial, once per element, after the whole K
 };
 
-// Below this many flops per extra thread, starting a thread costs more than it saves.
+// Below this many flops per extra worker, handing work to another thread costs more than it saves.
 constexpr double kMinFlopsPerThread = 4.0e6;
+
+int64_t worker_count(const GemmProblem& p, int64_t tiles, const ffi::ThreadPool& pool) {
+  const double flops = 2.0 * static_cast<double>(p.L) * p.M * p.N * std::max<int64_t>(p.K, 1);
+  int64_t workers = std::min<int64_t>(pool.num_threads(), tiles);
+  workers = std::min<int64_t>(workers, static_cast<int64_t>(flops / kMinFlopsPerThread) + 1);
+  return std::max<int64_t>(workers, 1);
+}
 
 class AlignedFloats {
  public:
@@ -71,29 +84,9 @@ class AlignedFloats {
   float* p_;
 };
 
-template <typename Fn>
-void run_workers(int threads, Fn& fn) {
-  if (threads <= 1) {
-    fn();
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) {
-    try {
-      pool.emplace_back([&fn]() { fn(); });
-    } catch (const std::system_error&) {
-      break;  // fewer threads: tiles come from a shared counter, so the work (and bits) are unchanged
-    }
-  }
-  fn();
-  for (auto& th : pool) th.join();
-}
-
 // ---------------------------------------------------------------------------------------------
 // AVX-512F + FMA: 12 x 32 register tile (24 zmm accumulators).
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define JAXDET_X86 1
+#if defined(JAXDET_X86)
 #pragma GCC push_options
 #pragma GCC target("avx512f,fma")
 namespace avx512 {
@@ -220,10 +213,11 @@ struct Micro {
 }  // namespace generic
 
 // ---------------------------------------------------------------------------------------------
-// Variant selection: once per process from the CPU (JAXDET_CPU_GEMM_ISA=avx512|avx2|generic may
-// pick a supported one instead); set_isa exists for tests that compare the variants.
+// Variant selection: once per process, the best this CPU supports, or the one the testing switch
+// names (JAXDET_TESTING=cpu_gemm=avx512|avx2|generic, common/testing.h), refused if this CPU lacks it.
 
 enum Isa : int { kUnset = -1, kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr const char* kIsaNames[] = {"generic", "avx2", "avx512"};
 
 bool isa_supported(int isa) {
 #if defined(JAXDET_X86)
@@ -234,54 +228,43 @@ bool isa_supported(int isa) {
   return isa == kGeneric;
 }
 
-int isa_from_name(const std::string& name) {
-  if (name == "avx512") return kAvx512;
-  if (name == "avx2") return kAvx2;
-  if (name == "generic") return kGeneric;
-  return kUnset;
-}
+struct IsaChoice {
+  int isa = kUnset;
+  std::string error;  // why the testing switch's variant was refused; empty when isa is set
+};
 
-int detect_isa() {
-  if (const char* env = std::getenv("JAXDET_CPU_GEMM_ISA")) {
-    const int want = isa_from_name(env);
-    if (want != kUnset && isa_supported(want)) return want;
-  }
-  if (isa_supported(kAvx512)) return kAvx512;
-  if (isa_supported(kAvx2)) return kAvx2;
-  return kGeneric;
-}
-
-std::atomic<int> g_isa{kUnset};
-
-int current_isa() {
-  int isa = g_isa.load(std::memory_order_acquire);
-  if (isa == kUnset) {
-    isa = detect_isa();
-    g_isa.store(isa, std::memory_order_release);
-  }
-  return isa;
-}
-
-int max_threads() {
-  static const int n = []() {
-    if (const char* env = std::getenv("JAXDET_CPU_THREADS")) {
-      const int v = std::atoi(env);
-      if (v > 0) return v;
+IsaChoice choose_isa() {
+  const std::string* want = testing_override("cpu_gemm");
+  if (want == nullptr) {
+    for (int isa : {kAvx512, kAvx2}) {
+      if (isa_supported(isa)) return {isa, ""};
     }
-    const unsigned hw = std::thread::hardware_concurrency();
-    return hw == 0 ? 1 : static_cast<int>(hw);
-  }();
-  return n;
+    return {kGeneric, ""};
+  }
+  for (int isa : {kAvx512, kAvx2, kGeneric}) {
+    if (*want != kIsaNames[isa]) continue;
+    if (isa_supported(isa)) return {isa, ""};
+    return {kUnset, std::string(kTestingEnv) + " has cpu_gemm=" + *want + ", which this CPU does not support"};
+  }
+  return {kUnset, std::string(kTestingEnv) + " has cpu_gemm=" + *want +
+                      "; the accepted items are cpu_gemm=avx512, cpu_gemm=avx2 and cpu_gemm=generic"};
 }
 
-void gemm(const GemmProblem& p) {
-  switch (current_isa()) {
+const IsaChoice& isa_choice() {
+  static const IsaChoice choice = choose_isa();
+  return choice;
+}
+
+ffi::Error gemm(const char* op, const GemmProblem& p, ffi::ThreadPool& pool) {
+  switch (isa_choice().isa) {
 #if defined(JAXDET_X86)
-    case kAvx512: avx512::gemm(p, max_threads()); return;
-    case kAvx2: avx2::gemm(p, max_threads()); return;
+    case kAvx512: avx512::gemm(p, pool); break;
+    case kAvx2: avx2::gemm(p, pool); break;
 #endif
-    default: generic::gemm(p, max_threads()); return;
+    case kGeneric: generic::gemm(p, pool); break;
+    default: return ffi::Error::InvalidArgument(std::string(op) + ": " + isa_choice().error);
   }
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -296,8 +279,8 @@ bool to_gemm_dtype(ffi::DataType t, GemmDtype* out) {
   }
 }
 
-ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, bool transpose_a,
-                   bool transpose_b) {
+ffi::Error GemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
+                   bool transpose_a, bool transpose_b) {
   const char* op = "jaxdet_gemm";
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   if (ad.size() != 3 || bd.size() != 3 || od.size() != 3) {
@@ -333,14 +316,15 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffe
   p.out_dtype = ot;
   p.out_batch_stride = M * N;
   p.accumulate = false;
-  gemm(p);
-  return ffi::Error::Success();
+  return gemm(op, p, pool);
 }
 
-// The weight-gradient chunk sequence into the float32 accumulator `dst` [L, K, N]; `acc` null:
-// chunk 0's partial is written as it is and every later chunk adds (the CUDA target does the same).
-ffi::Error WgradChunks(const char* op, const float* acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
-                       ffi::Span<const int64_t> od, float* dst, int64_t chunk_tokens) {
+// The weight-gradient chunk sequence into `dst` [L, K, N]. `acc` null: chunk 0's partial is
+// written as it is (rounded once to dst_dtype, which may be bfloat16/float16 only when the tokens
+// fit in one chunk) and every later chunk adds (the CUDA target does the same); otherwise dst
+// (float32) starts from acc.
+ffi::Error WgradChunks(const char* op, ffi::ThreadPool& pool, const float* acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                       ffi::Span<const int64_t> od, void* dst, GemmDtype dst_dtype, int64_t chunk_tokens) {
   const auto ad = a.dimensions(), dd = dc.dimensions();
   if (ad.size() != 3 || dd.size() != 3 || od.size() != 3) {
     return ffi::Error::InvalidArgument(std::string(op) + ": a, dc and out must be rank 3");
@@ -355,8 +339,9 @@ ffi::Error WgradChunks(const char* op, const float* acc, ffi::AnyBuffer a, ffi::
   if (ad[0] != L || ad[2] != K || dd[0] != L || dd[1] != T || dd[2] != N) {
     return ffi::Error::InvalidArgument(std::string(op) + ": inconsistent shapes");
   }
+  const size_t dst_esize = dst_dtype == GemmDtype::kF32 ? 4 : 2;
   if (acc != nullptr && dst != acc) std::memcpy(dst, acc, sizeof(float) * L * K * N);
-  if (acc == nullptr && T == 0) std::fill(dst, dst + L * K * N, 0.0f);
+  if (acc == nullptr && T == 0) std::memset(dst, 0, dst_esize * L * K * N);  // +0 in every dtype
   const size_t esize = at == GemmDtype::kF32 ? 4 : 2;
   // Chunk c: out = out + a[c]^T . dc[c]; the chunk GEMM starts from 0 and adds into out once.
   for (int64_t t0 = 0; t0 < T; t0 += chunk_tokens) {
@@ -371,29 +356,32 @@ ffi::Error WgradChunks(const char* op, const float* acc, ffi::AnyBuffer a, ffi::
     p.b = GemmOperand{static_cast<const char*>(dc.untyped_data()) + esize * t0 * N, dt, false, N, T * N};
     p.b_broadcast = false;
     p.out = dst;
-    p.out_dtype = GemmDtype::kF32;
+    p.out_dtype = dst_dtype;
     p.out_batch_stride = K * N;
     p.accumulate = !(acc == nullptr && t0 == 0);
-    gemm(p);
+    if (p.accumulate && dst_dtype != GemmDtype::kF32) {
+      return ffi::Error::Internal(std::string(op) + ": a half result cannot accumulate chunks");
+    }
+    if (auto err = gemm(op, p, pool); err.failure()) return err;
   }
   return ffi::Error::Success();
 }
 
-ffi::Error GemmWgradCpu(ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+ffi::Error GemmWgradCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
   const char* op = "jaxdet_gemm_wgrad";
   const auto cd = acc.dimensions(), od = out->dimensions();
   if (cd.size() != od.size() || !std::equal(cd.begin(), cd.end(), od.begin())) {
     return ffi::Error::InvalidArgument(std::string(op) + ": acc and out must have the same shape [L,K,N]");
   }
-  return WgradChunks(op, acc.typed_data(), a, dc, od, out->typed_data(), chunk_tokens);
+  return WgradChunks(op, pool, acc.typed_data(), a, dc, od, out->typed_data(), GemmDtype::kF32, chunk_tokens);
 }
 
 // dB with no accumulator, in the result's dtype: float32, or a's bfloat16/float16 (the float32
 // accumulator cast once, RNE, as astype does; the CUDA target casts in the last chunk's epilogue).
-// `workspace` is the float32 accumulator XLA provides when the tokens span several chunks (the
-// CUDA target needs it); here a one-chunk call accumulates into a temporary.
-ffi::Error GemmWgradInitCpu(ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi::AnyBuffer> out,
+// One chunk: its GEMM rounds each float32 sum to the half result in its epilogue. Several chunks:
+// they accumulate in `workspace`, the float32 [L, K, N] XLA provides for that case, then one cast.
+ffi::Error GemmWgradInitCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t chunk_tokens) {
   const char* op = "jaxdet_gemm_wgrad_init";
   GemmDtype at, ot;
@@ -401,18 +389,22 @@ ffi::Error GemmWgradInitCpu(ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi
       (ot != at && ot != GemmDtype::kF32)) {
     return ffi::Error::InvalidArgument(std::string(op) + ": the result must be float32 or a's dtype");
   }
+  if (chunk_tokens <= 0) return ffi::Error::InvalidArgument(std::string(op) + ": chunk_tokens must be > 0");
   const auto od = out->dimensions();
-  if (ot == GemmDtype::kF32) {
-    return WgradChunks(op, nullptr, a, dc, od, static_cast<float*>(out->untyped_data()), chunk_tokens);
+  const auto ad = a.dimensions();
+  const int64_t tokens = ad.size() == 3 ? ad[1] : 0;
+  if (ot == GemmDtype::kF32 || tokens <= chunk_tokens) {
+    return WgradChunks(op, pool, nullptr, a, dc, od, out->untyped_data(), ot, chunk_tokens);
   }
   const int64_t n = static_cast<int64_t>(out->element_count());
-  std::vector<float> temporary;
-  float* acc = workspace->typed_data();
   if (static_cast<int64_t>(workspace->element_count()) != n) {
-    temporary.resize(n);
-    acc = temporary.data();
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": the float32 workspace must be [L,K,N] when the tokens span several chunks");
   }
-  if (auto err = WgradChunks(op, nullptr, a, dc, od, acc, chunk_tokens); err.failure()) return err;
+  float* acc = workspace->typed_data();
+  if (auto err = WgradChunks(op, pool, nullptr, a, dc, od, acc, GemmDtype::kF32, chunk_tokens); err.failure()) {
+    return err;
+  }
   uint16_t* dst = static_cast<uint16_t*>(out->untyped_data());
   if (ot == GemmDtype::kBF16) {
     for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(acc[i]);
@@ -424,25 +416,25 @@ ffi::Error GemmWgradInitCpu(ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi
 
 }  // namespace matmul_cpu
 
-const char* cpu_gemm_isa() {
-  switch (matmul_cpu::current_isa()) {
-    case matmul_cpu::kAvx512: return "avx512";
-    case matmul_cpu::kAvx2: return "avx2";
-    default: return "generic";
-  }
+std::string cpu_gemm_isa() {
+  const matmul_cpu::IsaChoice& c = matmul_cpu::isa_choice();
+  if (c.isa == matmul_cpu::kUnset) throw std::invalid_argument(c.error);
+  return matmul_cpu::kIsaNames[c.isa];
 }
 
-bool set_cpu_gemm_isa(const char* name) {
-  const int isa = matmul_cpu::isa_from_name(name);
-  if (isa == matmul_cpu::kUnset || !matmul_cpu::isa_supported(isa)) return false;
-  matmul_cpu::g_isa.store(isa, std::memory_order_release);
-  return true;
+std::vector<std::string> cpu_gemm_variants() {
+  std::vector<std::string> names;
+  for (int isa : {matmul_cpu::kAvx512, matmul_cpu::kAvx2, matmul_cpu::kGeneric}) {
+    if (matmul_cpu::isa_supported(isa)) names.emplace_back(matmul_cpu::kIsaNames[isa]);
+  }
+  return names;
 }
 
 }  // namespace jaxdet
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cpu, jaxdet::matmul_cpu::GemmCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
@@ -451,6 +443,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cpu, jaxdet::matmul_cpu::GemmCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu, jaxdet::matmul_cpu::GemmWgradCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
@@ -459,6 +452,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu, jaxdet::matmul_cpu::GemmWgr
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu, jaxdet::matmul_cpu::GemmWgradInitCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()

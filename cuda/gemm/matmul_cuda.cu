@@ -10,8 +10,8 @@
 //     (128x256x64, persistent data-parallel scheduler) for transpose_a = False and for the weight
 //     gradient; transpose_a = True runs the sm_80 kernels.
 //   - bfloat16/float16 on other GPUs of compute capability >= 8.0: CUTLASS 2.x tensor-op kernels.
-//   - JAXDET_GEMM_FORCE_SM80=1 (read once per process) makes a Hopper GPU run the sm_80 kernels: a
-//     testing knob. It changes which kernel runs, so, like the GPU model, it is part of the
+//   - the testing switch JAXDET_TESTING=gemm=sm80 (common/testing.h) makes a Hopper GPU run the
+//     sm_80 kernels. It changes which kernel runs, so, like the GPU model, it is part of the
 //     "device" that the bits may depend on.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,16 +19,15 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <string>
 #include <type_traits>
 
 #include "common/cuda_common.h"
+#include "common/testing.h"
 #include "gemm_args.h"
+#include "generated/gemm_launchers.h"
 
 namespace jaxdet {
 namespace {
@@ -42,6 +41,7 @@ struct DeviceInfo {
   int major = 0;
   int minor = 0;
   int sms = 0;
+  bool force_sm80 = false;  // JAXDET_TESTING=gemm=sm80
 };
 
 constexpr int kMaxDevices = 64;
@@ -69,15 +69,18 @@ ffi::Error current_device_info(DeviceInfo* info) {
   return ffi::Error::Success();
 }
 
-bool force_sm80() {
-  static const bool force = [] {
-    const char* v = std::getenv("JAXDET_GEMM_FORCE_SM80");
-    return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-  }();
-  return force;
+// The item gemm of JAXDET_TESTING: absent, or sm80 (the sm_80 kernels on Hopper too).
+ffi::Error testing_force_sm80(const char* op, bool* force) {
+  const std::string* v = testing_override("gemm");
+  *force = v != nullptr && *v == "sm80";
+  if (v != nullptr && !*force) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + kTestingEnv + " has gemm=" + *v +
+                                       "; the accepted item is gemm=sm80");
+  }
+  return ffi::Error::Success();
 }
 
-bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !force_sm80(); }
+bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !d.force_sm80; }
 
 ffi::Error invalid(const char* op, const std::string& msg) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + msg);
@@ -128,6 +131,7 @@ Launcher pick_wgrad(const DeviceInfo& d, ffi::DataType dt) {
 
 ffi::Error check_device(const char* op, DeviceInfo* d) {
   if (auto err = current_device_info(d); err.failure()) return err;
+  if (auto err = testing_force_sm80(op, &d->force_sm80); err.failure()) return err;
   if (d->major < 8) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       std::string(op) + ": needs a GPU of compute capability 8.0 or newer (this one is " +

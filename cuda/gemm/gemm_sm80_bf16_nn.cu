@@ -1,4 +1,0 @@
-// sm_80+ tensor-op instantiations of one (dtype, layout), both output types.
-#include "gemm_sm80.cuh"
-JAXDET_SM80_DEFINE(sm80_bf16_nn_bf16, cutlass::bfloat16_t, RowMajor, RowMajor, cutlass::bfloat16_t)
-JAXDET_SM80_DEFINE(sm80_bf16_nn_f32, cutlass::bfloat16_t, RowMajor, RowMajor, float)

@@ -1,4 +1,0 @@
-// sm_80+ tensor-op instantiations of one (dtype, layout), both output types.
-#include "gemm_sm80.cuh"
-JAXDET_SM80_DEFINE(sm80_bf16_nt_bf16, cutlass::bfloat16_t, RowMajor, ColumnMajor, cutlass::bfloat16_t)
-JAXDET_SM80_DEFINE(sm80_bf16_nt_f32, cutlass::bfloat16_t, RowMajor, ColumnMajor, float)

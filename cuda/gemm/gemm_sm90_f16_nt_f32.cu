@@ -1,3 +1,0 @@
-// Generated pattern: one Hopper instantiation per translation unit (parallel builds).
-#include "gemm_sm90.cuh"
-JAXDET_SM90_DEFINE(sm90_f16_nt_f32, cutlass::half_t, RowMajor, ColumnMajor, void, float)

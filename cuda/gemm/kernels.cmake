@@ -1,0 +1,137 @@
+# The CUTLASS launchers of the batch-invariant GEMM, generated from one list (included by
+# CMakeLists.txt when CUDA is built). For each entry CMake writes one translation unit (so that
+# they compile in parallel) from gemm_kernel.cu.in, and one header, generated/gemm_launchers.h,
+# declares every launcher for the dispatcher (matmul_cuda.cu).
+#
+# Entry: "name family dtype layout C D"
+#   family  sm90: CUTLASS 3.x TMA warp-specialized cooperative kernel (gemm_sm90.cuh), sm_90a only;
+#           sm80: CUTLASS 2.x kernel (gemm_sm80.cuh): tensor-op mma.sync for bf16/f16, SIMT FFMA for
+#           f32; sm_80 and sm_90 machine code plus sm_80 PTX for newer GPUs.
+#   dtype   A and B: bf16, f16 or f32.
+#   layout  A then B: n = row-major as stored ([M,K] / [K,N]); t = read transposed in place
+#           (column-major: A stored [K,M], B stored [N,K]). D is always row-major [M,N].
+#   C, D    the epilogue's D = A.B (+ beta C): C void = no source read (sm90 only; the sm80
+#           kernels take C of D's type and read it only when beta != 0).
+set(JAXDET_GEMM_KERNELS
+  # Hopper forward (nn) and dA (nt), half or float32 output.
+  "sm90_bf16_nn_bf16         sm90 bf16 nn void bf16"
+  "sm90_bf16_nn_f32          sm90 bf16 nn void f32"
+  "sm90_bf16_nt_bf16         sm90 bf16 nt void bf16"
+  "sm90_bf16_nt_f32          sm90 bf16 nt void f32"
+  "sm90_f16_nn_f16           sm90 f16  nn void f16"
+  "sm90_f16_nn_f32           sm90 f16  nn void f32"
+  "sm90_f16_nt_f16           sm90 f16  nt void f16"
+  "sm90_f16_nt_f32           sm90 f16  nt void f32"
+  # Hopper weight gradient (tn): one mainloop, three epilogues: D = C + A^T B in float32 (every
+  # chunk but the last), D = A^T B cast to the half dtype (a single chunk), and D = C + A^T B with
+  # a float32 C cast to the half dtype (the last chunk). The casts round to nearest even.
+  "sm90_bf16_tn_f32acc       sm90 bf16 tn f32  f32"
+  "sm90_bf16_tn_bf16         sm90 bf16 tn void bf16"
+  "sm90_bf16_tn_f32acc_bf16  sm90 bf16 tn f32  bf16"
+  "sm90_f16_tn_f32acc        sm90 f16  tn f32  f32"
+  "sm90_f16_tn_f16           sm90 f16  tn void f16"
+  "sm90_f16_tn_f32acc_f16    sm90 f16  tn f32  f16"
+  # sm_80 and later: all four layouts, half or float32 output (the *_f32 ones also serve as the
+  # weight gradient with beta = 1 off Hopper).
+  "sm80_bf16_nn_bf16         sm80 bf16 nn bf16 bf16"
+  "sm80_bf16_nn_f32          sm80 bf16 nn f32  f32"
+  "sm80_bf16_nt_bf16         sm80 bf16 nt bf16 bf16"
+  "sm80_bf16_nt_f32          sm80 bf16 nt f32  f32"
+  "sm80_bf16_tn_bf16         sm80 bf16 tn bf16 bf16"
+  "sm80_bf16_tn_f32          sm80 bf16 tn f32  f32"
+  "sm80_bf16_tt_bf16         sm80 bf16 tt bf16 bf16"
+  "sm80_bf16_tt_f32          sm80 bf16 tt f32  f32"
+  "sm80_f16_nn_f16           sm80 f16  nn f16  f16"
+  "sm80_f16_nn_f32           sm80 f16  nn f32  f32"
+  "sm80_f16_nt_f16           sm80 f16  nt f16  f16"
+  "sm80_f16_nt_f32           sm80 f16  nt f32  f32"
+  "sm80_f16_tn_f16           sm80 f16  tn f16  f16"
+  "sm80_f16_tn_f32           sm80 f16  tn f32  f32"
+  "sm80_f16_tt_f16           sm80 f16  tt f16  f16"
+  "sm80_f16_tt_f32           sm80 f16  tt f32  f32"
+  # True float32 on every architecture (SIMT FFMA, never TF32), all four layouts.
+  "simt_f32_nn               sm80 f32  nn f32  f32"
+  "simt_f32_nt               sm80 f32  nt f32  f32"
+  "simt_f32_tn               sm80 f32  tn f32  f32"
+  "simt_f32_tt               sm80 f32  tt f32  f32"
+)
+
+set(_jaxdet_type_bf16 "cutlass::bfloat16_t")
+set(_jaxdet_type_f16 "cutlass::half_t")
+set(_jaxdet_type_f32 "float")
+set(_jaxdet_type_void "void")
+set(_jaxdet_layout_n "cutlass::layout::RowMajor")
+set(_jaxdet_layout_t "cutlass::layout::ColumnMajor")
+
+# Writes the units and the header under ${CMAKE_CURRENT_BINARY_DIR}/generated (the build folder
+# goes on the include path: #include "generated/gemm_launchers.h"); sets JAXDET_GEMM_SM90_SOURCES
+# and JAXDET_GEMM_SM80_SOURCES.
+function(jaxdet_generate_gemm_kernels)
+  set(dir "${CMAKE_CURRENT_BINARY_DIR}/generated")
+  set(template "${CMAKE_CURRENT_SOURCE_DIR}/cuda/gemm/gemm_kernel.cu.in")
+  set(sm90_sources "")
+  set(sm80_sources "")
+  set(declarations "")
+  set(names "")
+  foreach(entry IN LISTS JAXDET_GEMM_KERNELS)
+    string(REGEX REPLACE " +" ";" fields "${entry}")
+    list(LENGTH fields n)
+    if(NOT n EQUAL 6)
+      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}' must have 6 fields")
+    endif()
+    list(GET fields 0 JAXDET_KERNEL_NAME)
+    list(GET fields 1 JAXDET_KERNEL_FAMILY)
+    list(GET fields 2 dtype)
+    list(GET fields 3 layout)
+    list(GET fields 4 c)
+    list(GET fields 5 d)
+    if(JAXDET_KERNEL_NAME IN_LIST names)
+      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS names ${JAXDET_KERNEL_NAME} twice")
+    endif()
+    list(APPEND names "${JAXDET_KERNEL_NAME}")
+    string(SUBSTRING "${layout}" 0 1 la)
+    string(SUBSTRING "${layout}" 1 1 lb)
+    foreach(var IN ITEMS dtype c d la lb)
+      if(var MATCHES "^l")
+        set(key "_jaxdet_layout_${${var}}")
+      else()
+        set(key "_jaxdet_type_${${var}}")
+      endif()
+      if(NOT DEFINED ${key})
+        message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': unknown ${var} '${${var}}'")
+      endif()
+    endforeach()
+    set(JAXDET_KERNEL_ELEMENT "${_jaxdet_type_${dtype}}")
+    set(JAXDET_KERNEL_LAYOUT_A "${_jaxdet_layout_${la}}")
+    set(JAXDET_KERNEL_LAYOUT_B "${_jaxdet_layout_${lb}}")
+    set(JAXDET_KERNEL_ELEMENT_C "${_jaxdet_type_${c}}")
+    set(JAXDET_KERNEL_ELEMENT_D "${_jaxdet_type_${d}}")
+    set(source "${dir}/gemm/${JAXDET_KERNEL_NAME}.cu")
+    configure_file("${template}" "${source}" @ONLY)
+    if(JAXDET_KERNEL_FAMILY STREQUAL "sm90")
+      list(APPEND sm90_sources "${source}")
+    elseif(JAXDET_KERNEL_FAMILY STREQUAL "sm80")
+      list(APPEND sm80_sources "${source}")
+    else()
+      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': unknown family '${JAXDET_KERNEL_FAMILY}'")
+    endif()
+    string(APPEND declarations
+           "JAXDET_GEMM_LAUNCHER(${JAXDET_KERNEL_NAME});  // ${JAXDET_KERNEL_FAMILY} ${dtype} ${layout} C=${c} D=${d}\n")
+  endforeach()
+  file(CONFIGURE OUTPUT "${dir}/gemm_launchers.h" @ONLY CONTENT
+"// Generated by cuda/gemm/kernels.cmake from JAXDET_GEMM_KERNELS: every CUTLASS launcher of the GEMM,
+// declared once (family, dtype, layout of A and B, epilogue C and D).
+#pragma once
+
+#include \"gemm/gemm_args.h\"
+
+namespace jaxdet {
+namespace gemm {
+
+${declarations}
+}  // namespace gemm
+}  // namespace jaxdet
+")
+  set(JAXDET_GEMM_SM90_SOURCES "${sm90_sources}" PARENT_SCOPE)
+  set(JAXDET_GEMM_SM80_SOURCES "${sm80_sources}" PARENT_SCOPE)
+endfunction()
