@@ -1,20 +1,49 @@
 """Loading the native extension, registering its XLA FFI targets, and defining primitives.
 
 Every jaxdet primitive is a `jax.extend.core.Primitive` whose abstract evaluation, per-platform
-lowering and batching rule are declared next to each other in the primitive's own module. The
-lowering names one FFI target; on CUDA, a build without CUDA kernels raises instead of quietly
-running something else.
+lowering, batching rule and partitioning rule are declared next to each other in the primitive's
+own module. The lowering names one FFI target; on CUDA, a build without CUDA kernels raises instead
+of quietly running something else.
+
+Many devices (docs/sharding.md):
+
+* Inside ``jax.shard_map`` (``check_vma=True``) every output of a jaxdet primitive varies over the
+  union of the mesh axes its inputs vary over, so the outputs keep their type: ``out_specs`` checks,
+  ``lax.scan`` carries and ``custom_vjp`` cotangent types work as for JAX's own primitives.
+* Under ``jax.jit`` with sharded operands, a primitive with a `Partitioning` lowers through
+  ``jax.experimental.custom_partitioning`` (a Shardy sharding rule, and the GSPMD callbacks when
+  Shardy is off): each device runs the kernel on its own shards with no collective, except that
+  a dimension that must not be split (a contraction) is all-gathered first, and a dimension the
+  primitive sums over is combined across devices by the canonical tree (`tree_psum`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    SdyShardingRule,
+    custom_partitioning,
+)
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdet import _native
+
+try:  # The set of primitives whose lowering needs the device assignment (custom partitioning does).
+    from jax._src.dispatch import (
+        prim_requires_devices_during_lowering as _NEEDS_DEVICES,
+    )
+except ImportError:  # pragma: no cover - a JAX without it lowers custom_partitioning without devices
+    _NEEDS_DEVICES = set()
 
 CPU_TARGETS = dict(_native.cpu_targets())
 CUDA_TARGETS = dict(_native.cuda_targets())
@@ -41,17 +70,235 @@ def _missing_cuda_lowering(target: str):
     return lowering
 
 
-def define_primitive(target: str, abstract_eval, attributes, batching_rule=None, *, multiple_results=False,
-                     operand_output_aliases=None):
-    """A primitive named `target` that lowers to the FFI target of that name on cpu and cuda.
+# ---- Varying manual axes (jax.shard_map with check_vma=True). ----
 
-    `attributes(**params)` maps the primitive's parameters to the FFI call's attributes.
-    `operand_output_aliases` is a dict {operand: result}, or a function of the operand count
-    returning one (for variadic primitives such as clipping, whose aliases follow its leaves).
+def varying_axes(x) -> frozenset:
+    """The mesh axes a value (or an abstract value) varies over inside ``jax.shard_map``."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def mesh_order(axes) -> tuple:
+    """`axes` in the order of the current mesh's axis names (the order the canonical tree uses)."""
+    names = jax.sharding.get_abstract_mesh().axis_names
+    return tuple(n for n in names if n in axes) + tuple(sorted(n for n in axes if n not in names))
+
+
+def _with_varying(aval, vma: frozenset):
+    """`aval` typed as varying over `vma` (in the current shard_map's abstract mesh)."""
+    if not vma or not isinstance(aval, jax.core.ShapedArray) or varying_axes(aval) == vma:
+        return aval
+    sharding = aval.sharding
+    if sharding.mesh.empty:
+        sharding = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
+    return aval.update(sharding=sharding, manual_axis_type=aval.mat.update(varying=vma))
+
+
+def _propagate_types(abstract_eval, multiple_results, partitioning):
+    # A kernel output depends on every input, so it varies wherever any input does (the union;
+    # JAX's own rule would insist that the inputs agree, but an invariant weight next to a sharded
+    # activation is the common case). With explicitly sharded operands (a mesh of
+    # AxisType.Explicit), each result dimension is typed with its factor's sharding, as the
+    # partitioning rule will produce it.
+    def rule(*avals, **params):
+        out = abstract_eval(*avals, **params)
+        outs = list(out) if multiple_results else [out]
+        if partitioning is not None:
+            shardings = _explicit_result_shardings(partitioning, params, avals)
+            if shardings is not None:
+                outs = [o.update(sharding=sh) for o, sh in zip(outs, shardings)]
+        vma = frozenset().union(*(varying_axes(a) for a in avals))
+        if vma:
+            outs = [_with_varying(o, vma) for o in outs]
+        return type(out)(outs) if multiple_results else outs[0]
+
+    return rule
+
+
+def _explicit_result_shardings(part, params, avals):
+    meshes = [a.sharding.mesh for a in avals if isinstance(a, jax.core.ShapedArray) and not a.sharding.mesh.empty]
+    if not meshes or not any(t == jax.sharding.AxisType.Explicit for t in meshes[0].axis_types):
+        return None
+    mesh = meshes[0]
+    shapes = [tuple(a.shape) for a in avals]
+    axes = _assign_axes(part, params, mesh, shapes, [a.sharding.spec for a in avals])
+    return [_sharding(mesh, axes, f) for f in part.factors(params, shapes)[1]]
+
+
+def match_varying(ct, vma: frozenset):
+    """A cotangent typed as its primal (varying over exactly `vma`).
+
+    Axes the cotangent varies over but the primal does not are summed by `tree_psum` (the
+    canonical tree, device-count invariant where the summands line up; never ``psum``), so compute
+    such a cotangent in float32 and cast it after this. Axes the primal varies over but the
+    cotangent does not are a type change only (``pcast``).
     """
-    prim = jex_core.Primitive(target)
+    have = varying_axes(ct)
+    extra, missing = have - vma, vma - have
+    if extra:
+        from jaxdet import (
+            parallel,  # imported here: parallel imports the primitives' modules
+        )
+
+        ct = parallel.tree_psum(ct, mesh_order(extra))
+    if missing:
+        ct = lax.pcast(ct, mesh_order(missing), to="varying")
+    return ct
+
+
+def varying_union(*xs) -> frozenset:
+    return frozenset().union(*(varying_axes(x) for x in xs))
+
+
+# ---- Partitioning under sharded jit (custom_partitioning). ----
+
+@dataclasses.dataclass(frozen=True)
+class Partitioning:
+    """How a primitive runs on the shards of its operands under ``jax.jit``.
+
+    ``factors(params, operand_shapes)`` names every dimension of every operand and result: one
+    name per index space (``gemm``: ``a (l, m, k), b (l, k, n) -> (l, m, n)``). A dimension of an
+    operand keeps its sharding when its factor can be split, and each result dimension takes its
+    factor's sharding. The first operand that shards a factor decides its mesh axes; a mesh axis
+    already taken, a split that does not divide the dimension, or a factor in ``replicated`` (a
+    contraction: splitting it would need a ``psum``) leaves the factor whole, so the partitioner
+    all-gathers it. A factor in ``reduced`` appears in no result: the primitive sums over it, and
+    ``local`` must combine the devices' partial sums itself (by `tree_psum_untyped`).
+
+    ``local(params, axes, operand_shapes)`` returns the function that runs on each device's shards
+    (``axes``: factor -> tuple of mesh axes, major first, empty when nothing is split;
+    ``operand_shapes``: the global shapes). None: the FFI call with the same parameters.
+    ``can_split(factor, size, parts)``, when given, may refuse a split (a reduced factor whose
+    shards would not line up with the canonical tree's subtrees).
+    """
+
+    factors: Callable
+    replicated: frozenset = frozenset()
+    reduced: frozenset = frozenset()
+    local: Callable | None = None
+    can_split: Callable | None = None
+
+
+def _spec_axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _assign_axes(part: Partitioning, params, mesh, shapes, specs):
+    """factor -> mesh axes (major first), from the operands' partition specs."""
+    operand_factors, _ = part.factors(params, shapes)
+    axes, used = {}, set()
+    for shape, spec, factors in zip(shapes, specs, operand_factors):
+        spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+        for size, factor, entry in zip(shape, factors, spec):
+            names = tuple(n for n in _spec_axes(entry) if mesh.shape[n] > 1)
+            if not names or factor in axes or factor in part.replicated or used & set(names):
+                continue
+            parts = math.prod(mesh.shape[n] for n in names)
+            if size % parts or (part.can_split is not None and not part.can_split(factor, size, parts)):
+                continue
+            axes[factor] = names
+            used |= set(names)
+    return axes
+
+
+def _sharding(mesh, axes, factors):
+    entries = [axes.get(f) for f in factors]
+    return NamedSharding(mesh, PartitionSpec(*[None if not e else e[0] if len(e) == 1 else e for e in entries]))
+
+
+def _specs_of(arg_shapes):
+    specs = []
+    for s in arg_shapes:
+        sharding = s.sharding
+        specs.append(sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec())
+    return specs
+
+
+def _shapes_of(values):
+    return [tuple(v.shape) for v in values]
+
+
+def _register_partitioned_lowering(prim, local, part: Partitioning, multiple_results: bool):
+    """Lower `prim` through custom_partitioning. `local(params, axes, shapes)` is the per-device
+    function; with no axes it computes the unsharded result, which is also what runs on one
+    device and inside shard_map (where every mesh axis is manual)."""
+
+    def fun(params, *args):
+        out = local(dict(params), {}, _shapes_of(args))(*args)
+        return list(out) if multiple_results else out
+
+    cp = custom_partitioning(fun, static_argnums=(0,))
+
+    def shardings(params, mesh, arg_shapes):
+        shapes = _shapes_of(arg_shapes)
+        axes = _assign_axes(part, params, mesh, shapes, _specs_of(arg_shapes))
+        operand_factors, result_factors = part.factors(params, shapes)
+        arg_shardings = tuple(_sharding(mesh, axes, f) for f in operand_factors)
+        result_shardings = [_sharding(mesh, axes, f) for f in result_factors]
+        return axes, shapes, arg_shardings, (result_shardings if multiple_results else result_shardings[0])
+
+    def partition(params, mesh, arg_shapes, result_shape):
+        axes, shapes, arg_shardings, result_shardings = shardings(dict(params), mesh, arg_shapes)
+        body = local(dict(params), axes, shapes)
+
+        def lower_fn(*args):
+            out = body(*args)
+            return list(out) if multiple_results else out
+
+        return mesh, lower_fn, result_shardings, arg_shardings
+
+    def infer_sharding_from_operands(params, mesh, arg_shapes, result_shape):
+        return shardings(dict(params), mesh, arg_shapes)[3]
+
+    def sharding_rule(params, mesh, value_types, result_types):
+        operand_factors, result_factors = part.factors(dict(params), [tuple(t.shape) for t in value_types])
+        # Shardy numbers the factors by first appearance and wants each special set in that order.
+        order = list(dict.fromkeys(f for fs in [*operand_factors, *result_factors] for f in fs))
+        return SdyShardingRule(
+            tuple(ArrayMapping(*f) for f in operand_factors),
+            tuple(ArrayMapping(*f) for f in result_factors),
+            reduction_factors=tuple(f for f in order if f in part.reduced),
+            need_replication_factors=tuple(f for f in order if f in part.replicated),
+        )
+
+    cp.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                     sharding_rule=sharding_rule)
+
+    def lowering(*args, **params):
+        return cp(tuple(sorted(params.items())), *args)
+
+    mlir.register_lowering(prim, mlir.lower_fun(lowering, multiple_results=multiple_results))
+    _NEEDS_DEVICES.add(prim)
+
+
+def tree_psum_untyped(x, axes: tuple):
+    """``jaxdet.parallel.tree_psum`` for a custom_partitioning lowering, whose per-device values
+    carry no shard_map types: the same canonical tree over the device index (lower index first),
+    with data movement only (all_to_all as a reduce-scatter, then all_gather)."""
+    from jaxdet import parallel
+
+    size = math.prod(lax.axis_size(n) for n in axes)
+    if size == 1:
+        return x
+    axis = axes if len(axes) > 1 else axes[0]
+    flat = x.reshape(-1)
+    n = flat.shape[0]
+    chunk = -(-n // size)
+    flat = jnp.pad(flat, (0, chunk * size - n))
+    pieces = lax.all_to_all(flat.reshape(size, chunk), axis, 0, 0, tiled=True)
+    part = parallel.tree_sum([pieces[i] for i in range(size)])
+    return lax.all_gather(part, axis, axis=0, tiled=True)[:n].reshape(x.shape)
+
+
+# ---- Defining primitives. ----
+
+def _new_primitive(name, abstract_eval, multiple_results, partitioning=None):
+    prim = jex_core.Primitive(name)
     prim.multiple_results = multiple_results
-    prim.def_abstract_eval(abstract_eval)
+    prim.def_abstract_eval(_propagate_types(abstract_eval, multiple_results, partitioning))
 
     @functools.partial(jax.jit, static_argnames=("params",))
     def _jitted(*args, params):
@@ -59,17 +306,48 @@ def define_primitive(target: str, abstract_eval, attributes, batching_rule=None,
 
     # Eager calls run through jit of the primitive, so eager and jit are the same compiled kernel.
     prim.def_impl(lambda *args, **params: _jitted(*args, params=tuple(sorted(params.items()))))
+    return prim
+
+
+def define_primitive(target: str, abstract_eval, attributes, batching_rule=None, *, multiple_results=False,
+                     operand_output_aliases=None, partitioning: Partitioning | None = None):
+    """A primitive named `target` that lowers to the FFI target of that name on cpu and cuda.
+
+    `attributes(**params)` maps the primitive's parameters to the FFI call's attributes.
+    `operand_output_aliases` is a dict {operand: result}, or a function of the operand count
+    returning one (for variadic primitives such as clipping, whose aliases follow its leaves).
+    With `partitioning`, the FFI call is a second primitive, ``prim.shard`` (named
+    ``target + "_shard"``), that `partitioning.local` binds on each device's shards; its
+    parameters are the FFI attributes' and may differ from the outer primitive's.
+    """
+    prim = _new_primitive(target, abstract_eval, multiple_results, partitioning)
+    ffi_prim = prim if partitioning is None else _new_primitive(target + "_shard", abstract_eval, multiple_results)
 
     def lowering(ctx, *args, **params):
         aliases = operand_output_aliases(len(args)) if callable(operand_output_aliases) else operand_output_aliases
         rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases) if aliases else jax.ffi.ffi_lowering(target)
         return rule(ctx, *args, **attributes(**params))
 
-    mlir.register_lowering(prim, lowering, platform="cpu")
+    mlir.register_lowering(ffi_prim, lowering, platform="cpu")
     if target in CUDA_TARGETS:
-        mlir.register_lowering(prim, lowering, platform="cuda")
+        mlir.register_lowering(ffi_prim, lowering, platform="cuda")
     else:
-        mlir.register_lowering(prim, _missing_cuda_lowering(target), platform="cuda")
+        mlir.register_lowering(ffi_prim, _missing_cuda_lowering(target), platform="cuda")
+    if partitioning is not None:
+        local = partitioning.local or (lambda params, axes, shapes: functools.partial(ffi_prim.bind, **params))
+        _register_partitioned_lowering(prim, local, partitioning, multiple_results)
+        prim.shard = ffi_prim
+    if batching_rule is not None:
+        batching.primitive_batchers[prim] = batching_rule
+    return prim
+
+
+def define_composite(name: str, abstract_eval, partitioning: Partitioning, batching_rule=None, *,
+                     multiple_results=False):
+    """A primitive computed by ``partitioning.local`` from other primitives, so that it can carry
+    its own batching and partitioning rules."""
+    prim = _new_primitive(name, abstract_eval, multiple_results, partitioning)
+    _register_partitioned_lowering(prim, partitioning.local, partitioning, multiple_results)
     if batching_rule is not None:
         batching.primitive_batchers[prim] = batching_rule
     return prim

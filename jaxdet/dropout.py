@@ -10,13 +10,19 @@ one ``+0``. Nothing else (dtype, shape, launch grid, device, backend) enters the
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdet import _ffi
-from jaxdet._checks import check_philox_key, check_static_float, check_static_int
+from jaxdet._checks import (
+    check_philox_key,
+    check_static_float,
+    check_static_int,
+    is_traced,
+)
 
 __all__ = ["dropout", "drop_threshold", "keep_scale"]
 
@@ -33,94 +39,176 @@ def keep_scale(rate: float) -> np.float32:
     return np.float32(1.0 / (1.0 - rate))
 
 
-# ---- The primitive: x[*G, *S], keys uint32[*G, 2]; group g uses keys[g] and indexes its own slice. ----
+# ---- The primitive: x[*G, *S], keys uint32[*G, 2], offsets uint32[*G, 2] (the (lo32, hi32) words of
+# each group's 64-bit offset); group g uses keys[g] and offsets[g] and indexes its own slice. ----
 
-def _dropout_abstract_eval(x, keys, *, drop_threshold, offset, scale, mask_strides):
+def _dropout_abstract_eval(x, keys, offsets, **params):
     return jax.core.ShapedArray(x.shape, x.dtype)
 
 
 def _dropout_batch(args, dims, **params):
-    x, keys = args
-    x_dim, k_dim = dims
-    group_ndim = keys.ndim - 1
-    if _ffi.not_mapped(k_dim):
-        # One key for every example: the batch axis becomes a group axis sharing that key, so each
-        # example's elements are indexed from 0 (+ offset), exactly as in an unbatched call.
-        x = jnp.moveaxis(x, x_dim, group_ndim)
-        size = x.shape[group_ndim]
-        keys = jnp.broadcast_to(keys[..., None, :], keys.shape[:-1] + (size, 2))
-        return dropout_p.bind(x, keys, **params), group_ndim
-    size = keys.shape[k_dim]
-    keys = jnp.moveaxis(keys, k_dim, 0)
-    if _ffi.not_mapped(x_dim):
-        x = jnp.broadcast_to(x, (size,) + x.shape)
-    else:
-        x = jnp.moveaxis(x, x_dim, 0)
-    return dropout_p.bind(x, keys, **params), 0
-
-
-dropout_p = _ffi.define_primitive(
-    "jaxdet_dropout",
-    _dropout_abstract_eval,
-    attributes=lambda drop_threshold, offset, scale, mask_strides: dict(
-        drop_threshold=np.uint32(drop_threshold),
-        offset=np.int64(offset),
-        scale=np.float32(scale),
-        mask_strides=np.asarray(mask_strides, np.int64),
-    ),
-    batching_rule=_dropout_batch,
-)
+    # The vmapped axis becomes a new leading group axis: each example gets its key and offset (the
+    # shared one, broadcast, when they are not batched), so each example's elements are indexed
+    # from its own offset exactly as in an unbatched call.
+    size = next(a.shape[d] for a, d in zip(args, dims) if not _ffi.not_mapped(d))
+    x, keys, offsets = (
+        jnp.broadcast_to(a, (size,) + a.shape) if _ffi.not_mapped(d) else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    )
+    return dropout_p.bind(x, keys, offsets, **params), 0
 
 
 MAX_MASK_RUNS = 16  # kMaxMaskRank in cuda/philox.h
 
 
-def _mask_runs(shape, broadcast_dims):
-    """Collapse x's dimensions into alternating runs of (size, mask stride); broadcast runs have
-    stride 0. The mask index of an element is then the dot product of its run indices and strides."""
-    mask_shape = [1 if d in broadcast_dims else n for d, n in enumerate(shape)]
-    strides, step = [], 1
-    for n in reversed(mask_shape):
-        strides.append(step)
-        step *= n
-    strides.reverse()
-    runs = []  # [size, stride, is_broadcast]
-    for d, n in enumerate(shape):
-        bcast = d in broadcast_dims
-        if runs and runs[-1][2] == bcast:
-            runs[-1][0] *= n
-            runs[-1][1] = 0 if bcast else strides[d]
+def _mask_strides(shape, broadcast_dims):
+    """Each dimension's stride in the mask index: row-major in `shape` with the broadcast
+    dimensions set to 1 (their stride is 0)."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(range(len(shape))):
+        if d not in broadcast_dims:
+            strides[d] = step
+            step *= shape[d]
+    return strides
+
+
+def _runs(sizes, strides):
+    """Merge neighbouring dimensions whose mask indices continue each other into runs of
+    (size, stride); size-1 dimensions vanish. One run of stride 1 is the plain row-major index."""
+    runs = []
+    for n, st in zip(sizes, strides):
+        if n == 1:
+            continue
+        if runs and runs[-1][1] == st * n:
+            runs[-1] = [runs[-1][0] * n, st]
         else:
-            runs.append([n, 0 if bcast else strides[d], bcast])
-    return tuple(r[0] for r in runs), tuple(r[1] for r in runs)
+            runs.append([n, st])
+    return runs
 
 
-def _apply(x, key, params, broadcast_dims):
-    if not broadcast_dims:
-        return dropout_p.bind(x, key, mask_strides=(), **dict(params))
-    sizes, strides = _mask_runs(x.shape, broadcast_dims)
-    out = dropout_p.bind(x.reshape(sizes), key, mask_strides=strides, **dict(params))
-    return out.reshape(x.shape)
+def _add64(words, add):
+    """(lo32, hi32) uint32 pairs plus a uint32[2] pair, modulo 2**64."""
+    lo = words[..., 0] + add[0]
+    hi = words[..., 1] + add[1] + (lo < add[0]).astype(jnp.uint32)
+    return jnp.stack([lo, hi], axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dropout(x, key, params, broadcast_dims):
-    return _apply(x, key, params, broadcast_dims)
+def _words(value: int) -> np.ndarray:
+    value %= 2**64
+    return np.array([value & 0xFFFFFFFF, value >> 32], np.uint32)
 
 
-def _dropout_fwd(x, key, params, broadcast_dims):
-    # The only residual is the 8-byte key: the backward regenerates the mask from (key, offset, rate).
-    # (Calling the custom_vjp function, not the primitive, keeps higher-order derivatives working.)
-    return _dropout(x, key, params, broadcast_dims), key
+def _shard_offset(x_shape, groups, strides, axes):
+    """uint32[2]: sum over the split dimensions d of start_d * stride_d, the shard's first mask index.
+
+    Each split dimension looks its term up in a small table by the shard's position along the mesh
+    axes splitting it (``lax.axis_index``), so the 64-bit products are exact Python integers."""
+    total = jnp.zeros((2,), jnp.uint32)
+    for d, stride in enumerate(strides):
+        names = axes.get(f"s{d}")
+        if not names or stride == 0:
+            continue
+        count = math.prod(jax.lax.axis_size(n) for n in names)
+        local = x_shape[groups + d] // count
+        table = jnp.asarray(np.stack([_words(i * local * stride) for i in range(count)]))
+        total = _add64(total[None], table[jax.lax.axis_index(names if len(names) > 1 else names[0])])[0]
+    return total
 
 
-def _dropout_bwd(params, broadcast_dims, key, g):
+def _dropout_local(params, axes, shapes):
+    """The per-shard dropout: the global mask indices of this device's elements are its offset plus
+    the shard's start (`_shard_offset`) plus the dot product of its local indices with the global
+    mask strides, so every shard draws exactly the bits of the unsharded mask."""
+    x_shape, key_shape, _ = shapes
+    groups = len(key_shape) - 1
+    strides = _mask_strides(x_shape[groups:], params["broadcast_dims"])
+    attrs = dict(drop_threshold=params["drop_threshold"], scale=params["scale"])
+
+    def run(x, keys, offsets):
+        if axes:
+            offsets = _add64(offsets, _shard_offset(x_shape, groups, strides, axes))
+        runs = _runs(x.shape[groups:], strides)
+        if len(runs) > MAX_MASK_RUNS:
+            raise ValueError(
+                f"jaxdet.dropout: this shard of x{list(x_shape)} splits into {len(runs)} runs of mask "
+                f"indices, more than {MAX_MASK_RUNS}; reshape x or shard fewer of its dimensions"
+            )
+        if len(runs) <= 1 and all(st == 1 for _, st in runs):
+            return dropout_p.shard.bind(x, keys, offsets, mask_strides=(), **attrs)
+        sizes = tuple(n for n, _ in runs)
+        out = dropout_p.shard.bind(x.reshape(x.shape[:groups] + sizes), keys, offsets,
+                                   mask_strides=tuple(st for _, st in runs), **attrs)
+        return out.reshape(x.shape)
+
+    return run
+
+
+def _dropout_factors(params, shapes):
+    # Every dimension of x may be split (no collective: each shard draws its own part of the
+    # global mask); keys and offsets follow x's group dimensions.
+    x_shape, key_shape, _ = shapes
+    groups = tuple(f"g{i}" for i in range(len(key_shape) - 1))
+    x_factors = groups + tuple(f"s{i}" for i in range(len(x_shape) - len(groups)))
+    return [x_factors, groups + ("key",), groups + ("offset",)], [x_factors]
+
+
+dropout_p = _ffi.define_primitive(
+    "jaxdet_dropout",
+    _dropout_abstract_eval,
+    attributes=lambda drop_threshold, scale, mask_strides: dict(
+        drop_threshold=np.uint32(drop_threshold),
+        scale=np.float32(scale),
+        mask_strides=np.asarray(mask_strides, np.int64),
+    ),
+    batching_rule=_dropout_batch,
+    partitioning=_ffi.Partitioning(_dropout_factors, replicated=frozenset({"key", "offset"}), local=_dropout_local),
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dropout(x, key, offsets, params, x_vma):
+    return dropout_p.bind(x, key, offsets, **dict(params))
+
+
+def _dropout_fwd(x, key, offsets, params, x_vma):
+    # The only residuals are the key and the offset (16 bytes): the backward regenerates the mask.
+    return _dropout(x, key, offsets, params, x_vma), (key, offsets)
+
+
+def _dropout_bwd(params, x_vma, res, g):
     # Dropout is linear in x, so its transpose is itself: the same mask applied to the cotangent,
-    # through the custom_vjp function again so that higher derivatives work.
-    return _dropout(g, key, params, broadcast_dims), None
+    # through the custom_vjp function again so that higher derivatives work. Under shard_map, an
+    # x that is invariant over an axis its key or offset varies over gets the canonical-tree sum
+    # of the devices' cotangents (float32, cast once): `x_vma` is x's varying axes.
+    key, offsets = res
+    if _ffi.varying_union(g, key, offsets) - x_vma:
+        g32 = g.astype(jnp.float32)
+        dx = _dropout(g32, key, offsets, params, _ffi.varying_axes(g32))
+        return _ffi.match_varying(dx, x_vma).astype(g.dtype), None, None
+    return _ffi.match_varying(_dropout(g, key, offsets, params, _ffi.varying_axes(g)), x_vma), None, None
 
 
 _dropout.defvjp(_dropout_fwd, _dropout_bwd)
+
+
+def _offset_words(offset):
+    """The offset as uint32[2] (lo32, hi32): a constant for a static int, else from a traced scalar."""
+    if is_traced(offset) or isinstance(offset, jax.Array):
+        value = jnp.asarray(offset)
+        if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.integer) or value.dtype == jnp.bool_:
+            raise TypeError(f"offset must be a Python int or an integer scalar array, got {value.dtype}{list(value.shape)}")
+        lo = value.astype(jnp.uint32)
+        if jnp.iinfo(value.dtype).bits == 64:
+            hi = (value >> 32).astype(jnp.uint32)
+        elif jnp.issubdtype(value.dtype, jnp.signedinteger):
+            hi = jnp.where(value < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0))  # modulo 2**64, as documented
+        else:
+            hi = jnp.zeros((), jnp.uint32)
+        return jnp.stack([lo, hi])
+    offset = check_static_int(offset, "offset", minimum=0)
+    if offset >= 2**63:
+        raise ValueError(f"offset must be < 2**63, got {offset}")
+    return jnp.asarray(_words(offset))
 
 
 def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broadcast_dims=()):
@@ -152,9 +240,7 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
     rate = check_static_float(rate, "rate")
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"rate must be in [0, 1), got {rate}")
-    offset = check_static_int(offset, "offset", minimum=0)
-    if offset >= 2**63:
-        raise ValueError(f"offset must be < 2**63, got {offset}")
+    offsets = _offset_words(offset)
     ndim = len(x.shape)
     try:
         dims = tuple(broadcast_dims)
@@ -168,7 +254,7 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
         normalized.append(d % ndim)
     if len(set(normalized)) != len(normalized):
         raise ValueError(f"broadcast_dims has repeated dimensions: {dims}")
-    if normalized and len(_mask_runs(tuple(x.shape), set(normalized))[0]) > MAX_MASK_RUNS:
+    if normalized and len(_runs(x.shape, _mask_strides(x.shape, set(normalized)))) > MAX_MASK_RUNS:
         raise ValueError(
             f"broadcast_dims {dims} splits x's shape {tuple(x.shape)} into more than {MAX_MASK_RUNS} "
             "alternating broadcast/non-broadcast runs; reshape x first"
@@ -181,5 +267,6 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
     x = jnp.asarray(x)
     if x.size == 0:
         return x
-    params = (("drop_threshold", drop_threshold(rate)), ("offset", offset), ("scale", float(keep_scale(rate))))
-    return _dropout(x, key, params, frozenset(normalized))
+    params = (("broadcast_dims", tuple(sorted(normalized))), ("drop_threshold", drop_threshold(rate)),
+              ("scale", float(keep_scale(rate))))
+    return _dropout(x, key, offsets, params, _ffi.varying_axes(x))

@@ -8,11 +8,12 @@ The contracts (docs/matmul.md, proven by tests/test_matmul.py):
   kernel whose configuration depends on (dtype, layout, N, K, device) only. The same holds for
   ``dA = dC . B^T`` in the backward pass (B is read transposed in place).
 * dB chunk contract. ``dB = A^T . dC`` reduces over tokens (the rows of ``a``, all batch dims
-  folded in). It is computed as a fixed sequence of chunk GEMMs of ``WGRAD_CHUNK_TOKENS`` tokens
-  each, every chunk starting from 0 and adding its float32 partial into the running float32
-  accumulator once (D = C + partial); a call without an accumulator starts it from chunk 0's partial. ``matmul_weight_grad(a, dc, acc)`` exposes that
-  accumulation, so micro-batches whose token counts are multiples of ``WGRAD_CHUNK_TOKENS``
-  reproduce the full-batch dB bitwise. Appending zero rows leaves dB unchanged.
+  folded in). The tokens are cut into chunks of ``WGRAD_CHUNK_TOKENS``; each chunk is one GEMM
+  from 0 in float32, and the chunk partials are combined by the canonical balanced binary tree
+  (lower index first, padded to a power of two with absent leaves: ``jaxdet.parallel.tree_sum``'s
+  tree), in float32, cast once. Micro-batches of 2^j chunks (the last may be shorter) combined
+  with ``tree_sum`` reproduce the full-batch dB bitwise, and so do devices holding such blocks.
+  Appending zero rows leaves dB unchanged.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from jaxdet import _ffi
 
 __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
 
-# Tokens per chunk GEMM of the weight gradient (the same on CPU and GPU). Micro-batches whose token
-# counts are multiples of this reproduce the full-batch dB bitwise (see matmul_weight_grad).
+# Tokens per chunk GEMM of the weight gradient (the same on CPU and GPU): the leaves of dB's
+# canonical tree. Micro-batches (or devices) holding 2^j chunks each reproduce the full-batch dB
+# bitwise (see matmul_weight_grad).
 WGRAD_CHUNK_TOKENS = 8192
 
 SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -76,6 +78,17 @@ def _gemm_batch(args, dims, *, transpose_a, transpose_b, out_dtype):
     return out.reshape((size, L) + out.shape[1:]), 0
 
 
+def _gemm_factors(params, shapes):
+    # Rows (m), columns (n) and the batch (l) are split per device with no collective; the
+    # contraction (k) is never split: that would need a psum, whose order depends on the device
+    # count, so a K-sharded operand is all-gathered instead (docs/sharding.md).
+    a, b = shapes
+    lb = "l" if b[0] == a[0] else "lb"  # a shared b (Lb = 1) broadcasts over the batch
+    a_factors = ("l", "k", "m") if params["transpose_a"] else ("l", "m", "k")
+    b_factors = (lb, "n", "k") if params["transpose_b"] else (lb, "k", "n")
+    return [a_factors, b_factors], [("l", "m", "n")]
+
+
 gemm_p = _ffi.define_primitive(
     "jaxdet_gemm",
     _gemm_abstract_eval,
@@ -83,6 +96,7 @@ gemm_p = _ffi.define_primitive(
         transpose_a=bool(transpose_a), transpose_b=bool(transpose_b)
     ),
     batching_rule=_gemm_batch,
+    partitioning=_ffi.Partitioning(_gemm_factors, replicated=frozenset({"k"})),
 )
 
 
@@ -182,25 +196,178 @@ def _gemm(a3, b3, out_dtype, transpose_b=False):
     return out if Np == N else out[..., :N]
 
 
-def _wgrad(acc3, a3, dc3, out_dtype=_F32):
-    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N], chunk by chunk, in float32.
+def _chunk_tree(a3, dc3):
+    """The canonical tree of the float32 chunk partials of a3ᵀ . dc3, for more than 3 chunks.
 
-    acc3 None: from chunk 0's partial, and the result is cast once to `out_dtype` (float32 or the
-    inputs' dtype); otherwise the result is the float32 accumulator.
+    The kernels reduce a pair of chunks as p0 + p1 (the add fused in the second GEMM's epilogue);
+    pairs are then merged by XLA adds in binary-counter order: the stack holds aligned subtrees
+    of decreasing size, so at most log2(chunks) + 1 partials are live.
+    """
+    c = WGRAD_CHUNK_TOKENS
+    T = a3.shape[1]
+    stack = []  # [(chunks in the subtree, float32 root)]
+    for lo in range(0, T, 2 * c):
+        if stack:
+            # Everything before this pair is merged before its GEMM may start (XLA would otherwise
+            # be free to run all pair GEMMs first, with one live partial per pair).
+            roots, a3, dc3 = jax.lax.optimization_barrier(([v for _, v in stack], a3, dc3))
+            stack = [(n, v) for (n, _), v in zip(stack, roots)]
+        part, _ = wgrad_init_p.bind(a3[:, lo : lo + 2 * c], dc3[:, lo : lo + 2 * c], chunk_tokens=c, out_dtype=_F32)
+        stack.append((min(2, -(-(T - lo) // c)), part))
+        while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
+            (n, left), (_, right) = stack[-2:]
+            stack[-2:] = [(2 * n, left + right)]
+    # What is left are aligned subtrees of decreasing size; with absent padding they join right to
+    # left (the smallest sits under the rightmost nodes).
+    root = stack[-1][1]
+    for _, left in reversed(stack[:-1]):
+        root = left + root
+    return root
+
+
+def _wgrad(acc3, a3, dc3, out_dtype=_F32):
+    """acc3 [L, K, N] + a3ᵀ [L, T, K] . dc3 [L, T, N]: chunk partials by the canonical tree, float32.
+
+    acc3 None: the tree alone, cast once to `out_dtype` (float32 or the inputs' dtype); otherwise
+    the float32 ``acc3 + tree`` (acc3 added once).
     """
     T, K = a3.shape[-2:]
     N = dc3.shape[-1]
     Kp, Np = _padded(K, a3.dtype), _padded(N, a3.dtype)
     a3, dc3 = _pad_last2(a3, T, Kp), _pad_last2(dc3, T, Np)
-    if acc3 is None:
-        out, _ = wgrad_init_p.bind(a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS, out_dtype=np.dtype(out_dtype))
-    else:
+    chunks = -(-T // WGRAD_CHUNK_TOKENS)
+    if acc3 is not None and chunks <= 1:
         out = wgrad_p.bind(_pad_last2(acc3, Kp, Np), a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS)
+    else:
+        if chunks <= 3:
+            # The tree of up to 3 leaves, (p0 + p1) + p2, is the kernel's own chunk sequence (a
+            # half dB is cast in the last chunk's epilogue).
+            tree_dtype = _F32 if acc3 is not None else np.dtype(out_dtype)
+            out, _ = wgrad_init_p.bind(a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS, out_dtype=tree_dtype)
+        else:
+            out = _chunk_tree(a3, dc3)
+            if acc3 is None:
+                out = out.astype(out_dtype)
+        if acc3 is not None:
+            out = _pad_last2(acc3, Kp, Np) + out
     return out if (Kp, Np) == (K, N) else out[..., :K, :N]
+
+
+# ---- Shared weights as one primitive (jaxdet_gemm_rows): a [*R, K] . b [K, N] (or bᵀ, b [N, K],
+# read transposed in place) -> [*R, N]: every row of every leading dimension is one row of a single
+# GEMM. The rows are flattened on each device's own shard, so a split of any leading dimension
+# (the batch, the sequence, the rows) stays local; flattening before the primitive would make a
+# split of an inner dimension non-contiguous and force the partitioner to move data. ----
+
+def _rows_abstract_eval(a, b, *, transpose_b, out_dtype):
+    return jax.core.ShapedArray(a.shape[:-1] + (b.shape[0] if transpose_b else b.shape[1],), out_dtype)
+
+
+def _rows_batch(args, dims, *, transpose_b, out_dtype):
+    a, b = args
+    a_dim, b_dim = dims
+    if _ffi.not_mapped(b_dim):  # the vmapped axis of a is one more leading dimension of rows
+        return rows_gemm_p.bind(jnp.moveaxis(a, a_dim, 0), b, transpose_b=transpose_b, out_dtype=out_dtype), 0
+    # A vmapped b: a batched GEMM, example s's rows against b[s].
+    size = b.shape[b_dim]
+    b = jnp.moveaxis(b, b_dim, 0)
+    a = jnp.broadcast_to(a, (size,) + a.shape) if _ffi.not_mapped(a_dim) else jnp.moveaxis(a, a_dim, 0)
+    out = _gemm(a.reshape(size, -1, a.shape[-1]), b, out_dtype, transpose_b=transpose_b)
+    return out.reshape(a.shape[:-1] + (out.shape[-1],)), 0
+
+
+def _rows_factors(params, shapes):
+    a, _ = shapes
+    rows = tuple(f"r{i}" for i in range(len(a) - 1))
+    b_factors = ("n", "k") if params["transpose_b"] else ("k", "n")
+    return [rows + ("k",), b_factors], [rows + ("n",)]
+
+
+def _rows_local(params, axes, shapes):
+    def run(a, b):
+        out = _gemm(a.reshape(1, -1, a.shape[-1]), b[None], params["out_dtype"], transpose_b=params["transpose_b"])
+        return out.reshape(a.shape[:-1] + (out.shape[-1],))
+
+    return run
+
+
+rows_gemm_p = _ffi.define_composite(
+    "jaxdet_gemm_rows",
+    _rows_abstract_eval,
+    _ffi.Partitioning(_rows_factors, replicated=frozenset({"k"}), local=_rows_local),
+    batching_rule=_rows_batch,
+)
+
+
+# ---- The weight gradient as one primitive (jaxdet_weight_grad): a3 [L, T, K], dc3 [L, T, N] ->
+# a3ᵀ . dc3 [L, K, N] of out_dtype, by `_wgrad`'s chunk tree. It exists to carry a partitioning
+# rule: with the tokens split over devices, each device reduces its own chunks and the devices'
+# float32 partials are combined by the canonical tree (`tree_psum_untyped`), the top levels of the
+# same tree, so the bits are those of the unsplit call when every device holds 2^j whole chunks
+# (`_tokens_line_up`). The other dimensions are split per device with no collective. ----
+
+def _weight_grad_abstract_eval(a, dc, *, out_dtype):
+    return jax.core.ShapedArray((a.shape[0], a.shape[2], dc.shape[2]), out_dtype)
+
+
+def _weight_grad_batch(args, dims, *, out_dtype):
+    size, L, flat = _fold_mapped_axis(args, dims)
+    out = weight_grad_p.bind(*flat, out_dtype=out_dtype)
+    return out.reshape((size, L) + out.shape[1:]), 0
+
+
+def _weight_grad_factors(params, shapes):
+    return [("l", "t", "k"), ("l", "t", "n")], [("l", "k", "n")]
+
+
+def _weight_grad_local(params, axes, shapes):
+    tokens = axes.get("t", ())
+    out_dtype = params["out_dtype"]
+
+    def run(a3, dc3):
+        if not tokens:
+            return _wgrad(None, a3, dc3, out_dtype=out_dtype)
+        part = _wgrad(None, a3, dc3, out_dtype=_F32)  # this device's subtree root, float32
+        return _ffi.tree_psum_untyped(part, tokens).astype(out_dtype)
+
+    return run
+
+
+def _tokens_line_up(factor, size, parts):
+    # Split the tokens only where every device holds 2^j whole chunks: its chunk tree is then a
+    # subtree of the unsplit one and the devices' roots combine into exactly the unsplit bits.
+    # Other splits would change the bits, so those tokens are all-gathered instead.
+    if factor != "t":
+        return True
+    chunks, rest = divmod(size // parts, WGRAD_CHUNK_TOKENS)
+    return rest == 0 and chunks & (chunks - 1) == 0
+
+
+weight_grad_p = _ffi.define_composite(
+    "jaxdet_weight_grad",
+    _weight_grad_abstract_eval,
+    _ffi.Partitioning(_weight_grad_factors, reduced=frozenset({"t"}), local=_weight_grad_local,
+                      can_split=_tokens_line_up),
+    batching_rule=_weight_grad_batch,
+)
+
+
+# ---- The differentiable 3-D products. Each backward calls these custom_vjp functions again (the
+# products are bilinear), so derivatives of any order work in reverse mode. ----
+
+def _cotangent(compute, dtype, primal, others):
+    """A cotangent with its primal's dtype and varying axes: `compute(out_dtype)` runs the product;
+    under shard_map, axes the cotangent varies over but the primal does not (an invariant weight
+    next to sharded activations) are summed by the canonical tree in float32, then cast once."""
+    vma = _ffi.varying_axes(primal)
+    if _ffi.varying_union(*others) - vma:
+        return _ffi.match_varying(compute(_F32), vma).astype(dtype)
+    return _ffi.match_varying(compute(dtype), vma)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul3(a3, b3, out_dtype):
+    """a3 [L, M, K] . b3 [Lb, K, N] -> [L, M, N]."""
     return _gemm(a3, b3, out_dtype)
 
 
@@ -213,12 +380,101 @@ def _matmul3_bwd(out_dtype, res, g):
     # The cotangent enters the kernels in the input dtype (a float32 cotangent of a bf16/f16 matmul
     # with preferred_element_type=float32 is rounded once to the input dtype).
     g = g.astype(a3.dtype)
-    da = _gemm(g, b3, a3.dtype, transpose_b=True)  # dC . B^T, B read transposed in place
-    db = _wgrad(None, a3, g, out_dtype=b3.dtype)  # the float32 chunk sequence, cast once
+    da = _cotangent(lambda dt: _matmul3_nt(g, b3, dt), a3.dtype, a3, (g, b3))  # dC . Bᵀ, B read in place
+    db = _cotangent(lambda dt: _weight_grad3(a3, g, dt), b3.dtype, b3, (a3, g))  # the chunk tree, cast once
     return da, db
 
 
 _matmul3.defvjp(_matmul3_fwd, _matmul3_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul3_nt(x3, y3, out_dtype):
+    """x3 [L, M, N] . y3ᵀ, y3 [Lb, K, N] read transposed in place -> [L, M, K] (dA's product)."""
+    return _gemm(x3, y3, out_dtype, transpose_b=True)
+
+
+def _matmul3_nt_fwd(x3, y3, out_dtype):
+    return _gemm(x3, y3, out_dtype, transpose_b=True), (x3, y3)
+
+
+def _matmul3_nt_bwd(out_dtype, res, g):
+    x3, y3 = res
+    g = g.astype(x3.dtype)
+    dx = _cotangent(lambda dt: _matmul3(g, y3, dt), x3.dtype, x3, (g, y3))
+    dy = _cotangent(lambda dt: _weight_grad3(g, x3, dt), y3.dtype, y3, (g, x3))
+    return dx, dy
+
+
+_matmul3_nt.defvjp(_matmul3_nt_fwd, _matmul3_nt_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _weight_grad3(a3, dc3, out_dtype):
+    """a3ᵀ . dc3: a3 [L, T, K], dc3 [L, T, N] -> [L, K, N] (dB's product, `weight_grad_p`)."""
+    return weight_grad_p.bind(a3, dc3, out_dtype=np.dtype(out_dtype))
+
+
+def _weight_grad3_fwd(a3, dc3, out_dtype):
+    return _weight_grad3(a3, dc3, out_dtype), (a3, dc3)
+
+
+def _weight_grad3_bwd(out_dtype, res, g):
+    a3, dc3 = res
+    g = g.astype(a3.dtype)
+    da = _cotangent(lambda dt: _matmul3_nt(dc3, g, dt), a3.dtype, a3, (dc3, g))
+    ddc = _cotangent(lambda dt: _matmul3(a3, g, dt), dc3.dtype, dc3, (a3, g))
+    return da, ddc
+
+
+_weight_grad3.defvjp(_weight_grad3_fwd, _weight_grad3_bwd)
+
+
+def _tokens(x):
+    """x [*R, C] as [1, T, C]: every leading dimension folded into tokens, row-major."""
+    return x.reshape(1, -1, x.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_rows(a, b, out_dtype):
+    """Shared weights: a [*R, K] . b [K, N] -> [*R, N]."""
+    return rows_gemm_p.bind(a, b, transpose_b=False, out_dtype=np.dtype(out_dtype))
+
+
+def _matmul_rows_fwd(a, b, out_dtype):
+    return _matmul_rows(a, b, out_dtype), (a, b)
+
+
+def _matmul_rows_bwd(out_dtype, res, g):
+    a, b = res
+    g = g.astype(a.dtype)
+    da = _cotangent(lambda dt: _matmul_rows_nt(g, b, dt), a.dtype, a, (g, b))
+    db = _cotangent(lambda dt: _weight_grad3(_tokens(a), _tokens(g), dt)[0], b.dtype, b, (a, g))
+    return da, db
+
+
+_matmul_rows.defvjp(_matmul_rows_fwd, _matmul_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_rows_nt(x, y, out_dtype):
+    """dA's product for shared weights: x [*R, N] . yᵀ, y [K, N] read transposed -> [*R, K]."""
+    return rows_gemm_p.bind(x, y, transpose_b=True, out_dtype=np.dtype(out_dtype))
+
+
+def _matmul_rows_nt_fwd(x, y, out_dtype):
+    return _matmul_rows_nt(x, y, out_dtype), (x, y)
+
+
+def _matmul_rows_nt_bwd(out_dtype, res, g):
+    x, y = res
+    g = g.astype(x.dtype)
+    dx = _cotangent(lambda dt: _matmul_rows(g, y, dt), x.dtype, x, (g, y))
+    dy = _cotangent(lambda dt: _weight_grad3(_tokens(g), _tokens(x), dt)[0], y.dtype, y, (g, x))
+    return dx, dy
+
+
+_matmul_rows_nt.defvjp(_matmul_rows_nt_fwd, _matmul_rows_nt_bwd)
 
 
 # ---- Checks shared by the public functions. ----
@@ -295,12 +551,10 @@ def matmul(a, b, *, preferred_element_type=None):
     a = jnp.asarray(a)
     b = jnp.asarray(b)
     if math.prod(out_shape) == 0 or K == 0:
-        return jnp.zeros(out_shape, out_dtype)
+        return _ffi.match_varying(jnp.zeros(out_shape, out_dtype), _ffi.varying_union(a, b))
     if all(d == 1 for d in b_shape[:-2]):
         # Shared weights: every row of every batch element is one row of a single GEMM.
-        a3 = jnp.broadcast_to(a, batch + (M, K)).reshape(1, -1, K)
-        out = _matmul3(a3, b.reshape(1, K, N), out_dtype)
-        return out.reshape(out_shape)
+        return _matmul_rows(jnp.broadcast_to(a, batch + (M, K)), b.reshape(K, N), out_dtype)
     L = math.prod(batch)
     a3 = jnp.broadcast_to(a, batch + (M, K)).reshape(L, M, K)
     b3 = jnp.broadcast_to(b, batch + (K, N)).reshape(L, K, N)
@@ -308,27 +562,28 @@ def matmul(a, b, *, preferred_element_type=None):
 
 
 def matmul_weight_grad(a, dc, acc=None):
-    """``acc + a^T . dc`` over all tokens, with dB's chunk contract: the float32 accumulator.
+    """``acc + a^T . dc`` over all tokens, with dB's chunk tree: a float32 ``[K, N]``.
 
     Args:
       a: ``[..., K]`` activations (all leading dims are tokens, flattened row-major).
       dc: ``[..., N]`` output cotangents with the same leading dims, in a's dtype.
-      acc: float32 ``[K, N]`` running accumulator, or None to start from the first chunk's partial.
+      acc: float32 ``[K, N]`` to add the result to (once), or None.
 
-    Returns the updated float32 ``[K, N]`` accumulator. The tokens are reduced as a fixed sequence
-    of chunk GEMMs of ``WGRAD_CHUNK_TOKENS`` tokens (the last may be shorter), in order; each chunk
-    sums its tokens in ascending order in float32 from 0 and adds the partial to ``acc`` once.
+    The tokens are cut into chunks of ``WGRAD_CHUNK_TOKENS`` (the last may be shorter); each chunk
+    sums its tokens in ascending order in float32 from 0, and the chunk partials are combined by
+    the canonical balanced binary tree (``jaxdet.parallel.tree_sum``'s: lower index first, padded
+    to a power of two with absent leaves). Returns ``acc + tree`` (or the tree).
 
-    This is exactly how ``jax.grad`` of ``matmul(x, w)`` computes dW (then cast to w's dtype), so
-    for micro-batches ``x1, x2, ...`` whose token counts are all multiples of WGRAD_CHUNK_TOKENS
-    (except possibly the last)::
+    This is exactly how ``jax.grad`` of ``matmul(x, w)`` computes dW (then cast to w's dtype). An
+    aligned block of 2^j chunks is a subtree, so micro-batches of 2^j chunks each (the same j; the
+    last micro-batch may be shorter) reproduce the full batch::
 
-        acc = None
-        for x_i, dc_i in micro_batches:
-            acc = matmul_weight_grad(x_i, dc_i, acc)
-        # acc.astype(w.dtype) is bitwise the dW of the whole batch in one matmul
+        parts = [matmul_weight_grad(x_i, dc_i) for x_i, dc_i in micro_batches]
+        dw = jaxdet.parallel.tree_sum(parts).astype(w.dtype)   # bitwise jax.grad's dW of the whole batch
 
-    Appending zero rows (padding tokens) to ``a`` and ``dc`` does not change the result.
+    Up to 3 chunks the tree is the left fold, so ``acc = matmul_weight_grad(x_i, dc_i, acc)`` over
+    micro-batches of one chunk each gives the same bits too. Appending zero rows (padding tokens)
+    to ``a`` and ``dc`` does not change the result.
     """
     a_dtype = _check_array(a, "a")
     dc_dtype = _check_array(dc, "dc")

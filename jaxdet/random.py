@@ -54,11 +54,20 @@ def _philox_batch(args, dims):
     return philox_p.bind(counters, keys), 0
 
 
+def _philox_factors(params, shapes):
+    # Elementwise over the blocks; a key's group dims are sharded like the counters' group dims.
+    counters, keys = shapes
+    groups = tuple(f"g{i}" for i in range(len(keys) - 1))
+    blocks = groups + tuple(f"s{i}" for i in range(len(counters) - len(keys))) + ("words",)
+    return [blocks, groups + ("key",)], [blocks]
+
+
 philox_p = _ffi.define_primitive(
     "jaxdet_philox4x32_10",
     _philox_abstract_eval,
     attributes=lambda: {},
     batching_rule=_philox_batch,
+    partitioning=_ffi.Partitioning(_philox_factors, replicated=frozenset({"words", "key"})),
 )
 
 

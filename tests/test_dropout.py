@@ -276,3 +276,122 @@ def test_gpu_more_than_2_31_elements_index_with_64_bits(gpu):
     for r in (0, 2**19 - 1, 2**19):  # the last row starts at element 2**31
         expected = reference(np.ones(cols, ml_dtypes.bfloat16), np.asarray(key), 0.5, offset=r * cols)
         np.testing.assert_array_equal(bits(out[r]), bits(expected), err_msg=f"row {r}")
+
+
+# ---- Traced offsets (the offset is an operand of the kernel, not an attribute). ----
+
+def test_traced_offset_gives_the_static_masks():
+    x = random_x((6, 333), jnp.bfloat16, seed=30)
+    key = jr.key(41)
+    traced = jax.jit(lambda x, k, o: jaxdet.dropout(x, k, 0.3, offset=o))
+    for offset in (0, 1, 7, 2**31 - 5):
+        static = bits(jaxdet.dropout(x, key, 0.3, offset=offset))
+        np.testing.assert_array_equal(bits(traced(x, key, jnp.int32(offset))), static)
+        np.testing.assert_array_equal(bits(traced(x, key, jnp.uint32(offset))), static)
+    with jax.enable_x64(True):  # int64 offsets keep the 64-bit index (counters with a non-zero high word)
+        for offset in (2**33 + 1, 2**62 + 3):
+            got = traced(x, key, jnp.asarray(offset, jnp.int64))
+            np.testing.assert_array_equal(bits(got), bits(reference(x, key, 0.3, offset)))
+    # A concrete device array is taken as an operand too.
+    np.testing.assert_array_equal(bits(jaxdet.dropout(x, key, 0.3, offset=jnp.int32(9))),
+                                  bits(jaxdet.dropout(x, key, 0.3, offset=9)))
+
+
+def test_scanned_micro_batches_draw_the_whole_batch_mask():
+    # Idiom: lax.scan over micro-batches, each passing its global position as a traced offset.
+    x = random_x((8, 4, 129), jnp.float32, seed=31)  # 8 micro-batches of 4 x 129
+    key = jr.key(42)
+    per_batch = x[0].size
+
+    def step(carry, xi_i):
+        xi, i = xi_i
+        return carry, jaxdet.dropout(xi, key, 0.25, offset=i * per_batch)
+
+    _, out = jax.lax.scan(step, 0, (x, jnp.arange(8, dtype=jnp.int32)))
+    np.testing.assert_array_equal(bits(out), bits(jaxdet.dropout(x, key, 0.25)))
+    # The backward regenerates each micro-batch's mask from its traced offset.
+    grads = jax.grad(lambda x: jax.lax.scan(lambda c, a: (c + jnp.sum(step(0, a)[1] ** 2), None), 0.0,
+                                            (x, jnp.arange(8, dtype=jnp.int32)))[0])(x)
+    whole = jax.grad(lambda x: jnp.sum(jaxdet.dropout(x, key, 0.25) ** 2))(x)
+    np.testing.assert_array_equal(bits(grads), bits(whole))
+
+
+def test_vmap_over_traced_offsets_and_broadcast_dims():
+    x = random_x((5, 3, 40), jnp.float16, seed=32)
+    key = jr.key(43)
+    offsets = jnp.asarray([0, 3, 17, 2**20 + 1, 2**31 - 1], jnp.int32)
+    out = jax.vmap(lambda xi, o: jaxdet.dropout(xi, key, 0.4, offset=o, broadcast_dims=(0,)))(x, offsets)
+    for i in range(5):
+        expected = jaxdet.dropout(x[i], key, 0.4, offset=int(offsets[i]), broadcast_dims=(0,))
+        np.testing.assert_array_equal(bits(out[i]), bits(expected))
+    # A batched offset with a batched key, and a batched offset with x shared.
+    keys = jr.split(key, 5)
+    out = jax.vmap(lambda xi, k, o: jaxdet.dropout(xi, k, 0.4, offset=o))(x, keys, offsets)
+    shared = jax.vmap(lambda o: jaxdet.dropout(x[0], key, 0.4, offset=o))(offsets)
+    for i in range(5):
+        np.testing.assert_array_equal(bits(out[i]), bits(jaxdet.dropout(x[i], keys[i], 0.4, offset=int(offsets[i]))))
+        np.testing.assert_array_equal(bits(shared[i]), bits(jaxdet.dropout(x[0], key, 0.4, offset=int(offsets[i]))))
+
+
+def test_bad_traced_offsets_raise():
+    x = jnp.ones((8,), jnp.float32)
+    key = jr.key(0)
+    for bad in (jnp.float32(1.0), jnp.ones((2,), jnp.int32), jnp.bool_(True)):
+        with pytest.raises(TypeError, match="offset"):
+            jax.jit(lambda o: jaxdet.dropout(x, key, 0.5, offset=o))(bad)
+
+
+# ---- The CPU kernel runs on XLA's intra-op thread pool: the bits cannot depend on the split. ----
+
+def test_multithreaded_cpu_kernel_matches_the_reference():
+    # Many 2^16-element work items, groups straddling item boundaries (vmap gives each example its
+    # own key and offset), the contiguous and the strided (broadcast_dims) paths.
+    x = random_x((3, 100003), jnp.bfloat16, seed=33)
+    keys = jr.split(jr.key(44), 3)
+    offsets = jnp.asarray([5, 2**31 + 1, 0], jnp.uint32)
+    out = jax.vmap(lambda xi, k, o: jaxdet.dropout(xi, k, 0.5, offset=o))(x, keys, offsets)
+    for i in range(3):
+        np.testing.assert_array_equal(bits(out[i]), bits(reference(x[i], keys[i], 0.5, int(offsets[i]))))
+    y = random_x((4, 70001, 2), jnp.float32, seed=34)
+    out = np.asarray(jaxdet.dropout(y, keys[0], 0.5, broadcast_dims=(2,)))
+    keep = keep_mask(np.asarray(keys[0]), 4 * 70001, 0.5).reshape(4, 70001, 1)
+    expected = np.where(keep, (np.asarray(y) * keep_scale(0.5)).astype(np.float32), np.float32(0))
+    np.testing.assert_array_equal(bits(out), bits(expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_traced_offsets_equal_cpu(cpu, gpu, dtype):
+    # Each group's offset is read from device memory, so every alignment of a group's first
+    # 16-byte chunk occurs; vmap gives every example its own key and offset.
+    x = np.asarray(random_x((6, 3001), dtype, seed=40))
+    keys = np.asarray(jr.split(jr.key(45), 6))
+    offsets = np.asarray([0, 1, 7, 9, 2**31 + 3, 2**32 - 2], np.uint32)
+    f = jax.jit(jax.vmap(lambda xi, k, o: jaxdet.dropout(xi, k, 0.3, offset=o)))
+    on = lambda d: np.asarray(f(*(jax.device_put(v, d) for v in (x, keys, offsets))))
+    got = on(gpu)
+    np.testing.assert_array_equal(bits(got), bits(on(cpu)))
+    for i in range(6):
+        np.testing.assert_array_equal(bits(got[i]), bits(reference(x[i], keys[i], 0.3, int(offsets[i]))))
+    # The strided kernel (broadcast_dims) with a traced offset; and a 64-bit traced offset.
+    g = jax.jit(lambda x, k, o: jaxdet.dropout(x, k, 0.3, offset=o, broadcast_dims=(0,)))
+    on = lambda d: np.asarray(g(*(jax.device_put(v, d) for v in (x, keys[0], np.int32(12345)))))
+    np.testing.assert_array_equal(bits(on(gpu)), bits(on(cpu)))
+    with jax.enable_x64(True):
+        h = jax.jit(lambda x, k, o: jaxdet.dropout(x, k, 0.3, offset=o))
+        on = lambda d: np.asarray(h(*(jax.device_put(v, d) for v in (x, keys[0], np.int64(2**35 + 6)))))
+        np.testing.assert_array_equal(bits(on(gpu)), bits(reference(x, keys[0], 0.3, 2**35 + 6)))
+
+
+@pytest.mark.gpu
+def test_gpu_scanned_micro_batches_equal_the_whole_batch(gpu):
+    x = jax.device_put(np.asarray(random_x((4, 8, 1001), jnp.bfloat16, seed=41)), gpu)
+    key = jax.device_put(np.asarray(jr.key(46)), gpu)
+    n = 8 * 1001  # not a multiple of 8: micro-batches start mid 16-byte chunk
+
+    def micro(c, xi_i):
+        xi, i = xi_i
+        return c, jaxdet.dropout(xi, key, 0.5, offset=i * n)
+
+    _, out = jax.jit(lambda x: jax.lax.scan(micro, 0, (x, jnp.arange(4, dtype=jnp.int32))))(x)
+    np.testing.assert_array_equal(bits(out), bits(jaxdet.dropout(x, key, 0.5)))

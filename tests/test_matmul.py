@@ -116,6 +116,56 @@ def check_db_contract(dtype, k=64, n=48):
     assert_bitwise(_db(a3, b, g3), _db(a[: 2 * c], b, g[: 2 * c]))
 
 
+def _tree_reference(parts):
+    """docs/matmul.md's tree in NumPy float32: pairs level by level, an odd last one carried up."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def check_db_chunk_tree(dtype, k=20, n=12):
+    """More than 3 chunks: the canonical tree over chunk partials; micro-batches of 2^j chunks
+    combined with jaxdet.parallel.tree_sum, zero padding into new chunks, acc added once."""
+    from jaxdet.parallel import tree_sum
+
+    c = WGRAD_CHUNK_TOKENS
+    a = rand((8 * c, k), dtype, 40)
+    b = rand((k, n), dtype, 41)
+    g = rand((8 * c, n), dtype, 42)
+    for t in (4 * c, 5 * c - 77, 8 * c):
+        chunks = -(-t // c)
+        full = _db(a[:t], b, g[:t])
+        f32 = jaxdet.matmul_weight_grad(a[:t], g[:t])
+        assert_bitwise(f32.astype(dtype), full)
+        partials = [
+            np.asarray(jaxdet.matmul_weight_grad(a[lo : min(lo + c, t)], g[lo : min(lo + c, t)]))
+            for lo in range(0, t, c)
+        ]
+        assert_bitwise(f32, _tree_reference(partials))
+        # the tree is not the left fold (else this test would not tell them apart)
+        fold = partials[0]
+        for p in partials[1:]:
+            fold = fold + p
+        assert not np.array_equal(bits(fold), bits(f32))
+        # micro-batches of 2^j chunks (the last one shorter), combined by tree_sum
+        for j in (0, 1, 2):
+            mb = (1 << j) * c
+            parts = [jaxdet.matmul_weight_grad(a[lo : min(lo + mb, t)], g[lo : min(lo + mb, t)]) for lo in range(0, t, mb)]
+            assert_bitwise(tree_sum(parts), f32)
+        # zero rows appended, inside the last chunk and adding new chunks (up to the next power of two and past it)
+        for pad in (5, c, (8 - chunks) * c + 3):
+            ap = jnp.concatenate([a[:t], jnp.zeros((pad, k), dtype)])
+            gp = jnp.concatenate([g[:t], jnp.zeros((pad, n), dtype)])
+            assert_bitwise(_db(ap, b, gp), full)
+        # acc is added once, after the tree
+        acc = rand((k, n), jnp.float32, 43)
+        assert_bitwise(jaxdet.matmul_weight_grad(a[:t], g[:t], acc), acc + f32)
+        # jit and a batch dim folded into tokens give the same bits
+        assert_bitwise(jax.jit(_db)(a[:t], b, g[:t]), full)
+    a3, g3 = a.reshape(4, 2 * c, k), g.reshape(4, 2 * c, n)
+    assert_bitwise(_db(a3, b, g3), _db(a, b, g))
+
+
 def check_rows_around_warpgroup_boundaries(dtype, k=1024, n=512):
     """Row counts around the Hopper tile's boundaries (128 rows per tile, 64 per consumer
     warpgroup): every row keeps its bits, whatever part of a tile it fills."""
@@ -193,6 +243,11 @@ def test_row_invariance_da(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_db_padding_and_microbatch_accumulation(dtype):
     check_db_contract(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_db_chunk_tree(dtype):
+    check_db_chunk_tree(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -428,6 +483,7 @@ def test_gpu_row_invariance_forward_and_da(dtype, gpu):
 def test_gpu_db_contract(dtype, gpu):
     with jax.default_device(gpu):
         check_db_contract(dtype)
+        check_db_chunk_tree(dtype)
 
 
 @pytest.mark.gpu

@@ -1,9 +1,11 @@
 // CPU targets of the Philox block function and of dropout. The math is the shared header's, so
-// these produce the same bits as the CUDA kernels.
+// these produce the same bits as the CUDA kernels. Dropout runs on XLA's intra-op thread pool.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "common/ffi_common.h"
+#include "common/parallel.h"
 #include "common/philox.h"
 
 namespace jaxdet {
@@ -29,17 +31,18 @@ ffi::Error PhiloxCpu(ffi::Buffer<ffi::U32> counters, ffi::Buffer<ffi::U32> keys,
   return ffi::Error::Success();
 }
 
-// One group: elements x[0, n) have global indices offset .. offset + n - 1. Whole Philox blocks are
-// walked so each block is hashed once and all 4 of its words are used.
+// Elements [begin, end) of one group, whose element i has global index offset + i. Whole Philox
+// blocks are walked so each block is hashed once and all 4 of its words are used.
 template <typename Storage>
-void DropoutGroup(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t n, uint64_t offset,
-                  uint32_t k0, uint32_t k1, uint32_t drop_threshold, float scale) {
-  int64_t i = 0;
-  uint64_t block = offset / 4;
-  int lane = static_cast<int>(offset % 4);
-  while (i < n) {
+void DropoutRange(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t begin, int64_t end,
+                  uint64_t offset, uint32_t k0, uint32_t k1, uint32_t drop_threshold, float scale) {
+  int64_t i = begin;
+  const uint64_t first = offset + static_cast<uint64_t>(begin);
+  uint64_t block = first / 4;
+  int lane = static_cast<int>(first % 4);
+  while (i < end) {
     const Philox4 r = dropout_block(block, k0, k1);
-    for (; lane < 4 && i < n; ++lane, ++i) {
+    for (; lane < 4 && i < end; ++lane, ++i) {
       y[i] = dropout_element<Storage>(x[i], dropout_keep(r.v[lane], drop_threshold), scale);
     }
     lane = 0;
@@ -47,15 +50,16 @@ void DropoutGroup(const typename Storage::Bits* x, typename Storage::Bits* y, in
   }
 }
 
-// broadcast_dims: each element finds its mask index through the layout; consecutive elements
-// usually share a Philox block, so the last block is kept.
+// A strided layout (broadcast_dims, or a shard of a larger array): each element finds its mask
+// index through the layout; consecutive elements usually share a Philox block, so the last block
+// is kept.
 template <typename Storage>
-void DropoutGroupStrided(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t n,
-                         const MaskLayout& layout, uint64_t offset, uint32_t k0, uint32_t k1,
+void DropoutRangeStrided(const typename Storage::Bits* x, typename Storage::Bits* y, int64_t begin,
+                         int64_t end, const MaskLayout& layout, uint64_t offset, uint32_t k0, uint32_t k1,
                          uint32_t drop_threshold, float scale) {
   uint64_t cached_block = ~uint64_t{0};
   Philox4 r{};
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = begin; i < end; ++i) {
     const uint64_t g = mask_index(i, layout) + offset;
     if (g / 4 != cached_block) {
       cached_block = g / 4;
@@ -66,48 +70,82 @@ void DropoutGroupStrided(const typename Storage::Bits* x, typename Storage::Bits
   }
 }
 
+struct DropoutArgs {
+  const void* x;
+  void* y;
+  int64_t groups;
+  int64_t per_group;
+  const uint32_t* keys;
+  const uint32_t* offsets;  // (lo32, hi32) per group
+  const MaskLayout* layout;  // null: contiguous
+  uint32_t drop_threshold;
+  float scale;
+};
+
+// Work item w covers elements [w * kItem, (w + 1) * kItem) of the flattened (group, element)
+// space. An element's bits depend only on its own global index, so how the items are spread over
+// threads cannot change any result.
+constexpr int64_t kItem = int64_t{1} << 16;
+
 template <typename Storage>
-void DropoutAll(const void* x, void* y, int64_t groups, int64_t per_group, const uint32_t* key,
-                const MaskLayout* layout, uint64_t offset, uint32_t drop_threshold, float scale) {
+void DropoutItems(const DropoutArgs& a, int64_t first_item, int64_t last_item) {
   using Bits = typename Storage::Bits;
-  const Bits* src = static_cast<const Bits*>(x);
-  Bits* dst = static_cast<Bits*>(y);
-  for (int64_t g = 0; g < groups; ++g) {
-    if (layout) {
-      DropoutGroupStrided<Storage>(src + g * per_group, dst + g * per_group, per_group, *layout, offset,
-                                   key[2 * g], key[2 * g + 1], drop_threshold, scale);
-    } else {
-      DropoutGroup<Storage>(src + g * per_group, dst + g * per_group, per_group, offset, key[2 * g],
-                            key[2 * g + 1], drop_threshold, scale);
+  const Bits* src = static_cast<const Bits*>(a.x);
+  Bits* dst = static_cast<Bits*>(a.y);
+  const int64_t total = a.groups * a.per_group;
+  for (int64_t item = first_item; item < last_item; ++item) {
+    int64_t i = item * kItem;
+    const int64_t stop = std::min(total, i + kItem);
+    while (i < stop) {  // an item may straddle groups
+      const int64_t g = i / a.per_group;
+      const int64_t begin = i - g * a.per_group;
+      const int64_t end = std::min(a.per_group, begin + (stop - i));
+      const uint32_t k0 = a.keys[2 * g], k1 = a.keys[2 * g + 1];
+      const uint64_t offset = static_cast<uint64_t>(a.offsets[2 * g]) | (static_cast<uint64_t>(a.offsets[2 * g + 1]) << 32);
+      const Bits* gx = src + g * a.per_group;
+      Bits* gy = dst + g * a.per_group;
+      if (a.layout) {
+        DropoutRangeStrided<Storage>(gx, gy, begin, end, *a.layout, offset, k0, k1, a.drop_threshold, a.scale);
+      } else {
+        DropoutRange<Storage>(gx, gy, begin, end, offset, k0, k1, a.drop_threshold, a.scale);
+      }
+      i += end - begin;
     }
   }
 }
 
-ffi::Error DropoutCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys, ffi::Result<ffi::AnyBuffer> y,
-                      uint32_t drop_threshold, int64_t offset, float scale,
-                      ffi::Span<const int64_t> mask_strides) {
+template <typename Storage>
+void DropoutAll(const DropoutArgs& a, ffi::ThreadPool& pool) {
+  const int64_t items = (a.groups * a.per_group + kItem - 1) / kItem;
+  const int64_t workers = std::min<int64_t>(items, pool.num_threads() + 1);  // the caller works too
+  parallel_for(pool, items, workers, [&a](int64_t item) { DropoutItems<Storage>(a, item, item + 1); });
+}
+
+ffi::Error DropoutCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
+                      ffi::Buffer<ffi::U32> offsets, ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold,
+                      float scale, ffi::Span<const int64_t> mask_strides) {
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t groups = key_group_count(keys);
   if (auto err = check_key_groups(n, groups, "jaxdet_dropout"); !err.success()) return err;
-  if (offset < 0) return ffi::Error::InvalidArgument("jaxdet_dropout: offset must be >= 0");
+  if (static_cast<int64_t>(offsets.element_count()) != 2 * groups) {
+    return ffi::Error::InvalidArgument("jaxdet_dropout: offsets must be uint32[..., 2], one (lo32, hi32) pair per key");
+  }
   MaskLayout layout;
   if (auto err = make_mask_layout(x.dimensions(), mask_strides, layout); !err.success()) return err;
-  const MaskLayout* strided = (mask_strides.size() == 0) ? nullptr : &layout;
-  const int64_t per_group = n / groups;
-  const uint32_t* key = keys.typed_data();
-  IeeeSubnormalsScope ieee;
+  if (n == 0) return ffi::Error::Success();
+  const DropoutArgs args{x.untyped_data(), y->untyped_data(), groups, n / groups, keys.typed_data(),
+                         offsets.typed_data(), mask_strides.size() == 0 ? nullptr : &layout, drop_threshold,
+                         scale};
+  IeeeSubnormalsScope ieee;  // parallel_for gives its tasks the caller's floating-point mode
   switch (x.element_type()) {
     case ffi::F32:
-      DropoutAll<F32Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, strided, offset,
-                             drop_threshold, scale);
+      DropoutAll<F32Storage>(args, pool);
       break;
     case ffi::BF16:
-      DropoutAll<BF16Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, strided, offset,
-                              drop_threshold, scale);
+      DropoutAll<BF16Storage>(args, pool);
       break;
     case ffi::F16:
-      DropoutAll<F16Storage>(x.untyped_data(), y->untyped_data(), groups, per_group, key, strided, offset,
-                             drop_threshold, scale);
+      DropoutAll<F16Storage>(args, pool);
       break;
     default:
       return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
@@ -125,11 +163,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_philox_cpu, PhiloxCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cpu, DropoutCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<uint32_t>("drop_threshold")
-                                  .Attr<int64_t>("offset")
                                   .Attr<float>("scale")
                                   .Attr<ffi::Span<const int64_t>>("mask_strides"));
 

@@ -13,6 +13,11 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// A group's 64-bit offset, read from device memory (a traced offset is an operand, not an attribute).
+__device__ __forceinline__ uint64_t group_offset(const uint32_t* offsets, int64_t g) {
+  return static_cast<uint64_t>(offsets[2 * g]) | (static_cast<uint64_t>(offsets[2 * g + 1]) << 32);
+}
+
 __global__ void PhiloxKernel(const uint4* __restrict__ counters, const uint32_t* __restrict__ keys,
                              uint4* __restrict__ out, int64_t blocks_per_group, int64_t groups) {
   for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
@@ -50,17 +55,18 @@ constexpr int kMinBlocksPerSm = 3;
 template <typename Storage>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     DropoutKernel(const typename Storage::Bits* __restrict__ x, typename Storage::Bits* __restrict__ y,
-                  int64_t per_group, int64_t groups, const uint32_t* __restrict__ keys, uint64_t offset,
-                  uint32_t drop_threshold, float scale) {
+                  int64_t per_group, int64_t groups, const uint32_t* __restrict__ keys,
+                  const uint32_t* __restrict__ offsets, uint32_t drop_threshold, float scale) {
   using C = Chunk<Storage>;
   using Bits = typename Storage::Bits;
   constexpr int kVec = C::kVec;
-  const uint64_t first_chunk = offset / kVec;
-  const int64_t lead = static_cast<int64_t>(offset % kVec);  // elements of chunk 0 before x[0]
-  const int64_t chunks = (lead + per_group + kVec - 1) / kVec;
   const int64_t stride = int64_t{gridDim.x} * kThreads;
   for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
     const uint32_t k0 = keys[2 * g], k1 = keys[2 * g + 1];
+    const uint64_t offset = group_offset(offsets, g);
+    const uint64_t first_chunk = offset / kVec;
+    const int64_t lead = static_cast<int64_t>(offset % kVec);  // elements of chunk 0 before x[0]
+    const int64_t chunks = (lead + per_group + kVec - 1) / kVec;
     const Bits* src = x + g * per_group;
     Bits* dst = y + g * per_group;
     // Whole 16-byte vectors need 16-byte aligned addresses; the offset of a group's data from
@@ -113,9 +119,11 @@ template <typename Storage>
 __global__ void __launch_bounds__(kThreads)
     DropoutStridedKernel(const typename Storage::Bits* __restrict__ x, typename Storage::Bits* __restrict__ y,
                          int64_t per_group, int64_t groups, const uint32_t* __restrict__ keys,
-                         const MaskLayout layout, uint64_t offset, uint32_t drop_threshold, float scale) {
+                         const uint32_t* __restrict__ offsets, const MaskLayout layout, uint32_t drop_threshold,
+                         float scale) {
   for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
     const uint32_t k0 = keys[2 * g], k1 = keys[2 * g + 1];
+    const uint64_t offset = group_offset(offsets, g);
     const typename Storage::Bits* src = x + g * per_group;
     typename Storage::Bits* dst = y + g * per_group;
     for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < per_group;
@@ -151,46 +159,50 @@ ffi::Error PhiloxCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> counters, ffi::
 
 template <typename Storage>
 void LaunchDropout(cudaStream_t stream, const void* x, void* y, int64_t per_group, int64_t groups,
-                   const uint32_t* keys, const MaskLayout& layout, uint64_t offset, uint32_t drop_threshold,
-                   float scale) {
+                   const uint32_t* keys, const uint32_t* offsets, const MaskLayout& layout,
+                   uint32_t drop_threshold, float scale) {
   using Bits = typename Storage::Bits;
   if (layout.rank > 0) {
     DropoutStridedKernel<Storage><<<GridFor(per_group, groups), kThreads, 0, stream>>>(
-        static_cast<const Bits*>(x), static_cast<Bits*>(y), per_group, groups, keys, layout, offset,
+        static_cast<const Bits*>(x), static_cast<Bits*>(y), per_group, groups, keys, offsets, layout,
         drop_threshold, scale);
     return;
   }
+  // The offsets live in device memory, so the grid covers the most chunks any alignment needs
+  // (a group's first chunk may start up to kVec - 1 elements before x[0]).
   constexpr int kVec = Chunk<Storage>::kVec;
-  const int64_t chunks = (static_cast<int64_t>(offset % kVec) + per_group + kVec - 1) / kVec;
+  const int64_t chunks = (kVec - 1 + per_group + kVec - 1) / kVec;
   DropoutKernel<Storage><<<GridFor(chunks, groups), kThreads, 0, stream>>>(
-      static_cast<const Bits*>(x), static_cast<Bits*>(y), per_group, groups, keys, offset, drop_threshold,
+      static_cast<const Bits*>(x), static_cast<Bits*>(y), per_group, groups, keys, offsets, drop_threshold,
       scale);
 }
 
 ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
-                       ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold, int64_t offset, float scale,
-                       ffi::Span<const int64_t> mask_strides) {
+                       ffi::Buffer<ffi::U32> offsets, ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold,
+                       float scale, ffi::Span<const int64_t> mask_strides) {
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t groups = key_group_count(keys);
   if (auto err = check_key_groups(n, groups, "jaxdet_dropout"); !err.success()) return err;
-  if (offset < 0) return ffi::Error::InvalidArgument("jaxdet_dropout: offset must be >= 0");
+  if (static_cast<int64_t>(offsets.element_count()) != 2 * groups) {
+    return ffi::Error::InvalidArgument("jaxdet_dropout: offsets must be uint32[..., 2], one (lo32, hi32) pair per key");
+  }
   MaskLayout layout;
   if (auto err = make_mask_layout(x.dimensions(), mask_strides, layout); !err.success()) return err;
   if (n == 0) return ffi::Error::Success();
   const int64_t per_group = n / groups;
-  const uint64_t off = static_cast<uint64_t>(offset);
+  const uint32_t* off = offsets.typed_data();
   switch (x.element_type()) {
     case ffi::F32:
       LaunchDropout<F32Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                keys.typed_data(), layout, off, drop_threshold, scale);
+                                keys.typed_data(), off, layout, drop_threshold, scale);
       break;
     case ffi::BF16:
       LaunchDropout<BF16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                 keys.typed_data(), layout, off, drop_threshold, scale);
+                                 keys.typed_data(), off, layout, drop_threshold, scale);
       break;
     case ffi::F16:
       LaunchDropout<F16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                keys.typed_data(), layout, off, drop_threshold, scale);
+                                keys.typed_data(), off, layout, drop_threshold, scale);
       break;
     default:
       return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
@@ -212,9 +224,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cuda, DropoutCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<uint32_t>("drop_threshold")
-                                  .Attr<int64_t>("offset")
                                   .Attr<float>("scale")
                                   .Attr<ffi::Span<const int64_t>>("mask_strides"));
 

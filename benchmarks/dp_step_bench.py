@@ -1,0 +1,97 @@
+"""A data-parallel train step: jaxdet.parallel.value_and_grad vs the same step with lax.psum, one run.
+
+    python benchmarks/dp_step_bench.py [--features 4096 --hidden 16384 --outputs 4096]
+                                       [--tokens-per-device 16384] [--leaves-per-device 1,2]
+                                       [--dtype bfloat16] [--reps 10] [--inner 3] [--out results.md]
+    python benchmarks/dp_step_bench.py --cpu-devices 8 --features 64 --hidden 128 --outputs 32 \\
+        --tokens-per-device 64 --dtype float32                               # smoke test
+
+The step is jaxdet._facts_parallel.make_step (the model of the device-count tests, scaled up):
+x -> jaxdet.matmul -> tanh -> jaxdet.dropout (by global element index) -> jaxdet.matmul -> squared
+error; then jaxdet.clip_by_global_norm and optax.adamw, all in one jit over a 1-D mesh of all local
+devices. The psum step computes each device's gradient over its whole shard at once and sums the
+float32 gradients with lax.psum; the jaxdet step splits the shard into `leaves-per-device` leaves
+(one gradient each, combined by the canonical tree) and all-reduces with tree_psum. With one leaf per
+device both run the same GEMMs, so the ratio is the cost of the deterministic all-reduce; with more,
+it adds the cost of smaller GEMMs in a loop. Timing: warm-up, median of `--reps` timings of
+`--inner` steps, alternating (matmul_bench.timeit_pair). On GPUs set NCCL_NVLS_ENABLE=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--features", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=16384)
+    p.add_argument("--outputs", type=int, default=4096)
+    p.add_argument("--tokens-per-device", type=int, default=16384)
+    p.add_argument("--leaves-per-device", default="1,2")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--inner", type=int, default=3)
+    p.add_argument("--cpu-devices", type=int, default=0, help="simulate this many CPU devices (smoke test)")
+    p.add_argument("--out", default="")
+    return p.parse_args()
+
+
+def main():
+    args = parse()
+    if args.cpu_devices:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import ml_dtypes
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from matmul_bench import timeit_pair
+
+    import jaxdet
+    from jaxdet import _facts_parallel as fp
+
+    dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32
+    devices = jax.devices()
+    d = len(devices)
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    params = jax.device_put(fp.init_params(args.features, args.hidden, args.outputs, dtype=dtype), rep)
+    opt_state = jax.device_put(fp._optimizer().init(params), rep)
+    batch = fp._global_batch(
+        fp.make_batches(1, d * args.tokens_per_device, args.features, args.outputs, dtype=dtype)[0], shard)
+    key = np.asarray(jaxdet.random.key(0))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    rows = []
+    for per in (int(v) for v in args.leaves_per_device.split(",")):
+        # Steps are timed without donation, so both sides read the same params every call.
+        tree_step = fp.make_step(mesh, leaves=d * per)
+        psum_step = fp.make_step(mesh, control=True)
+        t_psum, t_tree = timeit_pair(psum_step, tree_step, [(params, opt_state, batch, key)], args.reps, args.inner)
+        rows.append((per, t_psum, t_tree))
+    kind = getattr(devices[0], "device_kind", devices[0].platform)
+    lines = [
+        f"Data-parallel train step, {d} x {kind}, {args.dtype}, {n_params / 1e6:.1f}M params "
+        f"({args.features}->{args.hidden}->{args.outputs}), {args.tokens_per_device} tokens per device, "
+        f"jax {jax.__version__}, {datetime.date.today()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}",
+        "",
+        "| leaves per device | psum step ms | jaxdet.parallel step ms | ratio |",
+        "|---|---|---|---|",
+    ]
+    for per, tp, tt in rows:
+        lines.append(f"| {per} | {tp:.3f} | {tt:.3f} | {tt / tp:.3f}x |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""jaxdet.parallel: the canonical tree, tree_psum, and training whose bits do not depend on the device count.
+
+Every contract in docs/parallel.md names the test here that proves it. The device-count cases run in
+a subprocess with 8 simulated CPU devices (tests/parallel_worker.py): the count is fixed when JAX
+starts, and this process may already have started it with one device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from bitwise import assert_bitwise, bits
+from jaxdet import parallel
+from jaxdet._facts_parallel import subprocess_env
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel_worker.py")
+STEPS = 20
+
+
+def run_worker(*args, env=None):
+    proc = subprocess.run(
+        [sys.executable, WORKER, *map(str, args)], env=env or subprocess_env(8), capture_output=True, text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"worker {args} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
+
+
+def reference_tree(xs):
+    """docs/parallel.md's canonical tree in NumPy: neighbours paired level by level, lower index
+    first, an odd last node carried up unchanged (its sibling is absent); adds in the dtype."""
+    xs = [np.asarray(x) for x in xs]
+    while len(xs) > 1:
+        xs = [xs[i] + xs[i + 1] if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+    return xs[0]
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory):
+    out = tmp_path_factory.mktemp("collectives")
+    run_worker("collectives", out)
+    facts = json.loads((out / "collectives.json").read_text())
+    with np.load(out / "collectives.npz") as data:
+        arrays = {k: v.view(ml_dtypes.bfloat16) if k in facts["bfloat16_keys"] else v for k, v in data.items()}
+    return arrays, facts
+
+
+@pytest.fixture(scope="module")
+def training():
+    return run_worker("train", STEPS)
+
+
+# ---- tree_sum: the canonical tree on one device ----
+
+def test_tree_sum_is_the_padded_tree():
+    rng = np.random.default_rng(0)
+    xs = [np.float32(v) for v in rng.standard_normal(9) * np.exp(rng.uniform(-20, 20, 9))]
+    x = [jnp.float32(v) for v in xs]
+    assert_bitwise(parallel.tree_sum(x[:3]), (x[0] + x[1]) + x[2])
+    assert_bitwise(parallel.tree_sum(x[:5]), ((x[0] + x[1]) + (x[2] + x[3])) + x[4])
+    assert_bitwise(parallel.tree_sum(x[:6]), ((x[0] + x[1]) + (x[2] + x[3])) + (x[4] + x[5]))
+    assert_bitwise(parallel.tree_sum(x[:7]), ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + x[6]))
+    for n in range(1, 10):
+        assert_bitwise(parallel.tree_sum(x[:n]), reference_tree(xs[:n]))
+    # the order matters for these summands: the tree is not the left fold
+    fold = xs[0]
+    for v in xs[1:8]:
+        fold = fold + v
+    assert bits(fold) != bits(reference_tree(xs[:8]))
+    # pytrees of the same structure, summed leaf by leaf
+    trees = [{"a": x[i], "b": (x[i] * 2, x[8 - i])} for i in range(5)]
+    out = parallel.tree_sum(trees)
+    assert_bitwise(out["b"][1], reference_tree([xs[8 - i] for i in range(5)]))
+    with pytest.raises(ValueError, match="at least one summand"):
+        parallel.tree_sum([])
+
+
+# ---- tree_psum across 1, 2, 4, 8 devices (8 simulated CPU devices) ----
+
+CASES = ["f32", "f32_odd", "f32_small", "f32_scalar", "bf16", "f16"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tree_psum_is_the_tree_for_any_device_count(collectives, case):
+    """Device d of D holds summands [d*8/D, (d+1)*8/D) and reduces them with tree_sum; tree_psum
+    finishes the same tree: the result is the NumPy tree of all 8 for every D, on every device."""
+    arrays, facts = collectives
+    x = arrays[f"{case}_in"]
+    want = reference_tree(list(x))
+    for d in (1, 2, 4, 8):
+        assert_bitwise(arrays[f"{case}_D{d}"], want, f"{case} D={d}")
+        assert facts[f"{case}_D{d}_same_on_devices"], f"{case} D={d}: devices differ"
+    # and the data was such that the order shows
+    fold = x[0]
+    for v in x[1:]:
+        fold = fold + v
+    if case != "f32_small" and case != "f32_scalar":
+        assert not np.array_equal(bits(fold), bits(want))
+
+
+def test_tree_psum_pytree_of_mixed_dtypes(collectives):
+    arrays, _ = collectives
+    for k in ("a", "b", "c"):
+        want = reference_tree(list(arrays[f"pytree_{k}_in"]))
+        for d in (1, 8):
+            assert_bitwise(arrays[f"pytree_{k}_D{d}"], want, f"leaf {k} D={d}")
+    assert arrays["pytree_b_D8"].dtype == ml_dtypes.bfloat16
+
+
+def test_tree_psum_axis_tuple_and_one_axis_of_a_mesh(collectives):
+    arrays, facts = collectives
+    x = arrays["f32_in"]
+    # ("a", "b") on a 2x4 mesh: device index a*4 + b, so the minor axis b is reduced first
+    assert_bitwise(arrays["tuple_ab"], reference_tree(list(x)))
+    assert facts["tuple_ab_same_on_devices"]
+    # "b" alone: one tree per row a
+    assert_bitwise(arrays["minor_b"][0], reference_tree(list(x[0:4])))
+    assert_bitwise(arrays["minor_b"][1], reference_tree(list(x[4:8])))
+
+
+def test_tree_psum_of_an_invariant_value_counts_every_device(collectives):
+    arrays, _ = collectives
+    x3 = arrays["f32_in"][3]
+    assert_bitwise(arrays["invariant_D4"], reference_tree([x3] * 4))
+
+
+def test_tree_psum_moves_data_only(collectives):
+    _, facts = collectives
+    assert facts["hlo_tree_psum"] == ["all-gather", "all-to-all"], facts["hlo_tree_psum"]
+    assert "all-reduce" in facts["hlo_psum"]  # the detector sees psum's all-reduce
+
+
+def test_errors(collectives):
+    _, facts = collectives
+    expected = {
+        "error_axis_size_3": ("ValueError", "power of two, got 3"),
+        "error_leaves_below_devices": ("ValueError", "leaves must be at least the size of mesh axis 'd' (8), got 4"),
+        "error_leaves_not_power_of_two": ("ValueError", "leaves must be a power of two, got 12"),
+        "error_devices_not_power_of_two": ("ValueError", "power of two, got 3"),
+        "error_unknown_axis": ("ValueError", "'x' is not an axis of the mesh"),
+        "error_batch_not_multiple": ("ValueError", "(60) must be a multiple of leaves (8)"),
+        "error_tuple_axis_type": ("TypeError", "axis_name must be a mesh axis name"),
+    }
+    for name, (kind, text) in expected.items():
+        assert facts[name] is not None, f"{name}: no error raised"
+        assert facts[name][0] == kind and text in facts[name][1], f"{name}: {facts[name]}"
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    loss = lambda p, b, i: jnp.sum(b * p)  # noqa: E731
+    with pytest.raises(ValueError, match="leaves must be a power of two, got 3"):
+        parallel.value_and_grad(loss, mesh=mesh, axis_name="d", leaves=3)
+    with pytest.raises(TypeError, match="leaves must be an int"):
+        parallel.value_and_grad(loss, mesh=mesh, axis_name="d", leaves=2.0)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        parallel.value_and_grad(loss, mesh=jax.devices(), axis_name="d", leaves=2)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        parallel.value_and_grad(None, mesh=mesh, axis_name="d", leaves=2)
+
+
+def test_value_and_grad_leaves_aux_and_index(collectives):
+    """Each leaf sees its global index; aux comes back per leaf in leaf order; the loss (with an XLA
+    reduction inside each leaf) and the gradient have the same bits for D = 1, 2, 8."""
+    arrays, _ = collectives
+    for d in (1, 2, 8):
+        assert_bitwise(arrays[f"vg_aux_index_D{d}"], np.arange(8, dtype=np.int32))
+        for what in ("loss", "grad", "aux_sum"):
+            assert_bitwise(arrays[f"vg_{what}_D{d}"], arrays[f"vg_{what}_D1"], f"{what} D={d}")
+    assert arrays["vg_aux_sum_D1"].shape == (8,)
+
+
+# ---- Training: 20 adamw steps of a jaxdet model on 1, 2, 4, 8 devices ----
+
+def test_training_bits_do_not_depend_on_device_count(training):
+    """jaxdet.matmul layers, dropout keyed by the global element index, clip_by_global_norm and
+    optax.adamw (jaxdet._facts_parallel): the SHA-256 of the parameters and optimizer state after
+    every step is the same for D = 1, 2, 4, 8 and on every device."""
+    ref = training["tree1"]["hashes"]
+    assert len(ref) == STEPS and len(set(ref)) == STEPS
+    for d in (1, 2, 4, 8):
+        assert training[f"tree{d}"]["hashes"] == ref, f"D={d}"
+        assert training[f"tree{d}"]["same_on_devices"], f"D={d}: devices differ"
+    assert "all-reduce" not in training["hlo_tree"] and "reduce-scatter" not in training["hlo_tree"]
+
+
+def test_psum_step_changes_bits_with_device_count(training):
+    """The negative control: the same step with lax.psum of per-device gradients (each device
+    equal, but the result depends on D)."""
+    finals = {d: training[f"psum{d}"]["hashes"][-1] for d in (1, 2, 4, 8)}
+    assert all(training[f"psum{d}"]["same_on_devices"] for d in (1, 2, 4, 8))
+    assert finals[1] != finals[2] and finals[1] != finals[8], finals
+    assert len(set(finals.values())) >= 3, finals
+    assert "all-reduce" in training["hlo_psum"]
+
+
+# ---- GPU: D=1 vs D=2 under NCCL algorithm/protocol settings ----
+
+NCCL_SWEEP = [{}, {"NCCL_ALGO": "Ring"}, {"NCCL_ALGO": "Tree"}, {"NCCL_PROTO": "LL"}, {"NCCL_PROTO": "Simple"},
+              {"NCCL_ALGO": "Ring", "NCCL_PROTO": "LL"}, {"NCCL_ALGO": "Tree", "NCCL_PROTO": "Simple"}]
+
+
+@pytest.mark.gpu
+def test_gpu_device_count_and_nccl_settings_change_no_bit():
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs 2 GPUs")
+    results = []
+    for setting in NCCL_SWEEP:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
+        env.update(setting, NCCL_NVLS_ENABLE="0")
+        r = run_worker("gpu", 5, env=env)
+        assert r["tree1"]["hashes"] == r["tree2"]["hashes"], f"D=1 vs D=2 under {setting}"
+        assert r["tree2"]["same_on_devices"]
+        results.append(r["tree2"]["hashes"])
+    assert all(h == results[0] for h in results), "an NCCL setting changed the bits"
