@@ -117,25 +117,169 @@ norm_param_grad_p = _ffi.define_primitive(
 )
 
 
-# ---- The differentiable core on x3 [1, T, n], w [1, n], b [1, n] or [0] (all float32 params). ----
+# ---- Composite primitives on the rows as the user shaped them, x [*R, n] (every leading dimension a
+# row dimension), so that under sharded jit a split of any row dimension stays on its device with no
+# collective (each device flattens its own shard); the features n are never split (a row's reduction
+# must see the whole row: a split n is all-gathered). ----
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _norm(x3, w, b, eps, center):
-    return norm_fwd_p.bind(x3, w, b, eps=eps, center=center)[0]
-
-
-def _norm_fwd(x3, w, b, eps, center):
-    y, stats = norm_fwd_p.bind(x3, w, b, eps=eps, center=center)
-    return y, (x3, w, b, stats)
+def _row_factors(x_shape):
+    return tuple(f"r{i}" for i in range(len(x_shape) - 1))
 
 
-def _norm_bwd(eps, center, res, g):
-    x3, w, b, stats = res
-    has_bias = b.size > 0
-    dx = norm_bwd_p.bind(x3, w, stats, g, center=center)
-    pw, pb = norm_param_grad_p.bind(x3, stats, g, has_bias=has_bias)
-    dw = _rows.tree_rows(pw)  # [1, n]: the upper levels of the tree over tokens
-    db = _rows.tree_rows(pb) if has_bias else jnp.zeros_like(b)
+def _as_groups(x):
+    return x.reshape(1, -1, x.shape[-1])
+
+
+def _rows_fwd_abstract_eval(x, w, b, *, eps, center, has_bias):
+    return (_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:-1] + (2,), _F32))
+
+
+def _rows_fwd_local(params, axes, shapes):
+    def run(x, w, b):
+        bias = b.reshape(1, -1) if params["has_bias"] else jnp.zeros((0,), _F32)
+        y, stats = norm_fwd_p.bind(_as_groups(x), w.reshape(1, -1), bias, eps=params["eps"], center=params["center"])
+        return y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))
+
+    return run
+
+
+def _rows_fwd_factors(params, shapes):
+    rows = _row_factors(shapes[0])
+    return [rows + ("n",), ("n",), ("n",)], [rows + ("n",), rows + ("two",)]
+
+
+def _param_batched(args, dims, which):
+    return any(not _ffi.not_mapped(dims[i]) for i in which)
+
+
+def _rows_fwd_batch(args, dims, *, eps, center, has_bias):
+    (x, w, b), (xd, wd, bd) = args, dims
+    if not _param_batched(args, dims, (1, 2)):  # the vmapped axis is one more row dimension
+        return norm_rows_fwd_p.bind(jnp.moveaxis(x, xd, 0), w, b, eps=eps, center=center, has_bias=has_bias), (0, 0)
+    # Per-example parameters: one group per example (the kernels' [G, R, n] layout).
+    size = _rows.batch_size(args, dims)
+    x = _rows.moved_to_front(x, xd, size)
+    w, b = _rows.moved_to_front(w, wd, size), _rows.moved_to_front(b, bd, size)
+    y, stats = norm_fwd_p.bind(x.reshape(size, -1, x.shape[-1]), w, b if has_bias else jnp.zeros((0,), _F32),
+                               eps=eps, center=center)
+    return (y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))), (0, 0)
+
+
+norm_rows_fwd_p = _ffi.define_composite(
+    "jaxdet_norm_rows_fwd", _rows_fwd_abstract_eval,
+    _ffi.Partitioning(_rows_fwd_factors, replicated=frozenset({"n", "two"}), local=_rows_fwd_local),
+    batching_rule=_rows_fwd_batch, multiple_results=True)
+
+
+def _rows_bwd_abstract_eval(x, w, stats, g, *, center):
+    return _rows.shaped(x.shape, x.dtype)
+
+
+def _rows_bwd_local(params, axes, shapes):
+    def run(x, w, stats, g):
+        dx = norm_bwd_p.bind(_as_groups(x), w.reshape(1, -1), stats.reshape(1, -1, 2), _as_groups(g),
+                             center=params["center"])
+        return dx.reshape(x.shape)
+
+    return run
+
+
+def _rows_bwd_factors(params, shapes):
+    rows = _row_factors(shapes[0])
+    return [rows + ("n",), ("n",), rows + ("two",), rows + ("n",)], [rows + ("n",)]
+
+
+def _rows_bwd_batch(args, dims, *, center):
+    (x, w, stats, g), (xd, wd, sd, gd) = args, dims
+    size = _rows.batch_size(args, dims)
+    x, stats, g = (_rows.moved_to_front(a, d, size) for a, d in ((x, xd), (stats, sd), (g, gd)))
+    if _ffi.not_mapped(wd):
+        return norm_rows_bwd_p.bind(x, w, stats, g, center=center), 0
+    w = jnp.moveaxis(w, wd, 0)
+    grouped = lambda a: a.reshape(size, -1, a.shape[-1])
+    dx = norm_bwd_p.bind(grouped(x), w, grouped(stats), grouped(g), center=center)
+    return dx.reshape(x.shape), 0
+
+
+norm_rows_bwd_p = _ffi.define_composite(
+    "jaxdet_norm_rows_bwd", _rows_bwd_abstract_eval,
+    _ffi.Partitioning(_rows_bwd_factors, replicated=frozenset({"n", "two"}), local=_rows_bwd_local),
+    batching_rule=_rows_bwd_batch)
+
+
+# ---- The parameter gradients as one composite: tokens x [T, n], stats [T, 2], g [T, n] -> dscale
+# [n] (and dbias [n]) in float32, the canonical tree over tokens. With the tokens split over devices
+# each device reduces its own tokens (a subtree when it holds a power-of-two count, which is when the
+# split is allowed) and the devices' roots are combined by the top levels of the same tree
+# (tree_psum: data movement, no psum); the features may be split with no collective. ----
+
+def _grads_abstract_eval(x, stats, g, *, has_bias):
+    return [_rows.shaped(x.shape[-1:], _F32)] * (2 if has_bias else 1)
+
+
+def _grads_of(x3, stats3, g3, has_bias):
+    """Per group: the kernels' aligned 32-token subtrees, then the upper levels of the tree."""
+    pw, pb = norm_param_grad_p.bind(x3, stats3, g3, has_bias=has_bias)
+    return [_rows.tree_rows(pw)] + ([_rows.tree_rows(pb)] if has_bias else [])
+
+
+def _grads_local(params, axes, shapes):
+    tokens = axes.get("t", ())
+
+    def run(x, stats, g):
+        out = [o[0] for o in _grads_of(x[None], stats[None], g[None], params["has_bias"])]
+        return [_ffi.tree_psum_untyped(o, tokens) for o in out] if tokens else out
+
+    return run
+
+
+def _grads_factors(params, shapes):
+    return [("t", "n"), ("t", "two"), ("t", "n")], [("n",)] * (2 if params["has_bias"] else 1)
+
+
+def _tokens_line_up(factor, size, parts):
+    # A device's tokens form a subtree of the tree over tokens only if it holds a power-of-two
+    # count of them; other splits would change the bits, so those tokens are all-gathered instead.
+    if factor != "t":
+        return True
+    per_device = size // parts
+    return per_device & (per_device - 1) == 0
+
+
+def _grads_batch(args, dims, *, has_bias):
+    size = _rows.batch_size(args, dims)
+    x, stats, g = (_rows.moved_to_front(a, d, size) for a, d in zip(args, dims))
+    return _grads_of(x, stats, g, has_bias), [0] * (2 if has_bias else 1)
+
+
+norm_grads_p = _ffi.define_composite(
+    "jaxdet_norm_param_grads", _grads_abstract_eval,
+    _ffi.Partitioning(_grads_factors, replicated=frozenset({"two"}), reduced=frozenset({"t"}), local=_grads_local,
+                      can_split=_tokens_line_up),
+    batching_rule=_grads_batch, multiple_results=True)
+
+
+# ---- The differentiable core: x [..., n], w and b float32 [n]. ----
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm(x, w, b, eps, center, has_bias):
+    return norm_rows_fwd_p.bind(x, w, b, eps=eps, center=center, has_bias=has_bias)[0]
+
+
+def _norm_fwd(x, w, b, eps, center, has_bias):
+    y, stats = norm_rows_fwd_p.bind(x, w, b, eps=eps, center=center, has_bias=has_bias)
+    return y, (x, w, b, stats)
+
+
+def _norm_bwd(eps, center, has_bias, res, g):
+    x, w, b, stats = res
+    # Under shard_map, a parameter invariant over axes the activations vary over gets the
+    # canonical-tree sum of the devices' gradients (match_varying: tree_psum, never psum).
+    dx = _ffi.match_varying(norm_rows_bwd_p.bind(x, w, stats, g, center=center), _ffi.varying_axes(x))
+    n = x.shape[-1]
+    grads = norm_grads_p.bind(x.reshape(-1, n), stats.reshape(-1, 2), g.reshape(-1, n), has_bias=has_bias)
+    dw = _ffi.match_varying(grads[0], _ffi.varying_axes(w))
+    db = _ffi.match_varying(grads[1] if has_bias else jnp.zeros_like(b), _ffi.varying_axes(b))
     return dx, dw, db
 
 
@@ -158,13 +302,12 @@ def _apply(x, scale, bias, eps, center):
     bias = _check_param(bias, "bias", n) if bias is not None else None
     eps = _rows.check_eps(eps)
     if x.size == 0:
-        return jnp.zeros(x.shape, x.dtype)
+        return _ffi.match_varying(jnp.zeros(x.shape, x.dtype), _ffi.varying_axes(x))
     # Parameters enter the kernels as float32 (exact widening); their gradients come back as
     # float32 tree sums and are rounded once to the parameter dtype by the astype's transpose.
-    w = (jnp.ones((n,), _F32) if scale is None else scale.astype(_F32)).reshape(1, n)
-    b = jnp.zeros((0,), _F32) if bias is None else bias.astype(_F32).reshape(1, n)
-    y = _norm(x.reshape(1, -1, n), w, b, eps, center)
-    return y.reshape(x.shape)
+    w = jnp.ones((n,), _F32) if scale is None else scale.astype(_F32)
+    b = jnp.zeros((n,), _F32) if bias is None else bias.astype(_F32)
+    return _norm(x, w, b, eps, center, bias is not None)
 
 
 def rms_norm(x, scale, eps: float = 1e-6):

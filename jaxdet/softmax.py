@@ -157,46 +157,140 @@ def det_math(x, op: str):
     return det_math_p.bind(x, op=_MATH_OPS[op])
 
 
-# ---- Differentiable cores on rows [R, n]. ----
+# ---- Composite primitives on the rows as the user shaped them, x [*R, n] (every leading dimension a
+# row dimension), so that under sharded jit a split of any row dimension stays on its device with no
+# collective; the class axis n is never split (a split one is all-gathered). ----
+
+def _flat(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def _row_factors(shape, trailing):
+    return tuple(f"r{i}" for i in range(len(shape) - trailing))
+
+
+def _fold_into_rows(prim, args, dims, params, nout):
+    """A vmapped axis is one more leading row dimension: move it to the front everywhere."""
+    size = _rows.batch_size(args, dims)
+    out = prim.bind(*[_rows.moved_to_front(a, d, size) for a, d in zip(args, dims)], **params)
+    return out, ([0] * nout if prim.multiple_results else 0)
+
+
+def _composite(name, abstract_eval, factors, local, nout):
+    prim = None
+
+    def batch(args, dims, **params):
+        return _fold_into_rows(prim, args, dims, params, nout)
+
+    prim = _ffi.define_composite(
+        name, abstract_eval, _ffi.Partitioning(factors, replicated=frozenset({"n", "two"}), local=local),
+        batching_rule=batch, multiple_results=nout > 1)
+    return prim
+
+
+def _sm_local(params, axes, shapes):
+    def run(x):
+        y, stats, _ = softmax_fwd_p.bind(_flat(x), mode=params["mode"])
+        return [y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))]
+
+    return run
+
+
+softmax_rows_p = _composite(
+    "jaxdet_softmax_rows",
+    lambda x, *, mode: [_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:-1] + (2,), _F32)],
+    lambda params, shapes: ([_row_factors(shapes[0], 1) + ("n",)],
+                            [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1) + ("two",)]),
+    _sm_local, 2)
+
+
+def _sm_bwd_local(params, axes, shapes):
+    def run(x, stats, g):
+        return softmax_bwd_p.bind(_flat(x), stats.reshape(-1, 2), _flat(g), mode=params["mode"])[0].reshape(x.shape)
+
+    return run
+
+
+softmax_rows_bwd_p = _composite(
+    "jaxdet_softmax_rows_bwd",
+    lambda x, stats, g, *, mode: _rows.shaped(x.shape, x.dtype),
+    lambda params, shapes: ([_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1) + ("two",),
+                             _row_factors(shapes[0], 1) + ("n",)], [_row_factors(shapes[0], 1) + ("n",)]),
+    _sm_bwd_local, 1)
+
+
+def _xent_local(params, axes, shapes):
+    def run(x, labels):
+        out, stats, _ = xent_fwd_p.bind(_flat(x), labels.reshape(-1), log_prob=params["log_prob"])
+        return [out.reshape(labels.shape), stats.reshape(labels.shape + (2,))]
+
+    return run
+
+
+xent_rows_p = _composite(
+    "jaxdet_xent_rows",
+    lambda x, labels, *, log_prob: [_rows.shaped(labels.shape, _F32), _rows.shaped(labels.shape + (2,), _F32)],
+    lambda params, shapes: ([_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1)],
+                            [_row_factors(shapes[0], 1), _row_factors(shapes[0], 1) + ("two",)]),
+    _xent_local, 2)
+
+
+def _xent_bwd_local(params, axes, shapes):
+    def run(x, labels, stats, g):
+        return xent_bwd_p.bind(_flat(x), labels.reshape(-1), stats.reshape(-1, 2), g.reshape(-1)).reshape(x.shape)
+
+    return run
+
+
+xent_rows_bwd_p = _composite(
+    "jaxdet_xent_rows_bwd",
+    lambda x, labels, stats, g: _rows.shaped(x.shape, x.dtype),
+    lambda params, shapes: ([_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1),
+                             _row_factors(shapes[0], 1) + ("two",), _row_factors(shapes[0], 1)],
+                            [_row_factors(shapes[0], 1) + ("n",)]),
+    _xent_bwd_local, 1)
+
+
+# ---- Differentiable cores on x [..., n] (the class axis last). ----
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _softmax2(x2, mode):
-    return softmax_fwd_p.bind(x2, mode=mode)[0]
+def _softmax_rows(x, mode):
+    return softmax_rows_p.bind(x, mode=mode)[0]
 
 
-def _softmax2_fwd(x2, mode):
-    y, stats, _ = softmax_fwd_p.bind(x2, mode=mode)
-    return y, (x2, stats)
+def _softmax_rows_fwd(x, mode):
+    y, stats = softmax_rows_p.bind(x, mode=mode)
+    return y, (x, stats)
 
 
-def _softmax2_bwd(mode, res, g):
-    x2, stats = res
+def _softmax_rows_bwd(mode, res, g):
+    x, stats = res
     # The probabilities are recomputed from x and the row statistics in float32 (never from a
     # bfloat16/float16 output), exactly as the forward computed them.
-    return (softmax_bwd_p.bind(x2, stats, g, mode=mode)[0],)
+    return (_ffi.match_varying(softmax_rows_bwd_p.bind(x, stats, g, mode=mode), _ffi.varying_axes(x)),)
 
 
-_softmax2.defvjp(_softmax2_fwd, _softmax2_bwd)
+_softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _xent2(x2, labels, log_prob):
-    return xent_fwd_p.bind(x2, labels, log_prob=log_prob)[0]
+def _xent_rows(x, labels, log_prob):
+    return xent_rows_p.bind(x, labels, log_prob=log_prob)[0]
 
 
-def _xent2_fwd(x2, labels, log_prob):
-    out, stats, _ = xent_fwd_p.bind(x2, labels, log_prob=log_prob)
-    return out, (x2, labels, stats)
+def _xent_rows_fwd(x, labels, log_prob):
+    out, stats = xent_rows_p.bind(x, labels, log_prob=log_prob)
+    return out, (x, labels, stats)
 
 
-def _xent2_bwd(log_prob, res, g):
-    x2, labels, stats = res
+def _xent_rows_bwd(log_prob, res, g):
+    x, labels, stats = res
     # d(log p_label) = -d(loss): negating the cotangent is exact.
-    dx = xent_bwd_p.bind(x2, labels, stats, -g if log_prob else g)
-    return dx, np.zeros(labels.shape, jax.dtypes.float0)
+    dx = xent_rows_bwd_p.bind(x, labels, stats, -g if log_prob else g)
+    return _ffi.match_varying(dx, _ffi.varying_axes(x)), np.zeros(labels.shape, jax.dtypes.float0)
 
 
-_xent2.defvjp(_xent2_fwd, _xent2_bwd)
+_xent_rows.defvjp(_xent_rows_fwd, _xent_rows_bwd)
 
 
 # ---- Public functions. ----
@@ -213,9 +307,8 @@ def _rows_of(x, axis, name):
 def _softmax_like(x, axis, mode):
     moved, axis = _rows_of(x, axis, "x")
     if moved.size == 0:
-        return jnp.zeros(x.shape, x.dtype)
-    n = moved.shape[-1]
-    y = _softmax2(moved.reshape(-1, n), _MODES[mode]).reshape(moved.shape)
+        return _ffi.match_varying(jnp.zeros(x.shape, x.dtype), _ffi.varying_axes(x))
+    y = _softmax_rows(moved, _MODES[mode])
     return jnp.moveaxis(y, -1, axis) if axis != x.ndim - 1 else y
 
 
@@ -263,9 +356,8 @@ def _xent(logits, labels, axis, log_prob):
         raise ValueError("logits must have at least one class (the class axis has size 0)")
     labels = _labels_int32(labels, n, moved.shape[:-1])
     if moved.size == 0:
-        return jnp.zeros(labels.shape, _F32)
-    out = _xent2(moved.reshape(-1, n), labels.reshape(-1), log_prob)
-    return out.reshape(labels.shape)
+        return _ffi.match_varying(jnp.zeros(labels.shape, _F32), _ffi.varying_union(moved, labels))
+    return _xent_rows(moved, labels, log_prob)
 
 
 def softmax_cross_entropy_with_integer_labels(logits, labels, axis: int = -1):
