@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import jaxdet  # noqa: E402
 from _rowops_timing import copy_bandwidth, forward_and_backward, nbytes, row, time_pair  # noqa: E402
+
+import jaxdet  # noqa: E402
 
 EPS = 1e-6
 
@@ -54,8 +55,11 @@ IMPLS = {
 def inputs(tokens, d, dtype, device):
     rng = np.random.default_rng(0)
     put = lambda a, dt: jax.device_put(jnp.asarray(a, jnp.float32).astype(dt), device)
-    return (put(rng.standard_normal((tokens, d)), dtype), put(1 + 0.1 * rng.standard_normal(d), jnp.float32),
-            put(0.1 * rng.standard_normal(d), jnp.float32)), put(rng.standard_normal((tokens, d)), dtype)
+    return (
+        put(rng.standard_normal((tokens, d)), dtype),
+        put(1 + 0.1 * rng.standard_normal(d), jnp.float32),
+        put(0.1 * rng.standard_normal(d), jnp.float32),
+    ), put(rng.standard_normal((tokens, d)), dtype)
 
 
 def sanitize(device):
@@ -87,10 +91,25 @@ def main():
     d = 256 if args.small else 4096
     shapes = [(1, d), (64, d), (512 if args.small else 16384, d)]
     bw = copy_bandwidth(device, nbytes=(16 << 20) if args.small else (1 << 30))
-    print(f"{device.device_kind}, jax {jax.__version__}, {dtype.name}, copy bandwidth {bw / 1e9:.0f} GB/s, "
-          f"median of {args.reps} x {args.calls} back-to-back calls, jnp and jaxdet alternating\n")
-    print(row(["op", "pass", "tokens", "d", "jnp ms", "jaxdet ms", "ratio (jnp/jaxdet)", "jaxdet GB/s",
-               "fraction of copy bw"]))
+    print(
+        f"{device.device_kind}, jax {jax.__version__}, {dtype.name}, copy bandwidth {bw / 1e9:.0f} GB/s, "
+        f"median of {args.reps} x {args.calls} back-to-back calls, jnp and jaxdet alternating\n"
+    )
+    print(
+        row(
+            [
+                "op",
+                "pass",
+                "tokens",
+                "d",
+                "jnp ms",
+                "jaxdet ms",
+                "ratio (jnp/jaxdet)",
+                "jaxdet GB/s",
+                "fraction of copy bw",
+            ]
+        )
+    )
     print(row(["---"] * 9))
     for kind, (jnp_f, det_f) in IMPLS.items():
         for tokens, d in shapes:
@@ -98,11 +117,27 @@ def main():
             (jf, ja), (jb, jba) = forward_and_backward(jnp_f, xs, g)
             (df, da), (db, dba) = forward_and_backward(det_f, xs, g)
             act = ((tokens, d), dtype)
-            for name, pair, moved in (("fwd", ((jf, ja), (df, da)), nbytes(act, act)),
-                                      ("bwd", ((jb, jba), (db, dba)), nbytes(act, act, act))):
+            for name, pair, moved in (
+                ("fwd", ((jf, ja), (df, da)), nbytes(act, act)),
+                ("bwd", ((jb, jba), (db, dba)), nbytes(act, act, act)),
+            ):
                 tj, td = time_pair(*pair, reps=args.reps, calls=args.calls)
-                print(row([f"{kind}_norm", name, tokens, d, f"{tj * 1e3:.4f}", f"{td * 1e3:.4f}", f"{tj / td:.3f}",
-                           f"{moved / td / 1e9:.0f}", f"{moved / td / bw:.2f}"]), flush=True)
+                print(
+                    row(
+                        [
+                            f"{kind}_norm",
+                            name,
+                            tokens,
+                            d,
+                            f"{tj * 1e3:.4f}",
+                            f"{td * 1e3:.4f}",
+                            f"{tj / td:.3f}",
+                            f"{moved / td / 1e9:.0f}",
+                            f"{moved / td / bw:.2f}",
+                        ]
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

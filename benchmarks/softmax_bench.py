@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import jaxdet  # noqa: E402
 from _rowops_timing import copy_bandwidth, forward_and_backward, nbytes, row, time_pair  # noqa: E402
+
+import jaxdet  # noqa: E402
 
 
 def baselines():
@@ -35,8 +36,10 @@ def baselines():
     return {
         "softmax": (jax.nn.softmax, jaxdet.softmax),
         "log_softmax": (jax.nn.log_softmax, jaxdet.log_softmax),
-        "cross_entropy": (optax.softmax_cross_entropy_with_integer_labels,
-                          jaxdet.softmax_cross_entropy_with_integer_labels),
+        "cross_entropy": (
+            optax.softmax_cross_entropy_with_integer_labels,
+            jaxdet.softmax_cross_entropy_with_integer_labels,
+        ),
     }
 
 
@@ -92,10 +95,25 @@ def main():
     vocab = args.vocab or (3000 if args.small else 128256)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1, 8, 64] if args.small else [1, 64, 4096])
     bw = copy_bandwidth(device, nbytes=(16 << 20) if args.small else (1 << 30))
-    print(f"{device.device_kind}, jax {jax.__version__}, {dtype.name} logits, vocab {vocab}, copy bandwidth "
-          f"{bw / 1e9:.0f} GB/s, median of {args.reps} x {args.calls} back-to-back calls, alternating\n")
-    print(row(["op", "pass", "tokens", "vocab", "baseline ms", "jaxdet ms", "ratio (baseline/jaxdet)",
-               "jaxdet GB/s", "fraction of copy bw"]))
+    print(
+        f"{device.device_kind}, jax {jax.__version__}, {dtype.name} logits, vocab {vocab}, copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s, median of {args.reps} x {args.calls} back-to-back calls, alternating\n"
+    )
+    print(
+        row(
+            [
+                "op",
+                "pass",
+                "tokens",
+                "vocab",
+                "baseline ms",
+                "jaxdet ms",
+                "ratio (baseline/jaxdet)",
+                "jaxdet GB/s",
+                "fraction of copy bw",
+            ]
+        )
+    )
     print(row(["---"] * 9))
     for mode, fns in baselines().items():
         for t in tokens:
@@ -106,8 +124,22 @@ def main():
             bwd_bytes = nbytes(act, act) if mode == "cross_entropy" else nbytes(act, act, act)
             for name, base, det, moved in (("fwd", bf, jf, fwd_bytes), ("bwd", bb, jb, bwd_bytes)):
                 tb, td = time_pair(base, det, reps=args.reps, calls=args.calls)
-                print(row([mode, name, t, vocab, f"{tb * 1e3:.4f}", f"{td * 1e3:.4f}", f"{tb / td:.3f}",
-                           f"{moved / td / 1e9:.0f}", f"{moved / td / bw:.2f}"]), flush=True)
+                print(
+                    row(
+                        [
+                            mode,
+                            name,
+                            t,
+                            vocab,
+                            f"{tb * 1e3:.4f}",
+                            f"{td * 1e3:.4f}",
+                            f"{tb / td:.3f}",
+                            f"{moved / td / 1e9:.0f}",
+                            f"{moved / td / bw:.2f}",
+                        ]
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

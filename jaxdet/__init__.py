@@ -31,8 +31,13 @@ from jaxdet.dropout import dropout
 from jaxdet.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet.clip import clip_by_global_norm, global_norm
 from jaxdet.norm import layer_norm, rms_norm
-from jaxdet.softmax import (label_log_probs, log_softmax, softmax, softmax_cross_entropy,
-                            softmax_cross_entropy_with_integer_labels)
+from jaxdet.softmax import (
+    label_log_probs,
+    log_softmax,
+    softmax,
+    softmax_cross_entropy,
+    softmax_cross_entropy_with_integer_labels,
+)
 from jaxdet import optax  # noqa: E402 (imports optax lazily)
 from jaxdet import export, testing  # noqa: E402
 

@@ -22,9 +22,10 @@ _LOG2E = F32(float.fromhex("0x1.715476p+0"))
 _SHIFT = F32(12582912.0)
 _LN2_HI = F32(float.fromhex("0x1.62e4p-1"))  # 0.693145751953125
 _LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
-_EXP_POLY = [F32(float.fromhex(h)) for h in
-             ("0x1.a01a02p-13", "0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5", "0x1.555556p-3")] + [
-    F32(0.5), F32(1.0), F32(1.0)]
+_EXP_POLY = [
+    F32(float.fromhex(h))
+    for h in ("0x1.a01a02p-13", "0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5", "0x1.555556p-3")
+] + [F32(0.5), F32(1.0), F32(1.0)]
 _LOG_POLY = [F32(float.fromhex(h)) for h in ("0x1.c71c72p-3", "0x1.24924ap-2", "0x1.99999ap-2", "0x1.555556p-1")]
 
 
@@ -99,6 +100,7 @@ def fmax(a, b):
 
 # ---- Span reductions: terms [rows, n] float32 -> [rows] in the canonical order. ----
 
+
 def span_sum(terms):
     """Lane (e // 4) % 256 folds its terms in increasing e from +0; then the pairwise lane tree."""
     terms = _f32(terms)
@@ -132,8 +134,7 @@ def tree_fold(items, combine):
     """The padded balanced tree over a list, lower index first (jaxdet.parallel.tree_sum's tree)."""
     items = list(items)
     while len(items) > 1:
-        items = [combine(items[i], items[i + 1]) if i + 1 < len(items) else items[i]
-                 for i in range(0, len(items), 2)]
+        items = [combine(items[i], items[i + 1]) if i + 1 < len(items) else items[i] for i in range(0, len(items), 2)]
     return items[0]
 
 
@@ -143,6 +144,7 @@ def store(y, dtype):
 
 
 # ---- RMSNorm / LayerNorm (docs/norm.md). x [T, n] (any float dtype, widened exactly), w, b [n]. ----
+
 
 def norm_forward(x, w, b, eps, center):
     """(y float32 before storage rounding, mean [T], rstd [T])."""
@@ -177,6 +179,7 @@ def token_tree(terms):
 
 
 # ---- softmax, log_softmax, cross-entropy (docs/softmax.md). x [R, n] float32 (widened). ----
+
 
 def _merge(a, b):
     M = fmax(a[0], b[0])

@@ -33,6 +33,7 @@ _F32 = np.dtype(jnp.float32)
 # ---- Primitive 1: jaxdet_norm_fwd. x [G, R, n], w f32 [1 or G, n], b f32 [1 or G, n] or [0]
 # -> y [G, R, n] (x's dtype), stats f32 [G, R, 2] = (mean, rstd). ----
 
+
 def _fwd_abstract_eval(x, w, b, *, eps, center):
     return (_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:2] + (2,), _F32))
 
@@ -46,12 +47,11 @@ def _fold_groups(args, dims, row_args):
     G = next(a.shape[1] for a, is_row in zip(moved, row_args) if is_row)
     out = []
     for a, d, is_row in zip(moved, dims, row_args):
-        if not is_row:
-            if a.size == 0 or (_ffi.not_mapped(d) and a.shape[0] == 1):
-                out.append(a)
-                continue
-            a = jnp.broadcast_to(_rows.moved_to_front(a, d, size), (size, G) + a.shape[-1:])
-        out.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+        if not is_row and (a.size == 0 or (_ffi.not_mapped(d) and a.shape[0] == 1)):
+            out.append(a)
+            continue
+        full = a if is_row else jnp.broadcast_to(_rows.moved_to_front(a, d, size), (size, G) + a.shape[-1:])
+        out.append(full.reshape((size * full.shape[1],) + full.shape[2:]))
     return size, out
 
 
@@ -76,6 +76,7 @@ norm_fwd_p = _ffi.define_primitive(
 
 # ---- Primitive 2: jaxdet_norm_bwd. x, w, stats, g -> dx [G, R, n]. ----
 
+
 def _bwd_abstract_eval(x, w, stats, g, *, center):
     return _rows.shaped(x.shape, x.dtype)
 
@@ -95,6 +96,7 @@ norm_bwd_p = _ffi.define_primitive(
 
 # ---- Primitive 3: jaxdet_norm_param_grad. x [G, T, n], stats [G, T, 2], g [G, T, n] ->
 # partials f32 [G, ceil(T / GRAD_BLOCK_TOKENS), n] for the scale and (has_bias) the bias. ----
+
 
 def _pg_abstract_eval(x, stats, g, *, has_bias):
     G, T, n = x.shape
@@ -121,6 +123,7 @@ norm_param_grad_p = _ffi.define_primitive(
 # row dimension), so that under sharded jit a split of any row dimension stays on its device with no
 # collective (each device flattens its own shard); the features n are never split (a row's reduction
 # must see the whole row: a split n is all-gathered). ----
+
 
 def _row_factors(x_shape):
     return tuple(f"r{i}" for i in range(len(x_shape) - 1))
@@ -160,15 +163,19 @@ def _rows_fwd_batch(args, dims, *, eps, center, has_bias):
     size = _rows.batch_size(args, dims)
     x = _rows.moved_to_front(x, xd, size)
     w, b = _rows.moved_to_front(w, wd, size), _rows.moved_to_front(b, bd, size)
-    y, stats = norm_fwd_p.bind(x.reshape(size, -1, x.shape[-1]), w, b if has_bias else jnp.zeros((0,), _F32),
-                               eps=eps, center=center)
+    y, stats = norm_fwd_p.bind(
+        x.reshape(size, -1, x.shape[-1]), w, b if has_bias else jnp.zeros((0,), _F32), eps=eps, center=center
+    )
     return (y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))), (0, 0)
 
 
 norm_rows_fwd_p = _ffi.define_composite(
-    "jaxdet_norm_rows_fwd", _rows_fwd_abstract_eval,
+    "jaxdet_norm_rows_fwd",
+    _rows_fwd_abstract_eval,
     _ffi.Partitioning(_rows_fwd_factors, replicated=frozenset({"n", "two"}), local=_rows_fwd_local),
-    batching_rule=_rows_fwd_batch, multiple_results=True)
+    batching_rule=_rows_fwd_batch,
+    multiple_results=True,
+)
 
 
 def _rows_bwd_abstract_eval(x, w, stats, g, *, center):
@@ -177,8 +184,9 @@ def _rows_bwd_abstract_eval(x, w, stats, g, *, center):
 
 def _rows_bwd_local(params, axes, shapes):
     def run(x, w, stats, g):
-        dx = norm_bwd_p.bind(_as_groups(x), w.reshape(1, -1), stats.reshape(1, -1, 2), _as_groups(g),
-                             center=params["center"])
+        dx = norm_bwd_p.bind(
+            _as_groups(x), w.reshape(1, -1), stats.reshape(1, -1, 2), _as_groups(g), center=params["center"]
+        )
         return dx.reshape(x.shape)
 
     return run
@@ -202,9 +210,11 @@ def _rows_bwd_batch(args, dims, *, center):
 
 
 norm_rows_bwd_p = _ffi.define_composite(
-    "jaxdet_norm_rows_bwd", _rows_bwd_abstract_eval,
+    "jaxdet_norm_rows_bwd",
+    _rows_bwd_abstract_eval,
     _ffi.Partitioning(_rows_bwd_factors, replicated=frozenset({"n", "two"}), local=_rows_bwd_local),
-    batching_rule=_rows_bwd_batch)
+    batching_rule=_rows_bwd_batch,
+)
 
 
 # ---- The parameter gradients as one composite: tokens x [T, n], stats [T, 2], g [T, n] -> dscale
@@ -212,6 +222,7 @@ norm_rows_bwd_p = _ffi.define_composite(
 # each device reduces its own tokens (a subtree when it holds a power-of-two count, which is when the
 # split is allowed) and the devices' roots are combined by the top levels of the same tree
 # (tree_psum: data movement, no psum); the features may be split with no collective. ----
+
 
 def _grads_abstract_eval(x, stats, g, *, has_bias):
     return [_rows.shaped(x.shape[-1:], _F32)] * (2 if has_bias else 1)
@@ -253,13 +264,22 @@ def _grads_batch(args, dims, *, has_bias):
 
 
 norm_grads_p = _ffi.define_composite(
-    "jaxdet_norm_param_grads", _grads_abstract_eval,
-    _ffi.Partitioning(_grads_factors, replicated=frozenset({"two"}), reduced=frozenset({"t"}), local=_grads_local,
-                      can_split=_tokens_line_up),
-    batching_rule=_grads_batch, multiple_results=True)
+    "jaxdet_norm_param_grads",
+    _grads_abstract_eval,
+    _ffi.Partitioning(
+        _grads_factors,
+        replicated=frozenset({"two"}),
+        reduced=frozenset({"t"}),
+        local=_grads_local,
+        can_split=_tokens_line_up,
+    ),
+    batching_rule=_grads_batch,
+    multiple_results=True,
+)
 
 
 # ---- The differentiable core: x [..., n], w and b float32 [n]. ----
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _norm(x, w, b, eps, center, has_bias):

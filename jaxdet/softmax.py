@@ -56,8 +56,8 @@ def _fold_rows(args, dims):
     size = _rows.batch_size(args, dims)
     flat = []
     for a, d in zip(args, dims):
-        a = _rows.moved_to_front(a, d, size)
-        flat.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+        moved = _rows.moved_to_front(a, d, size)
+        flat.append(moved.reshape((size * moved.shape[1],) + moved.shape[2:]))
     return size, flat
 
 
@@ -67,10 +67,14 @@ def _unfold(x, size):
 
 # ---- jaxdet_softmax_fwd: x [R, n] -> y [R, n], stats f32 [R, 2] = (M, S), workspace. ----
 
+
 def _sfwd_abstract_eval(x, *, mode):
     R, n = x.shape
-    return (_rows.shaped(x.shape, x.dtype), _rows.shaped((R, 2), _F32),
-            _rows.shaped((R, _workspace_segments(n), 2), _F32))
+    return (
+        _rows.shaped(x.shape, x.dtype),
+        _rows.shaped((R, 2), _F32),
+        _rows.shaped((R, _workspace_segments(n), 2), _F32),
+    )
 
 
 def _sfwd_batch(args, dims, *, mode):
@@ -80,11 +84,16 @@ def _sfwd_batch(args, dims, *, mode):
 
 
 softmax_fwd_p = _ffi.define_primitive(
-    "jaxdet_softmax_fwd", _sfwd_abstract_eval, attributes=lambda mode: dict(mode=np.int32(mode)),
-    batching_rule=_sfwd_batch, multiple_results=True)
+    "jaxdet_softmax_fwd",
+    _sfwd_abstract_eval,
+    attributes=lambda mode: dict(mode=np.int32(mode)),
+    batching_rule=_sfwd_batch,
+    multiple_results=True,
+)
 
 
 # ---- jaxdet_softmax_bwd: x, stats, g -> dx [R, n], workspace. ----
+
 
 def _sbwd_abstract_eval(x, stats, g, *, mode):
     R, n = x.shape
@@ -98,16 +107,20 @@ def _sbwd_batch(args, dims, *, mode):
 
 
 softmax_bwd_p = _ffi.define_primitive(
-    "jaxdet_softmax_bwd", _sbwd_abstract_eval, attributes=lambda mode: dict(mode=np.int32(mode)),
-    batching_rule=_sbwd_batch, multiple_results=True)
+    "jaxdet_softmax_bwd",
+    _sbwd_abstract_eval,
+    attributes=lambda mode: dict(mode=np.int32(mode)),
+    batching_rule=_sbwd_batch,
+    multiple_results=True,
+)
 
 
 # ---- jaxdet_xent_fwd: logits [R, n], labels int32 [R] -> out f32 [R], stats, workspace. ----
 
+
 def _xfwd_abstract_eval(x, labels, *, log_prob):
     R, n = x.shape
-    return (_rows.shaped((R,), _F32), _rows.shaped((R, 2), _F32),
-            _rows.shaped((R, _workspace_segments(n), 2), _F32))
+    return (_rows.shaped((R,), _F32), _rows.shaped((R, 2), _F32), _rows.shaped((R, _workspace_segments(n), 2), _F32))
 
 
 def _xfwd_batch(args, dims, *, log_prob):
@@ -117,11 +130,16 @@ def _xfwd_batch(args, dims, *, log_prob):
 
 
 xent_fwd_p = _ffi.define_primitive(
-    "jaxdet_xent_fwd", _xfwd_abstract_eval, attributes=lambda log_prob: dict(log_prob=bool(log_prob)),
-    batching_rule=_xfwd_batch, multiple_results=True)
+    "jaxdet_xent_fwd",
+    _xfwd_abstract_eval,
+    attributes=lambda log_prob: dict(log_prob=bool(log_prob)),
+    batching_rule=_xfwd_batch,
+    multiple_results=True,
+)
 
 
 # ---- jaxdet_xent_bwd: logits, labels, stats, g f32 [R] -> dlogits [R, n]. ----
+
 
 def _xbwd_abstract_eval(x, labels, stats, g):
     return _rows.shaped(x.shape, x.dtype)
@@ -133,7 +151,8 @@ def _xbwd_batch(args, dims):
 
 
 xent_bwd_p = _ffi.define_primitive(
-    "jaxdet_xent_bwd", _xbwd_abstract_eval, attributes=lambda: {}, batching_rule=_xbwd_batch)
+    "jaxdet_xent_bwd", _xbwd_abstract_eval, attributes=lambda: {}, batching_rule=_xbwd_batch
+)
 
 
 # ---- jaxdet_det_math: the shared exp / log / rsqrt elementwise on float32 (tests and report). ----
@@ -141,9 +160,11 @@ xent_bwd_p = _ffi.define_primitive(
 _MATH_OPS = {"exp": 0, "log": 1, "rsqrt": 2}
 
 det_math_p = _ffi.define_primitive(
-    "jaxdet_det_math", lambda x, *, op: _rows.shaped(x.shape, _F32),
+    "jaxdet_det_math",
+    lambda x, *, op: _rows.shaped(x.shape, _F32),
     attributes=lambda op: dict(op=np.int32(op)),
-    batching_rule=lambda args, dims, *, op: (det_math_p.bind(args[0], op=op), dims[0]))
+    batching_rule=lambda args, dims, *, op: (det_math_p.bind(args[0], op=op), dims[0]),
+)
 
 
 def det_math(x, op: str):
@@ -160,6 +181,7 @@ def det_math(x, op: str):
 # ---- Composite primitives on the rows as the user shaped them, x [*R, n] (every leading dimension a
 # row dimension), so that under sharded jit a split of any row dimension stays on its device with no
 # collective; the class axis n is never split (a split one is all-gathered). ----
+
 
 def _flat(x):
     return x.reshape(-1, x.shape[-1])
@@ -183,8 +205,12 @@ def _composite(name, abstract_eval, factors, local, nout):
         return _fold_into_rows(prim, args, dims, params, nout)
 
     prim = _ffi.define_composite(
-        name, abstract_eval, _ffi.Partitioning(factors, replicated=frozenset({"n", "two"}), local=local),
-        batching_rule=batch, multiple_results=nout > 1)
+        name,
+        abstract_eval,
+        _ffi.Partitioning(factors, replicated=frozenset({"n", "two"}), local=local),
+        batching_rule=batch,
+        multiple_results=nout > 1,
+    )
     return prim
 
 
@@ -199,9 +225,13 @@ def _sm_local(params, axes, shapes):
 softmax_rows_p = _composite(
     "jaxdet_softmax_rows",
     lambda x, *, mode: [_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:-1] + (2,), _F32)],
-    lambda params, shapes: ([_row_factors(shapes[0], 1) + ("n",)],
-                            [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1) + ("two",)]),
-    _sm_local, 2)
+    lambda params, shapes: (
+        [_row_factors(shapes[0], 1) + ("n",)],
+        [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1) + ("two",)],
+    ),
+    _sm_local,
+    2,
+)
 
 
 def _sm_bwd_local(params, axes, shapes):
@@ -214,9 +244,17 @@ def _sm_bwd_local(params, axes, shapes):
 softmax_rows_bwd_p = _composite(
     "jaxdet_softmax_rows_bwd",
     lambda x, stats, g, *, mode: _rows.shaped(x.shape, x.dtype),
-    lambda params, shapes: ([_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1) + ("two",),
-                             _row_factors(shapes[0], 1) + ("n",)], [_row_factors(shapes[0], 1) + ("n",)]),
-    _sm_bwd_local, 1)
+    lambda params, shapes: (
+        [
+            _row_factors(shapes[0], 1) + ("n",),
+            _row_factors(shapes[0], 1) + ("two",),
+            _row_factors(shapes[0], 1) + ("n",),
+        ],
+        [_row_factors(shapes[0], 1) + ("n",)],
+    ),
+    _sm_bwd_local,
+    1,
+)
 
 
 def _xent_local(params, axes, shapes):
@@ -230,9 +268,13 @@ def _xent_local(params, axes, shapes):
 xent_rows_p = _composite(
     "jaxdet_xent_rows",
     lambda x, labels, *, log_prob: [_rows.shaped(labels.shape, _F32), _rows.shaped(labels.shape + (2,), _F32)],
-    lambda params, shapes: ([_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1)],
-                            [_row_factors(shapes[0], 1), _row_factors(shapes[0], 1) + ("two",)]),
-    _xent_local, 2)
+    lambda params, shapes: (
+        [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1)],
+        [_row_factors(shapes[0], 1), _row_factors(shapes[0], 1) + ("two",)],
+    ),
+    _xent_local,
+    2,
+)
 
 
 def _xent_bwd_local(params, axes, shapes):
@@ -245,13 +287,22 @@ def _xent_bwd_local(params, axes, shapes):
 xent_rows_bwd_p = _composite(
     "jaxdet_xent_rows_bwd",
     lambda x, labels, stats, g: _rows.shaped(x.shape, x.dtype),
-    lambda params, shapes: ([_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1),
-                             _row_factors(shapes[0], 1) + ("two",), _row_factors(shapes[0], 1)],
-                            [_row_factors(shapes[0], 1) + ("n",)]),
-    _xent_bwd_local, 1)
+    lambda params, shapes: (
+        [
+            _row_factors(shapes[0], 1) + ("n",),
+            _row_factors(shapes[0], 1),
+            _row_factors(shapes[0], 1) + ("two",),
+            _row_factors(shapes[0], 1),
+        ],
+        [_row_factors(shapes[0], 1) + ("n",)],
+    ),
+    _xent_bwd_local,
+    1,
+)
 
 
 # ---- Differentiable cores on x [..., n] (the class axis last). ----
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _softmax_rows(x, mode):
@@ -294,6 +345,7 @@ _xent_rows.defvjp(_xent_rows_fwd, _xent_rows_bwd)
 
 
 # ---- Public functions. ----
+
 
 def _rows_of(x, axis, name):
     x = _rows.check_float_array(x, name)

@@ -1,22 +1,22 @@
 """jaxdet.rms_norm / jaxdet.layer_norm: the contracts of docs/norm.md.
 
-  * row invariance, forward and backward (a row alone vs inside batches of 4-64, bitwise);
-  * the canonical order: y, dx, dscale, dbias bitwise equal to the NumPy re-implementation
-    (jaxdet/_row_reference.py) -- the host side of CPU == GPU; the GPU tests compare the bits;
-  * parameter gradients: the canonical tree over tokens (aligned power-of-two blocks are subtrees);
-  * accuracy against float64 (forward and backward) and check_grads in float32;
-  * float32 statistics for bfloat16/float16 inputs; IEEE subnormals;
-  * vmap, jit, run-to-run; bad input.
+* row invariance, forward and backward (a row alone vs inside batches of 4-64, bitwise);
+* the canonical order: y, dx, dscale, dbias bitwise equal to the NumPy re-implementation
+  (jaxdet/_row_reference.py) -- the host side of CPU == GPU; the GPU tests compare the bits;
+* parameter gradients: the canonical tree over tokens (aligned power-of-two blocks are subtrees);
+* accuracy against float64 (forward and backward) and check_grads in float32;
+* float32 statistics for bfloat16/float16 inputs; IEEE subnormals;
+* vmap, jit, run-to-run; bad input.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_bitwise
 from jax.test_util import check_grads
 
 import jaxdet
-from bitwise import assert_bitwise
 from jaxdet import _row_reference as ref
 from jaxdet.contracts import norm as contracts
 
@@ -31,6 +31,7 @@ def expect(result):
 
 
 # ---- row invariance ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("kind", KINDS)
@@ -82,6 +83,7 @@ def test_subnormals_are_kept_ieee(kind):
 
 # ---- parameter gradients: the tree over tokens ---------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_param_grads_are_the_tree_over_tokens(kind):
     # Aligned power-of-two blocks of tokens (smaller and larger than the kernels' 32-token
@@ -109,6 +111,7 @@ def test_param_grad_dtype_is_the_scale_dtype_rounded_once():
 
 # ---- accuracy --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_accuracy_vs_float64(kind, dtype):
@@ -121,8 +124,11 @@ def test_check_grads_float32(kind):
     x = jnp.asarray(rng.standard_normal((3, 7)), jnp.float32)
     w = jnp.asarray(1 + 0.3 * rng.standard_normal(7), jnp.float32)
     b = jnp.asarray(0.3 * rng.standard_normal(7), jnp.float32)
-    f = (lambda x, w, b: jaxdet.rms_norm(x, w, 1e-3)) if kind == "rms" else (
-        lambda x, w, b: jaxdet.layer_norm(x, w, b, 1e-3))
+    f = (
+        (lambda x, w, b: jaxdet.rms_norm(x, w, 1e-3))
+        if kind == "rms"
+        else (lambda x, w, b: jaxdet.layer_norm(x, w, b, 1e-3))
+    )
     check_grads(f, (x, w, b), order=1, modes=["rev"], atol=5e-2, rtol=5e-2, eps=1e-2)
 
 
@@ -149,6 +155,7 @@ def test_none_scale_and_bias():
 
 # ---- transformations ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_vmap_equals_loop(kind):
     x, w, b, g = contracts.make_inputs(4 * 6, 96, jnp.bfloat16)
@@ -156,15 +163,17 @@ def test_vmap_equals_loop(kind):
     f = lambda x, w, b: contracts.apply(kind, x, w, b)
     loop = jnp.stack([f(x[i], w, b) for i in range(4)])
     assert_bitwise(jax.vmap(f, in_axes=(0, None, None))(x, w, b), loop)
-    assert_bitwise(jax.jit(jax.vmap(f, in_axes=(1, None, None), out_axes=1))(x.swapaxes(0, 1), w, b).swapaxes(0, 1),
-                   loop)
+    assert_bitwise(
+        jax.jit(jax.vmap(f, in_axes=(1, None, None), out_axes=1))(x.swapaxes(0, 1), w, b).swapaxes(0, 1), loop
+    )
     ws = jnp.stack([w * (1 + i) for i in range(4)])
     loop_w = jnp.stack([f(x[i], ws[i], b) for i in range(4)])
     assert_bitwise(jax.vmap(f, in_axes=(0, 0, None))(x, ws, b), loop_w)
     assert_bitwise(jax.vmap(f, in_axes=(None, 0, None))(x[0], ws, b), jnp.stack([f(x[0], ws[i], b) for i in range(4)]))
     # Per-example gradients (vmap of the backward) equal the per-example loop.
-    grad = jax.grad(lambda x, w, b, g: jnp.sum(f(x, w, b).astype(jnp.float32) * g.astype(jnp.float32)),
-                    argnums=(0, 1, 2))
+    grad = jax.grad(
+        lambda x, w, b, g: jnp.sum(f(x, w, b).astype(jnp.float32) * g.astype(jnp.float32)), argnums=(0, 1, 2)
+    )
     gv = jax.vmap(grad, in_axes=(0, None, None, 0))(x, w, b, g)
     for i in range(4):
         for a, e in zip(gv, grad(x[i], w, b, g[i])):
@@ -195,6 +204,7 @@ def test_empty_inputs():
 
 
 # ---- bad input -----------------------------------------------------------------------------------
+
 
 def test_bad_inputs_raise_clear_errors():
     x = jnp.ones((4, 8))

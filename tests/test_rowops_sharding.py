@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_bitwise
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdet
-from bitwise import assert_bitwise
 
 NDEV = 8
 IN_CHILD = len(jax.devices("cpu")) >= NDEV
@@ -37,7 +37,12 @@ def _child_outcomes():
         report = os.path.join(tmp, "report.xml")
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", __file__],
-            cwd=tmp, env=env, capture_output=True, text=True, timeout=3600, check=False,
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            check=False,
         )
         if not os.path.exists(report):
             raise RuntimeError(f"the {NDEV}-device child pytest did not run:\n{proc.stdout}\n{proc.stderr}")
@@ -103,6 +108,7 @@ def _norm_loss(kind):
 
 # ---- shard_map (check_vma=True) ----------------------------------------------------------------
 
+
 @on_devices
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -122,8 +128,9 @@ def test_norm_param_grads_in_shard_map_are_device_count_invariant(kind, dtype):
         assert_bitwise(db, reference[1], f"dbias, {d} devices")
         assert_bitwise(dx, reference[2], f"dx, {d} devices")
         if d > 1:
-            found = collectives(jax.shard_map(grads, mesh=m, in_specs=(P(), P(), P("data")),
-                                              out_specs=(P(), P(), P("data"))), w, b, x)
+            found = collectives(
+                jax.shard_map(grads, mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P("data"))), w, b, x
+            )
             assert not set(found) & set(NO_SUM), found
 
 
@@ -133,15 +140,17 @@ def test_softmax_family_in_shard_map(mode):
     m = mesh()
     x = rand((16, 3, 300), seed=4) * 3
     labels = jnp.asarray(np.random.default_rng(5).integers(0, 300, (16, 3)), jnp.int32)
-    fns = {"softmax": lambda x, l: jaxdet.softmax(x), "log_softmax": lambda x, l: jaxdet.log_softmax(x),
-           "cross_entropy": jaxdet.softmax_cross_entropy_with_integer_labels,
-           "label_log_probs": jaxdet.label_log_probs}
+    fns = {
+        "softmax": lambda x, lab: jaxdet.softmax(x),
+        "log_softmax": lambda x, lab: jaxdet.log_softmax(x),
+        "cross_entropy": jaxdet.softmax_cross_entropy_with_integer_labels,
+        "label_log_probs": jaxdet.label_log_probs,
+    }
     f = fns[mode]
-    loss = lambda x, l: jnp.sum(jnp.sin(f(x, l)))
+    loss = lambda x, lab: jnp.sum(jnp.sin(f(x, lab)))
     want_out, want_dx = f(x, labels), jax.grad(loss)(x, labels)
     out = jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data")))(x, labels)
-    dx = jax.jit(jax.shard_map(jax.grad(loss), mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data")))(
-        x, labels)
+    dx = jax.jit(jax.shard_map(jax.grad(loss), mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data")))(x, labels)
     assert_bitwise(out, want_out)
     assert_bitwise(dx, want_dx)
     # Outputs are typed as varying: an invariant out_specs is refused, as for jnp.
@@ -150,6 +159,7 @@ def test_softmax_family_in_shard_map(mode):
 
 
 # ---- sharded jit (custom_partitioning) -----------------------------------------------------------
+
 
 @on_devices
 @pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
@@ -162,10 +172,10 @@ def test_row_ops_sharded_jit_run_per_shard(shardy):
         w, b = rand((256,), seed=7) + 1.0, rand((256,), seed=8)
         labels = jnp.asarray(np.random.default_rng(9).integers(0, 256, (8, 16)), jnp.int32)
         ops = {
-            "rms_norm": lambda x, l: jaxdet.rms_norm(x, w),
-            "layer_norm": lambda x, l: jaxdet.layer_norm(x, w, b),
-            "softmax": lambda x, l: jaxdet.softmax(x),
-            "log_softmax": lambda x, l: jaxdet.log_softmax(x),
+            "rms_norm": lambda x, lab: jaxdet.rms_norm(x, w),
+            "layer_norm": lambda x, lab: jaxdet.layer_norm(x, w, b),
+            "softmax": lambda x, lab: jaxdet.softmax(x),
+            "log_softmax": lambda x, lab: jaxdet.log_softmax(x),
             "cross_entropy": jaxdet.softmax_cross_entropy_with_integer_labels,
         }
         for spec in (P("x"), P(("x", "y")), P(None, "y"), P("x", "y")):  # any row dimensions

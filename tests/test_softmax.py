@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_bitwise, bits
 from jax.test_util import check_grads
 
 import jaxdet
-from bitwise import assert_bitwise, bits
 from jaxdet import _row_reference as ref
 from jaxdet.contracts import softmax as contracts
 from jaxdet.softmax import det_math
@@ -34,6 +34,7 @@ def expect(result):
 
 
 # ---- the math functions --------------------------------------------------------------------------
+
 
 def test_math_functions_bitwise_equal_to_numpy():
     expect(contracts.check_math_functions())
@@ -57,6 +58,7 @@ def test_math_special_values():
 
 
 # ---- row invariance ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("mode", MODES)
@@ -99,6 +101,7 @@ def test_subnormals_are_kept_ieee():
 
 # ---- accuracy --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_accuracy_vs_float64(mode, dtype):
@@ -109,9 +112,12 @@ def test_check_grads_float32():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 9)), jnp.float32)
     labels = jnp.asarray([0, 4, 8])
-    for f in (jaxdet.softmax, jaxdet.log_softmax,
-              lambda x: jaxdet.softmax_cross_entropy_with_integer_labels(x, labels),
-              lambda x: jaxdet.label_log_probs(x, labels)):
+    for f in (
+        jaxdet.softmax,
+        jaxdet.log_softmax,
+        lambda x: jaxdet.softmax_cross_entropy_with_integer_labels(x, labels),
+        lambda x: jaxdet.label_log_probs(x, labels),
+    ):
         check_grads(f, (x,), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
 
 
@@ -121,18 +127,28 @@ def test_agrees_with_jax_nn_and_optax():
     close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-7)
     close(jaxdet.softmax(x), jax.nn.softmax(x))
     close(jaxdet.log_softmax(x), jax.nn.log_softmax(x))
-    close(jaxdet.softmax_cross_entropy_with_integer_labels(x, labels),
-          optax.softmax_cross_entropy_with_integer_labels(x, labels))
+    close(
+        jaxdet.softmax_cross_entropy_with_integer_labels(x, labels),
+        optax.softmax_cross_entropy_with_integer_labels(x, labels),
+    )
 
 
 # ---- special values and labels -----------------------------------------------------------------
 
+
 def test_masked_logits_and_non_finite_rows():
     ninf, nan = -np.inf, np.nan
-    x = jnp.asarray(np.array([[0.0, ninf, 1.0, ninf],  # masked entries: probability exactly 0
-                              [ninf, ninf, ninf, ninf],  # all masked: NaN (as jax.nn.softmax)
-                              [0.0, np.inf, 1.0, 2.0],  # +inf: NaN
-                              [0.0, nan, 1.0, 2.0]], np.float32))  # NaN: NaN
+    x = jnp.asarray(
+        np.array(
+            [
+                [0.0, ninf, 1.0, ninf],  # masked entries: probability exactly 0
+                [ninf, ninf, ninf, ninf],  # all masked: NaN (as jax.nn.softmax)
+                [0.0, np.inf, 1.0, 2.0],  # +inf: NaN
+                [0.0, nan, 1.0, 2.0],
+            ],
+            np.float32,
+        )
+    )  # NaN: NaN
     y, lp = np.asarray(jaxdet.softmax(x)), np.asarray(jaxdet.log_softmax(x))
     assert y[0, 1] == 0 and y[0, 3] == 0 and lp[0, 1] == -np.inf
     np.testing.assert_allclose(y[0, [0, 2]], np.asarray(jax.nn.softmax(x[0]))[[0, 2]], rtol=1e-6)
@@ -161,8 +177,9 @@ def test_out_of_range_labels_give_nan_not_a_clamped_loss():
     masked = jax.grad(lambda x: jnp.sum(jnp.where(labels >= 0, jaxdet.softmax_cross_entropy(x, labels), 0.0)))
     assert np.isnan(np.asarray(masked(x))[2]).all()  # label 10 is not masked by labels >= 0
     ok = labels.at[2].set(-5).at[3].set(-5)
-    assert np.isfinite(np.asarray(jax.grad(lambda x: jnp.sum(
-        jnp.where(ok >= 0, jaxdet.softmax_cross_entropy(x, ok), 0.0)))(x))).all()
+    assert np.isfinite(
+        np.asarray(jax.grad(lambda x: jnp.sum(jnp.where(ok >= 0, jaxdet.softmax_cross_entropy(x, ok), 0.0)))(x))
+    ).all()
 
 
 def test_cross_entropy_gradient_is_softmax_minus_one_hot():
@@ -174,17 +191,18 @@ def test_cross_entropy_gradient_is_softmax_minus_one_hot():
 
 # ---- transformations and shapes ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", MODES)
 def test_vmap_equals_loop(mode):
     x, labels, g, gl = contracts.make_inputs(4 * 5, 300, jnp.bfloat16)
     x, labels, g, gl = x.reshape(4, 5, 300), labels.reshape(4, 5), g.reshape(4, 5, 300), gl.reshape(4, 5)
-    f = lambda x, l, g, gl: contracts.value_and_grad(mode, x, l, g, gl)
+    f = lambda x, lab, g, gl: contracts.value_and_grad(mode, x, lab, g, gl)
     loops = [f(x[i], labels[i], g[i], gl[i]) for i in range(4)]
     vm = jax.vmap(f)(x, labels, g, gl)
     for j in range(2):
         assert_bitwise(vm[j], jnp.stack([lp[j] for lp in loops]))
     if mode == "cross_entropy":  # labels batched, logits shared
-        shared = jax.vmap(lambda l: jaxdet.label_log_probs(x[0], l))(labels)
+        shared = jax.vmap(lambda lab: jaxdet.label_log_probs(x[0], lab))(labels)
         assert_bitwise(shared, jnp.stack([jaxdet.label_log_probs(x[0], labels[i]) for i in range(4)]))
 
 
@@ -193,8 +211,10 @@ def test_axis_and_leading_dims():
     x3 = x.reshape(2, 12, 50)
     assert_bitwise(jaxdet.log_softmax(x3), jaxdet.log_softmax(x).reshape(2, 12, 50))
     assert_bitwise(jaxdet.softmax(x3.swapaxes(1, 2), axis=1), jaxdet.softmax(x3).swapaxes(1, 2))
-    assert_bitwise(jaxdet.softmax_cross_entropy(x3.swapaxes(1, 2), labels.reshape(2, 12), axis=1),
-                   jaxdet.softmax_cross_entropy(x, labels).reshape(2, 12))
+    assert_bitwise(
+        jaxdet.softmax_cross_entropy(x3.swapaxes(1, 2), labels.reshape(2, 12), axis=1),
+        jaxdet.softmax_cross_entropy(x, labels).reshape(2, 12),
+    )
 
 
 def test_eager_jit_and_run_to_run():
@@ -212,6 +232,7 @@ def test_output_dtypes_and_empty_inputs():
 
 
 # ---- bad input -----------------------------------------------------------------------------------
+
 
 def test_bad_inputs_raise_clear_errors():
     x = jnp.ones((4, 8))

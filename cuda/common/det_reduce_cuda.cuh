@@ -97,8 +97,8 @@ __device__ __forceinline__ bool vec_aligned(const void* p) {
 // of n elements, widened to float; elements past n read as `fill`. `vec` says the span start is
 // vector aligned and whole vectors may be read.
 template <typename S>
-__device__ __forceinline__ void load_lane(const typename S::Bits* __restrict__ p, int64_t base, int64_t n, bool vec,
-                                          float fill, float (&out)[kVec]) {
+__device__ __forceinline__ void load_lane(const typename S::Bits* __restrict__ p, int64_t base, int64_t n,
+                                          bool vec, float fill, float (&out)[kVec]) {
   using Bits = typename S::Bits;
   if (vec && base + kVec <= n) {
     const Vec<Bits> v = *reinterpret_cast<const Vec<Bits>*>(p + base);

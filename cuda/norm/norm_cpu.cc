@@ -71,8 +71,9 @@ void FwdRows(const ffi::AnyBuffer& x, const float* w, int64_t ws, const float* b
   }
 }
 
-ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> b, ffi::Result<ffi::AnyBuffer> y,
-                      ffi::Result<ffi::Buffer<ffi::F32>> stats, float eps, bool center) {
+ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> b,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> stats, float eps,
+                      bool center) {
   constexpr const char* kOp = "jaxdet_norm_fwd";
   Shape s;
   if (auto err = ShapeOf(x, s, kOp); !err.success()) return err;
@@ -84,26 +85,25 @@ ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi
   IeeeSubnormalsScope ieee;
   switch (x.element_type()) {
     case ffi::F32:
-      FwdRows<F32Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(), stats->typed_data(), s,
-                          eps, center);
+      FwdRows<F32Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(),
+                          stats->typed_data(), s, eps, center);
       break;
     case ffi::BF16:
-      FwdRows<BF16Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(), stats->typed_data(),
-                           s, eps, center);
+      FwdRows<BF16Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(),
+                           stats->typed_data(), s, eps, center);
       break;
     case ffi::F16:
-      FwdRows<F16Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(), stats->typed_data(),
-                          s, eps, center);
+      FwdRows<F16Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(),
+                          stats->typed_data(), s, eps, center);
       break;
-    default:
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
   }
   return ffi::Error::Success();
 }
 
 template <typename S>
-void BwdRows(const void* x, const float* w, int64_t ws, const float* stats, const void* g, void* dx, const Shape& s,
-             bool center) {
+void BwdRows(const void* x, const float* w, int64_t ws, const float* stats, const void* g, void* dx,
+             const Shape& s, bool center) {
   using Bits = typename S::Bits;
   const Bits* xp = static_cast<const Bits*>(x);
   const Bits* gp = static_cast<const Bits*>(g);
@@ -139,24 +139,24 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi
   if (auto err = ShapeOf(x, s, kOp); !err.success()) return err;
   const int64_t ws = ParamStride(w, s);
   if (ws < 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": scale must be [1 or G, n]");
-  if (g.element_type() != x.element_type()) return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (s.n == 0) return ffi::Error::Success();
   IeeeSubnormalsScope ieee;
   switch (x.element_type()) {
     case ffi::F32:
-      BwdRows<F32Storage>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(), dx->untyped_data(),
-                          s, center);
+      BwdRows<F32Storage>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(),
+                          dx->untyped_data(), s, center);
       break;
     case ffi::BF16:
       BwdRows<BF16Storage>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(),
                            dx->untyped_data(), s, center);
       break;
     case ffi::F16:
-      BwdRows<F16Storage>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(), dx->untyped_data(),
-                          s, center);
+      BwdRows<F16Storage>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(),
+                          dx->untyped_data(), s, center);
       break;
-    default:
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
   }
   return ffi::Error::Success();
 }
@@ -195,7 +195,8 @@ ffi::Error NormParamGradCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::
   constexpr const char* kOp = "jaxdet_norm_param_grad";
   Shape s;
   if (auto err = ShapeOf(x, s, kOp); !err.success()) return err;
-  if (g.element_type() != x.element_type()) return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   float* bias = pb->element_count() > 0 ? pb->typed_data() : nullptr;
   if (s.n == 0 || s.rows == 0) return ffi::Error::Success();
   IeeeSubnormalsScope ieee;
@@ -209,8 +210,7 @@ ffi::Error NormParamGradCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::
     case ffi::F16:
       ParamGrad<F16Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(), bias, s);
       break;
-    default:
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
   }
   return ffi::Error::Success();
 }

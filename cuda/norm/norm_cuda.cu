@@ -136,8 +136,9 @@ __global__ void __launch_bounds__(kLanes)
 
 template <typename S, int kSteps>
 __global__ void __launch_bounds__(kLanes)
-    NormBwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ w, const float* __restrict__ stats,
-                  const typename S::Bits* __restrict__ g, typename S::Bits* __restrict__ dx, RowArgs a, bool center) {
+    NormBwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ w,
+                  const float* __restrict__ stats, const typename S::Bits* __restrict__ g,
+                  typename S::Bits* __restrict__ dx, RowArgs a, bool center) {
   using Bits = typename S::Bits;
   constexpr int kHeld = kSteps > 0 ? kSteps : 1;
   __shared__ float2 sh[kLanes];
@@ -322,19 +323,18 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   const float* bp = has_bias ? b.typed_data() : nullptr;
   switch (x.element_type()) {
     case ffi::F32:
-      LaunchFwd<F32Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(), a,
-                            eps, center, has_bias);
+      LaunchFwd<F32Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
+                            a, eps, center, has_bias);
       break;
     case ffi::BF16:
-      LaunchFwd<BF16Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(), a,
-                             eps, center, has_bias);
+      LaunchFwd<BF16Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
+                             a, eps, center, has_bias);
       break;
     case ffi::F16:
-      LaunchFwd<F16Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(), a,
-                            eps, center, has_bias);
+      LaunchFwd<F16Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
+                            a, eps, center, has_bias);
       break;
-    default:
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
   }
   return last_launch_error(kOp);
 }
@@ -346,7 +346,8 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   if (auto err = Dims(x, a, kOp); !err.success()) return err;
   a.w_stride = ParamStride(w, x);
   if (a.w_stride < 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": scale must be [1 or G, n]");
-  if (g.element_type() != x.element_type()) return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (a.rows == 0 || a.n == 0) return ffi::Error::Success();
   switch (x.element_type()) {
     case ffi::F32:
@@ -361,8 +362,7 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
       LaunchBwd<F16Storage>(stream, x.untyped_data(), w.typed_data(), stats.typed_data(), g.untyped_data(),
                             dx->untyped_data(), a, center);
       break;
-    default:
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
   }
   return last_launch_error(kOp);
 }
@@ -374,8 +374,8 @@ void LaunchParamGrad(cudaStream_t stream, const void* x, const float* stats, con
   const int64_t pairs = groups * ((rows + norm::kGradBlock - 1) / norm::kGradBlock);
   const dim3 grid(static_cast<unsigned>((n + kLanes - 1) / kLanes),
                   static_cast<unsigned>(std::min<int64_t>(pairs, 65535)));
-  NormParamGradKernel<S><<<grid, kLanes, 0, stream>>>(static_cast<const Bits*>(x), stats, static_cast<const Bits*>(g),
-                                                      pw, pb, groups, rows, n);
+  NormParamGradKernel<S><<<grid, kLanes, 0, stream>>>(static_cast<const Bits*>(x), stats,
+                                                      static_cast<const Bits*>(g), pw, pb, groups, rows, n);
 }
 
 ffi::Error NormParamGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g,
@@ -383,26 +383,27 @@ ffi::Error NormParamGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   constexpr const char* kOp = "jaxdet_norm_param_grad";
   const auto d = x.dimensions();
   if (d.size() != 3) return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be [G, T, n]");
-  if (g.element_type() != x.element_type()) return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   const int64_t groups = d[0], rows = d[1], n = d[2];
   if (groups == 0 || rows == 0 || n == 0) return ffi::Error::Success();
-  if ((n + kLanes - 1) / kLanes > 0x7FFFFFFF) return ffi::Error::InvalidArgument(std::string(kOp) + ": n too large");
+  if ((n + kLanes - 1) / kLanes > 0x7FFFFFFF)
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": n too large");
   float* bias = pb->element_count() > 0 ? pb->typed_data() : nullptr;
   switch (x.element_type()) {
     case ffi::F32:
-      LaunchParamGrad<F32Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(), bias,
-                                  groups, rows, n);
+      LaunchParamGrad<F32Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(),
+                                  bias, groups, rows, n);
       break;
     case ffi::BF16:
-      LaunchParamGrad<BF16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(),
-                                   bias, groups, rows, n);
+      LaunchParamGrad<BF16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
+                                   pw->typed_data(), bias, groups, rows, n);
       break;
     case ffi::F16:
-      LaunchParamGrad<F16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(), bias,
-                                  groups, rows, n);
+      LaunchParamGrad<F16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(),
+                                  bias, groups, rows, n);
       break;
-    default:
-      return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
   }
   return last_launch_error(kOp);
 }

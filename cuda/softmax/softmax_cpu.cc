@@ -74,25 +74,24 @@ void SoftmaxRows(const void* x, void* y, float* stats, int64_t rows, int64_t n, 
   }
 }
 
-#define JAXDET_DISPATCH(dtype, op, CALL)                                                          \
-  switch (dtype) {                                                                                \
-    case ffi::F32: {                                                                              \
-      using S = F32Storage;                                                                       \
-      CALL;                                                                                       \
-      break;                                                                                      \
-    }                                                                                             \
-    case ffi::BF16: {                                                                             \
-      using S = BF16Storage;                                                                      \
-      CALL;                                                                                       \
-      break;                                                                                      \
-    }                                                                                             \
-    case ffi::F16: {                                                                              \
-      using S = F16Storage;                                                                       \
-      CALL;                                                                                       \
-      break;                                                                                      \
-    }                                                                                             \
-    default:                                                                                      \
-      return ffi::Error::InvalidArgument(std::string(op) + ": x must be float32, bfloat16 or float16"); \
+#define JAXDET_DISPATCH(dtype, op, CALL)                                                                       \
+  switch (dtype) {                                                                                             \
+    case ffi::F32: {                                                                                           \
+      using S = F32Storage;                                                                                    \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    case ffi::BF16: {                                                                                          \
+      using S = BF16Storage;                                                                                   \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    case ffi::F16: {                                                                                           \
+      using S = F16Storage;                                                                                    \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    default: return ffi::Error::InvalidArgument(std::string(op) + ": x must be float32, bfloat16 or float16"); \
   }
 
 ffi::Error SoftmaxFwdCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> stats,
@@ -108,38 +107,41 @@ ffi::Error SoftmaxFwdCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, ffi::R
 }
 
 template <typename S>
-void SoftmaxBwdRows(const void* x, const float* stats, const void* g, void* dx, int64_t rows, int64_t n, int32_t mode) {
+void SoftmaxBwdRows(const void* x, const float* stats, const void* g, void* dx, int64_t rows, int64_t n,
+                    int32_t mode) {
   using Bits = typename S::Bits;
   for (int64_t r = 0; r < rows; ++r) {
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
     const Bits* gr = static_cast<const Bits*>(g) + r * n;
     Bits* dr = static_cast<Bits*>(dx) + r * n;
     const float M = stats[2 * r], Ssum = stats[2 * r + 1];
-    const float total = RowSum(n, [&](int64_t e) {
-      return sm::bwd_term(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), mode);
-    });
+    const float total = RowSum(
+        n, [&](int64_t e) { return sm::bwd_term(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), mode); });
     for (int64_t e = 0; e < n; ++e) {
       dr[e] = S::store(sm::bwd(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), total, mode));
     }
   }
 }
 
-ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx,
-                         ffi::Result<ffi::Buffer<ffi::F32>> /*workspace*/, int32_t mode) {
+ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g,
+                         ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> /*workspace*/,
+                         int32_t mode) {
   constexpr const char* kOp = "jaxdet_softmax_bwd";
   int64_t rows, n;
   if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
-  if (g.element_type() != x.element_type()) return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (rows == 0 || n == 0) return ffi::Error::Success();
   IeeeSubnormalsScope ieee;
   JAXDET_DISPATCH(x.element_type(), kOp,
-                  SoftmaxBwdRows<S>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dx->untyped_data(), rows,
-                                    n, mode));
+                  SoftmaxBwdRows<S>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dx->untyped_data(),
+                                    rows, n, mode));
   return ffi::Error::Success();
 }
 
 template <typename S>
-void XentRows(const void* x, const int32_t* labels, float* out, float* stats, int64_t rows, int64_t n, bool log_prob) {
+void XentRows(const void* x, const int32_t* labels, float* out, float* stats, int64_t rows, int64_t n,
+              bool log_prob) {
   using Bits = typename S::Bits;
   for (int64_t r = 0; r < rows; ++r) {
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
@@ -150,7 +152,8 @@ void XentRows(const void* x, const int32_t* labels, float* out, float* stats, in
     const bool valid = label >= 0 && label < n;
     const float x_label = valid ? S::load(xr[label]) : 0.0f;
     const float log_s = dm::log(st.s);
-    out[r] = log_prob ? sm::label_log_prob(x_label, st.m, log_s, valid) : sm::cross_entropy(x_label, st.m, log_s, valid);
+    out[r] = log_prob ? sm::label_log_prob(x_label, st.m, log_s, valid)
+                      : sm::cross_entropy(x_label, st.m, log_s, valid);
   }
 }
 
@@ -167,8 +170,8 @@ ffi::Error XentFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Resul
   if (n == 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": logits must have at least one class");
   IeeeSubnormalsScope ieee;
   JAXDET_DISPATCH(x.element_type(), kOp,
-                  XentRows<S>(x.untyped_data(), labels.typed_data(), out->typed_data(), stats->typed_data(), rows, n,
-                              log_prob));
+                  XentRows<S>(x.untyped_data(), labels.typed_data(), out->typed_data(), stats->typed_data(), rows,
+                              n, log_prob));
   return ffi::Error::Success();
 }
 
@@ -250,10 +253,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_bwd_cpu, XentBwdCpu,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_det_math_cpu, DetMathCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_det_math_cpu, DetMathCpu,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("op"));
 
 }  // namespace jaxdet

@@ -69,7 +69,8 @@ __device__ __forceinline__ dm::MaxSum span_stats(const float (&v)[kSteps][kVec],
 
 // The row's (M, S) from its segments' pairs in the workspace, by the canonical tree. Computed by
 // thread 0 and broadcast through shared memory.
-__device__ __forceinline__ dm::MaxSum row_stats_from(const float2* __restrict__ ws, int64_t segments, float2* shared) {
+__device__ __forceinline__ dm::MaxSum row_stats_from(const float2* __restrict__ ws, int64_t segments,
+                                                     float2* shared) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const dm::MaxSum st = dm::tree_fold<dm::MaxSum>(
@@ -177,8 +178,8 @@ __global__ void __launch_bounds__(kLanes)
 
 // ---- Cross-entropy forward. Rows of one segment: fused. ----
 template <typename S>
-__device__ __forceinline__ float xent_value(const typename S::Bits* __restrict__ xr, int32_t label, int64_t n, float M,
-                                            float Ssum, bool log_prob) {
+__device__ __forceinline__ float xent_value(const typename S::Bits* __restrict__ xr, int32_t label, int64_t n,
+                                            float M, float Ssum, bool log_prob) {
   const bool valid = label >= 0 && label < n;
   const float x_label = valid ? S::load(xr[label]) : 0.0f;
   const float log_s = dm::log(Ssum);
@@ -187,8 +188,8 @@ __device__ __forceinline__ float xent_value(const typename S::Bits* __restrict__
 
 template <typename S, int kSteps>
 __global__ void __launch_bounds__(kLanes)
-    XentFusedKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels, float* __restrict__ out,
-                    float* __restrict__ stats, int64_t rows, int64_t n, bool log_prob) {
+    XentFusedKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
+                    float* __restrict__ out, float* __restrict__ stats, int64_t rows, int64_t n, bool log_prob) {
   __shared__ float sh[kLanes];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const typename S::Bits* xr = x + row * n;
@@ -238,8 +239,8 @@ __device__ __forceinline__ float span_bwd_sum(const float (&v)[kSteps][kVec], co
 
 template <typename S, int kSteps>
 __device__ __forceinline__ void write_bwd(const float (&v)[kSteps][kVec], const float (&gv)[kSteps][kVec],
-                                          typename S::Bits* __restrict__ dx, int64_t len, bool vec, float M, float Ssum,
-                                          float total, int32_t mode) {
+                                          typename S::Bits* __restrict__ dx, int64_t len, bool vec, float M,
+                                          float Ssum, float total, int32_t mode) {
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int64_t base = k * kStep + threadIdx.x * kVec;
@@ -352,7 +353,8 @@ __global__ void __launch_bounds__(kLanes)
 
 // The deterministic math functions elementwise (a test target).
 __global__ void DetMathKernel(const float* __restrict__ x, float* __restrict__ y, int64_t count, int32_t op) {
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
     const float v = x[i];
     y[i] = dm::canonical(op == 0 ? dm::exp(v) : op == 1 ? dm::log(v) : dm::rsqrt(v));
   }
@@ -363,30 +365,31 @@ unsigned GridFor(int64_t items) {
 }
 
 // Runs CALL with kSteps (the register-held steps of a one-segment span of n elements) a constant.
-#define JAXDET_WITH_STEPS(n, CALL)   \
-  if ((n) <= 1 * kStep) {            \
-    constexpr int kSteps = 1;        \
-    CALL;                            \
-  } else if ((n) <= 2 * kStep) {     \
-    constexpr int kSteps = 2;        \
-    CALL;                            \
-  } else if ((n) <= 4 * kStep) {     \
-    constexpr int kSteps = 4;        \
-    CALL;                            \
-  } else {                           \
-    constexpr int kSteps = 8;        \
-    CALL;                            \
+#define JAXDET_WITH_STEPS(n, CALL) \
+  if ((n) <= 1 * kStep) {          \
+    constexpr int kSteps = 1;      \
+    CALL;                          \
+  } else if ((n) <= 2 * kStep) {   \
+    constexpr int kSteps = 2;      \
+    CALL;                          \
+  } else if ((n) <= 4 * kStep) {   \
+    constexpr int kSteps = 4;      \
+    CALL;                          \
+  } else {                         \
+    constexpr int kSteps = 8;      \
+    CALL;                          \
   }
 
 template <typename S>
-void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats, float* ws, int64_t rows, int64_t n,
-                      int32_t mode) {
+void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats, float* ws, int64_t rows,
+                      int64_t n, int32_t mode) {
   using Bits = typename S::Bits;
   const auto* xp = static_cast<const Bits*>(x);
   auto* yp = static_cast<Bits*>(y);
   const int64_t segments = sm::segment_count(n);
   if (segments == 1) {
-    JAXDET_WITH_STEPS(n, (SoftmaxFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, yp, stats, rows, n, mode)));
+    JAXDET_WITH_STEPS(
+        n, (SoftmaxFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, yp, stats, rows, n, mode)));
     return;
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
@@ -403,7 +406,8 @@ void LaunchSoftmaxBwd(cudaStream_t stream, const void* x, const float* stats, co
   auto* dp = static_cast<Bits*>(dx);
   const int64_t segments = sm::segment_count(n);
   if (segments == 1) {
-    JAXDET_WITH_STEPS(n, (SoftmaxBwdFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, stats, gp, dp, rows, n, mode)));
+    JAXDET_WITH_STEPS(n, (SoftmaxBwdFusedKernel<S, kSteps>
+                          <<<GridFor(rows), kLanes, 0, stream>>>(xp, stats, gp, dp, rows, n, mode)));
     return;
   }
   SegmentBwdSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, gp, ws, rows, n, mode);
@@ -417,13 +421,14 @@ void LaunchXentFwd(cudaStream_t stream, const void* x, const int32_t* labels, fl
   const auto* xp = static_cast<const Bits*>(x);
   const int64_t segments = sm::segment_count(n);
   if (segments == 1) {
-    JAXDET_WITH_STEPS(n, (XentFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, labels, out, stats, rows, n, log_prob)));
+    JAXDET_WITH_STEPS(n, (XentFusedKernel<S, kSteps>
+                          <<<GridFor(rows), kLanes, 0, stream>>>(xp, labels, out, stats, rows, n, log_prob)));
     return;
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
   SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  XentOutKernel<S><<<GridFor((rows + kLanes - 1) / kLanes), kLanes, 0, stream>>>(xp, labels, pairs, out, stats, rows,
-                                                                                 n, log_prob);
+  XentOutKernel<S><<<GridFor((rows + kLanes - 1) / kLanes), kLanes, 0, stream>>>(xp, labels, pairs, out, stats,
+                                                                                 rows, n, log_prob);
 }
 
 template <typename S>
@@ -433,28 +438,29 @@ void LaunchXentBwd(cudaStream_t stream, const void* x, const int32_t* labels, co
   const auto* xp = static_cast<const Bits*>(x);
   auto* dp = static_cast<Bits*>(dx);
   const int64_t items = rows * sm::segment_count(n);
-  JAXDET_WITH_STEPS(std::min<int64_t>(n, sm::kSegment), (XentBwdKernel<S, kSteps><<<GridFor(items), kLanes, 0, stream>>>(xp, labels, stats, g, dp, rows, n)));
+  JAXDET_WITH_STEPS(
+      std::min<int64_t>(n, sm::kSegment),
+      (XentBwdKernel<S, kSteps><<<GridFor(items), kLanes, 0, stream>>>(xp, labels, stats, g, dp, rows, n)));
 }
 
-#define JAXDET_DISPATCH(dtype, op, CALL)                                                                \
-  switch (dtype) {                                                                                      \
-    case ffi::F32: {                                                                                    \
-      using S = F32Storage;                                                                             \
-      CALL;                                                                                             \
-      break;                                                                                            \
-    }                                                                                                   \
-    case ffi::BF16: {                                                                                   \
-      using S = BF16Storage;                                                                            \
-      CALL;                                                                                             \
-      break;                                                                                            \
-    }                                                                                                   \
-    case ffi::F16: {                                                                                    \
-      using S = F16Storage;                                                                             \
-      CALL;                                                                                             \
-      break;                                                                                            \
-    }                                                                                                   \
-    default:                                                                                            \
-      return ffi::Error::InvalidArgument(std::string(op) + ": x must be float32, bfloat16 or float16"); \
+#define JAXDET_DISPATCH(dtype, op, CALL)                                                                       \
+  switch (dtype) {                                                                                             \
+    case ffi::F32: {                                                                                           \
+      using S = F32Storage;                                                                                    \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    case ffi::BF16: {                                                                                          \
+      using S = BF16Storage;                                                                                   \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    case ffi::F16: {                                                                                           \
+      using S = F16Storage;                                                                                    \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    default: return ffi::Error::InvalidArgument(std::string(op) + ": x must be float32, bfloat16 or float16"); \
   }
 
 ffi::Error RowsOf(const ffi::AnyBuffer& x, int64_t& rows, int64_t& n, const char* op) {
@@ -494,7 +500,8 @@ ffi::Error SoftmaxBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
   constexpr const char* kOp = "jaxdet_softmax_bwd";
   int64_t rows, n;
   if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
-  if (g.element_type() != x.element_type()) return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (rows == 0 || n == 0) return ffi::Error::Success();
   if (auto err = CheckWorkspace(*ws, rows, n, 1, kOp); !err.success()) return err;
   JAXDET_DISPATCH(x.element_type(), kOp,
@@ -521,23 +528,24 @@ ffi::Error XentFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   return last_launch_error(kOp);
 }
 
-ffi::Error XentBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Buffer<ffi::F32> stats,
-                       ffi::Buffer<ffi::F32> g, ffi::Result<ffi::AnyBuffer> dx) {
+ffi::Error XentBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels,
+                       ffi::Buffer<ffi::F32> stats, ffi::Buffer<ffi::F32> g, ffi::Result<ffi::AnyBuffer> dx) {
   constexpr const char* kOp = "jaxdet_xent_bwd";
   int64_t rows, n;
   if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
   JAXDET_DISPATCH(x.element_type(), kOp,
-                  LaunchXentBwd<S>(stream, x.untyped_data(), labels.typed_data(), stats.typed_data(), g.typed_data(),
-                                   dx->untyped_data(), rows, n));
+                  LaunchXentBwd<S>(stream, x.untyped_data(), labels.typed_data(), stats.typed_data(),
+                                   g.typed_data(), dx->untyped_data(), rows, n));
   return last_launch_error(kOp);
 }
 
-ffi::Error DetMathCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t op) {
+ffi::Error DetMathCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                       int32_t op) {
   const int64_t count = static_cast<int64_t>(x.element_count());
   if (count == 0) return ffi::Error::Success();
-  DetMathKernel<<<GridFor((count + kLanes - 1) / kLanes), kLanes, 0, stream>>>(x.typed_data(), y->typed_data(), count,
-                                                                               op);
+  DetMathKernel<<<GridFor((count + kLanes - 1) / kLanes), kLanes, 0, stream>>>(x.typed_data(), y->typed_data(),
+                                                                               count, op);
   return last_launch_error("jaxdet_det_math");
 }
 

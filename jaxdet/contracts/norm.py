@@ -75,8 +75,10 @@ def check_canonical_order(kind="layer", dtype=jnp.bfloat16, shapes=((1, 1), (5, 
             if not same_bits(a, e):
                 bad.append(f"{name}{[tokens, n]}: {count_bit_differences(np.asarray(a), e)} differ")
     ok = not bad
-    return ok, (f"{kind} {np.dtype(dtype).name} y, dx, dscale, dbias at {len(shapes)} shapes vs the NumPy order: "
-                + ("bitwise equal" if ok else "; ".join(bad)))
+    return ok, (
+        f"{kind} {np.dtype(dtype).name} y, dx, dscale, dbias at {len(shapes)} shapes vs the NumPy order: "
+        + ("bitwise equal" if ok else "; ".join(bad))
+    )
 
 
 def check_row_invariance(kind="rms", dtype=jnp.bfloat16, n=4096, batches=(4, 16, 64)):
@@ -92,8 +94,10 @@ def check_row_invariance(kind="rms", dtype=jnp.bfloat16, n=4096, batches=(4, 16,
             if not (same_bits(y[pos : pos + 1], y1) and same_bits(dx[pos : pos + 1], dx1)):
                 bad.append(f"batch {batch} position {pos}")
     ok = not bad
-    return ok, (f"{kind} {np.dtype(dtype).name} n={n}: row alone vs in batches {list(batches)} (y and dx): "
-                + ("bitwise equal" if ok else "DIFFER at " + ", ".join(bad)))
+    return ok, (
+        f"{kind} {np.dtype(dtype).name} n={n}: row alone vs in batches {list(batches)} (y and dx): "
+        + ("bitwise equal" if ok else "DIFFER at " + ", ".join(bad))
+    )
 
 
 def check_param_grad_tree(kind="layer", tokens=128, n=96):
@@ -105,8 +109,10 @@ def check_param_grad_tree(kind="layer", tokens=128, n=96):
     blocks = 2
     while blocks <= tokens // 8:
         size = tokens // blocks
-        parts = [value_and_grads(kind, x[i * size : (i + 1) * size], w, b, g[i * size : (i + 1) * size])[2:]
-                 for i in range(blocks)]
+        parts = [
+            value_and_grads(kind, x[i * size : (i + 1) * size], w, b, g[i * size : (i + 1) * size])[2:]
+            for i in range(blocks)
+        ]
         for j, name in enumerate(("dscale", "dbias")):
             if kind == "rms" and name == "dbias":
                 continue
@@ -115,8 +121,10 @@ def check_param_grad_tree(kind="layer", tokens=128, n=96):
                 bad.append(f"{name} with {blocks} blocks")
         blocks *= 2
     ok = not bad
-    return ok, (f"{kind}: {tokens}-token dscale/dbias vs the tree over 2..{tokens // 8} aligned blocks: "
-                + ("bitwise equal" if ok else "DIFFER: " + ", ".join(bad)))
+    return ok, (
+        f"{kind}: {tokens}-token dscale/dbias vs the tree over 2..{tokens // 8} aligned blocks: "
+        + ("bitwise equal" if ok else "DIFFER: " + ", ".join(bad))
+    )
 
 
 def _f64_reference(kind, x, w, b, g, eps=1e-5):
@@ -145,10 +153,13 @@ def relative_errors(kind, dtype, tokens=64, n=1000, seed=5):
 def check_accuracy(kind="layer", dtype=jnp.float32):
     errs = relative_errors(kind, dtype)
     bound = ACCURACY[np.dtype(dtype)]
-    ok = max(errs[:2]) <= bound and max(errs[2:3 if kind == "rms" else 4]) <= 1e-5
-    return ok, (f"{kind} {np.dtype(dtype).name}: relative error vs float64 y {errs[0]:.1e}, dx {errs[1]:.1e} "
-                f"(limit {bound:.0e}), dscale {errs[2]:.1e}" + (f", dbias {errs[3]:.1e}" if kind == "layer" else "")
-                + " (limit 1e-05)")
+    ok = max(errs[:2]) <= bound and max(errs[2 : 3 if kind == "rms" else 4]) <= 1e-5
+    return ok, (
+        f"{kind} {np.dtype(dtype).name}: relative error vs float64 y {errs[0]:.1e}, dx {errs[1]:.1e} "
+        f"(limit {bound:.0e}), dscale {errs[2]:.1e}"
+        + (f", dbias {errs[3]:.1e}" if kind == "layer" else "")
+        + " (limit 1e-05)"
+    )
 
 
 def check_cpu_equals_device(kind="layer", dtype=jnp.bfloat16, shapes=((3, 1027), (64, 4096), (40, 9000))):
@@ -165,15 +176,18 @@ def check_cpu_equals_device(kind="layer", dtype=jnp.bfloat16, shapes=((3, 1027),
             if not same_bits(a, e):
                 bad.append(f"{name}{[tokens, n]}")
     ok = not bad
-    return ok, (f"{kind} {np.dtype(dtype).name}: CPU vs {dev.device_kind}, y/dx/dscale/dbias at {len(shapes)} shapes: "
-                + ("bitwise equal" if ok else "DIFFER: " + ", ".join(bad)))
+    return ok, (
+        f"{kind} {np.dtype(dtype).name}: CPU vs {dev.device_kind}, y/dx/dscale/dbias at {len(shapes)} shapes: "
+        + ("bitwise equal" if ok else "DIFFER: " + ", ".join(bad))
+    )
 
 
 def check_run_to_run(kind="rms", dtype=jnp.bfloat16, tokens=256, n=4096, runs=4):
     args = make_inputs(tokens, n, dtype, seed=13)
     first = value_and_grads(kind, *args)
     ok = all(all(same_bits(a, e) for a, e in zip(value_and_grads(kind, *args), first)) for _ in range(runs - 1))
-    return ok, f"{kind} {np.dtype(dtype).name} [{tokens}, {n}]: {runs} runs " + ("bitwise identical" if ok else "DIFFER")
+    verdict = "bitwise identical" if ok else "DIFFER"
+    return ok, f"{kind} {np.dtype(dtype).name} [{tokens}, {n}]: {runs} runs {verdict}"
 
 
 def report_checks():

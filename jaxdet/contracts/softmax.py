@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdet import _row_reference as ref
-from jaxdet.softmax import (det_math, label_log_probs, log_softmax, softmax,
-                            softmax_cross_entropy_with_integer_labels)
+from jaxdet.softmax import det_math, label_log_probs, log_softmax, softmax, softmax_cross_entropy_with_integer_labels
 from jaxdet.testing import count_bit_differences, same_bits
 
 MODES = ("softmax", "log_softmax", "cross_entropy")
@@ -57,8 +56,10 @@ def reference(mode, x, labels, g, gl):
     dtype = np.asarray(x).dtype
     xs = np.asarray(x, np.float32)
     if mode == "cross_entropy":
-        return (ref.cross_entropy(xs, np.asarray(labels)),
-                ref.store(ref.cross_entropy_backward(xs, np.asarray(labels), np.asarray(gl)), dtype))
+        return (
+            ref.cross_entropy(xs, np.asarray(labels)),
+            ref.store(ref.cross_entropy_backward(xs, np.asarray(labels), np.asarray(gl)), dtype),
+        )
     y = ref.softmax(xs) if mode == "softmax" else ref.log_softmax(xs)
     return ref.store(y, dtype), ref.store(ref.softmax_backward(xs, np.asarray(g, np.float32), mode), dtype)
 
@@ -72,15 +73,36 @@ def check_canonical_order(mode="cross_entropy", dtype=jnp.float32, shapes=SHAPES
             if not same_bits(a, e):
                 bad.append(f"{name}{[rows, n]}: {count_bit_differences(np.asarray(a), e)} differ")
     ok = not bad
-    return ok, (f"{mode} {np.dtype(dtype).name} at {len(shapes)} shapes (up to {max(s[1] for s in shapes)} "
-                "classes) vs the NumPy order: " + ("bitwise equal" if ok else "; ".join(bad)))
+    return ok, (
+        f"{mode} {np.dtype(dtype).name} at {len(shapes)} shapes (up to {max(s[1] for s in shapes)} "
+        "classes) vs the NumPy order: " + ("bitwise equal" if ok else "; ".join(bad))
+    )
 
 
 def math_inputs():
     """float32 inputs for exp/log/rsqrt: a stride through every bit pattern, plus special values."""
     bits = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32)
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 88.72283935546875, 88.7228317,
-                        -103.97, -103.2, -87.5, 1e-45, 1e-40, 1.17549435e-38, 3.4028235e38], np.float32)
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            1.0,
+            -1.0,
+            88.72283935546875,
+            88.7228317,
+            -103.97,
+            -103.2,
+            -87.5,
+            1e-45,
+            1e-40,
+            1.17549435e-38,
+            3.4028235e38,
+        ],
+        np.float32,
+    )
     return np.concatenate([bits.view(np.float32), special])
 
 
@@ -90,11 +112,16 @@ def check_math_functions():
     xd = jax.device_put(jnp.asarray(x), _device())
     with np.errstate(all="ignore"):
         wants = {"exp": ref.exp(x), "log": ref.log(x), "rsqrt": ref.canonical(np.float32(1) / np.sqrt(x))}
-    bad = [f"{op}: {count_bit_differences(np.asarray(det_math(xd, op)), want)} differ"
-           for op, want in wants.items() if not same_bits(det_math(xd, op), want)]
+    bad = [
+        f"{op}: {count_bit_differences(np.asarray(det_math(xd, op)), want)} differ"
+        for op, want in wants.items()
+        if not same_bits(det_math(xd, op), want)
+    ]
     ok = not bad
-    return ok, (f"exp, log, rsqrt of {x.size} float32 values on {_device().platform} vs NumPy: "
-                + ("bitwise equal" if ok else "; ".join(bad)))
+    return ok, (
+        f"exp, log, rsqrt of {x.size} float32 values on {_device().platform} vs NumPy: "
+        + ("bitwise equal" if ok else "; ".join(bad))
+    )
 
 
 def ulp_errors(x=None):
@@ -123,8 +150,10 @@ def check_row_invariance(mode="log_softmax", dtype=jnp.float32, n=4099, batches=
             if not (same_bits(out[pos : pos + 1], out1) and same_bits(dx[pos : pos + 1], dx1)):
                 bad.append(f"batch {batch} position {pos}")
     ok = not bad
-    return ok, (f"{mode} {np.dtype(dtype).name} n={n}: row alone vs in batches {list(batches)} (output and grad): "
-                + ("bitwise equal" if ok else "DIFFER at " + ", ".join(bad)))
+    return ok, (
+        f"{mode} {np.dtype(dtype).name} n={n}: row alone vs in batches {list(batches)} (output and grad): "
+        + ("bitwise equal" if ok else "DIFFER at " + ", ".join(bad))
+    )
 
 
 def _f64_reference(mode, x, labels, g, gl):
@@ -153,8 +182,10 @@ def check_accuracy(mode="softmax", dtype=jnp.float32):
     errs = relative_errors(mode, dtype)
     bound = ACCURACY[np.dtype(dtype)]
     ok = max(errs) <= bound
-    return ok, (f"{mode} {np.dtype(dtype).name} [16, 20000]: relative error vs float64: output {errs[0]:.1e}, "
-                f"grad {errs[1]:.1e} (limit {bound:.0e})")
+    return ok, (
+        f"{mode} {np.dtype(dtype).name} [16, 20000]: relative error vs float64: output {errs[0]:.1e}, "
+        f"grad {errs[1]:.1e} (limit {bound:.0e})"
+    )
 
 
 def check_label_log_probs(dtype=jnp.float32, rows=12, n=20000):
@@ -164,8 +195,10 @@ def check_label_log_probs(dtype=jnp.float32, rows=12, n=20000):
     ce = softmax_cross_entropy_with_integer_labels(x, labels)
     at_label = jnp.take_along_axis(log_softmax(x), labels[:, None], axis=1)[:, 0]
     ok = same_bits(lp, -ce) and same_bits(lp, at_label)
-    return ok, ("label_log_probs == -softmax_cross_entropy_with_integer_labels == log_softmax at the label: "
-                + ("bitwise equal" if ok else "DIFFER"))
+    return ok, (
+        "label_log_probs == -softmax_cross_entropy_with_integer_labels == log_softmax at the label: "
+        + ("bitwise equal" if ok else "DIFFER")
+    )
 
 
 def check_cpu_equals_device(mode="cross_entropy", dtype=jnp.bfloat16, shapes=((3, 1027), (64, 4096), (5, 128256))):
@@ -180,8 +213,10 @@ def check_cpu_equals_device(mode="cross_entropy", dtype=jnp.bfloat16, shapes=((3
         on_dev = value_and_grad(mode, *args)
         bad += [f"{name}{[rows, n]}" for name, a, e in zip(("out", "grad"), on_cpu, on_dev) if not same_bits(a, e)]
     ok = not bad
-    return ok, (f"{mode} {np.dtype(dtype).name}: CPU vs {dev.device_kind} at {len(shapes)} shapes: "
-                + ("bitwise equal" if ok else "DIFFER: " + ", ".join(bad)))
+    return ok, (
+        f"{mode} {np.dtype(dtype).name}: CPU vs {dev.device_kind} at {len(shapes)} shapes: "
+        + ("bitwise equal" if ok else "DIFFER: " + ", ".join(bad))
+    )
 
 
 def check_cpu_equals_device_math():
@@ -190,11 +225,15 @@ def check_cpu_equals_device_math():
         return None, "the default device is the CPU: nothing to compare with (run on a GPU device)"
     x = jnp.asarray(math_inputs())
     cpu = jax.devices("cpu")[0]
-    bad = [op for op in ("exp", "log", "rsqrt")
-           if not same_bits(det_math(jax.device_put(x, cpu), op), det_math(jax.device_put(x, dev), op))]
+    bad = [
+        op
+        for op in ("exp", "log", "rsqrt")
+        if not same_bits(det_math(jax.device_put(x, cpu), op), det_math(jax.device_put(x, dev), op))
+    ]
     ok = not bad
     return ok, f"exp, log, rsqrt of {x.size} values: CPU vs {dev.device_kind} " + (
-        "bitwise equal" if ok else "DIFFER: " + ", ".join(bad))
+        "bitwise equal" if ok else "DIFFER: " + ", ".join(bad)
+    )
 
 
 def check_run_to_run(mode="cross_entropy", dtype=jnp.bfloat16, rows=64, n=32768, runs=4):
@@ -214,8 +253,10 @@ def _all(check, **kw):
 def report_checks():
     return [
         ("softmax: exp/log/rsqrt bitwise equal to the NumPy re-implementation", check_math_functions),
-        ("softmax: softmax/log_softmax/cross-entropy row invariance, forward and backward",
-         lambda: _all(check_row_invariance)),
+        (
+            "softmax: softmax/log_softmax/cross-entropy row invariance, forward and backward",
+            lambda: _all(check_row_invariance),
+        ),
         ("softmax: bitwise equal to the documented canonical order", lambda: _all(check_canonical_order)),
         ("softmax: label_log_probs == -cross-entropy == log_softmax at the label", check_label_log_probs),
         ("softmax: accuracy vs float64", lambda: _all(check_accuracy)),
