@@ -5,10 +5,11 @@
 //   rows of one segment (n <= 8192): one fused kernel per call; the row is held in registers, so
 //     x is read once (forward) or x and g once (backward).
 //   rows of several segments: a statistics pass writes each segment's (m, s) (forward) or partial
-//     sum (backward) to the workspace; an output pass combines a row's partials by the canonical
-//     tree (every block of the row redoes that small tree, in the same order) and writes its
-//     segment. x is read twice, and segments of one row run in parallel, so a single long row
-//     (one token's vocabulary) still spreads over many SMs.
+//     sum (backward) to the workspace; the segments' pairs are combined by the canonical tree, one
+//     thread per row (forward; the backward's output blocks each redo the row's small tree of
+//     plain sums, in the same order); an output pass writes every segment. x is read twice, and
+//     segments of one row run in parallel, so a single long row (one token's vocabulary) still
+//     spreads over many SMs.
 //
 // Layouts as in softmax_cpu.cc; the workspace is float32 [R, segments, 2] (forward) or
 // [R, segments] (backward) when rows have several segments, else empty.
@@ -65,26 +66,6 @@ __device__ __forceinline__ dm::MaxSum span_stats(const float (&v)[kSteps][kVec],
     }
   }
   return sm::segment_stats(m, dm::block_tree_sum(acc, sh));
-}
-
-// The row's (M, S) from its segments' pairs in the workspace, by the canonical tree. Computed by
-// thread 0 and broadcast through shared memory.
-__device__ __forceinline__ dm::MaxSum row_stats_from(const float2* __restrict__ ws, int64_t segments,
-                                                     float2* shared) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const dm::MaxSum st = dm::tree_fold<dm::MaxSum>(
-        segments,
-        [&](int64_t i) {
-          const float2 p = ws[i];
-          return dm::MaxSum{p.x, p.y};
-        },
-        [](dm::MaxSum a, dm::MaxSum b) { return dm::merge(a, b); });
-    *shared = make_float2(st.m, st.s);
-  }
-  __syncthreads();
-  const float2 p = *shared;
-  return dm::MaxSum{p.x, p.y};
 }
 
 __device__ __forceinline__ float row_sum_from(const float* __restrict__ ws, int64_t segments, float* shared) {
@@ -152,14 +133,30 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
+// The row's (M, S) from its segments' pairs: the canonical tree over the segments, one thread per
+// row (a row of s segments costs s - 1 merges).
+__device__ __forceinline__ dm::MaxSum row_stats(const float2* __restrict__ pairs, int64_t segments) {
+  return dm::tree_fold<dm::MaxSum>(
+      segments, [&](int64_t i) { return dm::MaxSum{pairs[i].x, pairs[i].y}; },
+      [](dm::MaxSum a, dm::MaxSum b) { return dm::merge(a, b); });
+}
+
+// ---- Rows of several segments, between the passes: each row's (M, S) into `stats`. ----
+__global__ void __launch_bounds__(kLanes)
+    RowStatsKernel(const float2* __restrict__ ws, float* __restrict__ stats, int64_t rows, int64_t segments) {
+  for (int64_t row = int64_t{blockIdx.x} * kLanes + threadIdx.x; row < rows; row += int64_t{gridDim.x} * kLanes) {
+    const dm::MaxSum st = row_stats(ws + row * segments, segments);
+    stats[2 * row] = st.m;
+    stats[2 * row + 1] = st.s;
+  }
+}
+
 // ---- Rows of several segments, pass 2: softmax / log_softmax outputs of each (row, segment). ----
 template <typename S>
 __global__ void __launch_bounds__(kLanes)
-    SoftmaxOutKernel(const typename S::Bits* __restrict__ x, const float2* __restrict__ ws,
-                     typename S::Bits* __restrict__ y, float* __restrict__ stats, int64_t rows, int64_t n,
-                     int32_t mode) {
+    SoftmaxOutKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
+                     typename S::Bits* __restrict__ y, int64_t rows, int64_t n, int32_t mode) {
   constexpr int kSteps = sm::kSegmentSteps;
-  __shared__ float2 shared;
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
     const int64_t row = q / segments, seg = q % segments;
@@ -167,12 +164,8 @@ __global__ void __launch_bounds__(kLanes)
     const int64_t len = sm::segment_length(n, seg);
     float v[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
-    const dm::MaxSum st = row_stats_from(ws + row * segments, segments, &shared);
-    if (seg == 0 && threadIdx.x == 0) {
-      stats[2 * row] = st.m;
-      stats[2 * row + 1] = st.s;
-    }
-    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), st.m, st.s, mode);
+    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), stats[2 * row],
+                             stats[2 * row + 1], mode);
   }
 }
 
@@ -212,10 +205,7 @@ __global__ void __launch_bounds__(kLanes)
                   int64_t n, bool log_prob) {
   const int64_t segments = sm::segment_count(n);
   for (int64_t row = int64_t{blockIdx.x} * kLanes + threadIdx.x; row < rows; row += int64_t{gridDim.x} * kLanes) {
-    const float2* p = ws + row * segments;
-    const dm::MaxSum st = dm::tree_fold<dm::MaxSum>(
-        segments, [&](int64_t i) { return dm::MaxSum{p[i].x, p[i].y}; },
-        [](dm::MaxSum a, dm::MaxSum b) { return dm::merge(a, b); });
+    const dm::MaxSum st = row_stats(ws + row * segments, segments);
     stats[2 * row] = st.m;
     stats[2 * row + 1] = st.s;
     out[row] = xent_value<S>(x + row * n, labels[row], n, st.m, st.s, log_prob);
@@ -394,7 +384,8 @@ void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats,
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
   SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  SoftmaxOutKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, yp, stats, rows, n, mode);
+  RowStatsKernel<<<GridFor((rows + kLanes - 1) / kLanes), kLanes, 0, stream>>>(pairs, stats, rows, segments);
+  SoftmaxOutKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, yp, rows, n, mode);
 }
 
 template <typename S>
