@@ -56,16 +56,5 @@ def batch_size(args, dims):
     return next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
 
 
-def tree_rows(p):
-    """The canonical tree over axis -2 of `p` (lower index first; an odd last row is carried up):
-    jaxdet.parallel.tree_sum's tree, level by level, as float32 elementwise adds."""
-    while p.shape[-2] > 1:
-        n = p.shape[-2]
-        even = n - n % 2
-        pairs = p[..., 0:even:2, :] + p[..., 1:even:2, :]
-        p = jnp.concatenate([pairs, p[..., n - 1 :, :]], axis=-2) if n % 2 else pairs
-    return p[..., 0, :]
-
-
 def shaped(shape, dtype):
     return jax.core.ShapedArray(tuple(shape), dtype)

@@ -94,20 +94,28 @@ norm_bwd_p = _ffi.define_primitive(
 )
 
 
-# ---- Primitive 3: jaxdet_norm_param_grad. x [G, T, n], stats [G, T, 2], g [G, T, n] ->
-# partials f32 [G, ceil(T / GRAD_BLOCK_TOKENS), n] for the scale and (has_bias) the bias. ----
+# ---- Primitive 3: jaxdet_norm_param_grad. x [G, T, n], stats [G, T, 2], g [G, T, n] -> dscale
+# f32 [G, n], dbias f32 [G, n] ([G, 0] without a bias): per group, the canonical tree over its T
+# tokens; then the CUDA kernels' workspaces for the partials of aligned blocks of
+# GRAD_BLOCK_TOKENS tokens ([G, blocks, n] when there are several blocks, else empty). ----
 
 
 def _pg_abstract_eval(x, stats, g, *, has_bias):
     G, T, n = x.shape
     blocks = -(-T // GRAD_BLOCK_TOKENS)
-    return (_rows.shaped((G, blocks, n), _F32), _rows.shaped((G, blocks if has_bias else 0, n), _F32))
+    ws = blocks if blocks > 1 else 0
+    return (
+        _rows.shaped((G, n), _F32),
+        _rows.shaped((G, n if has_bias else 0), _F32),
+        _rows.shaped((G, ws, n), _F32),
+        _rows.shaped((G, ws if has_bias else 0, n), _F32),
+    )
 
 
 def _pg_batch(args, dims, *, has_bias):
     size, flat = _fold_groups(args, dims, (True, True, True))
-    pw, pb = norm_param_grad_p.bind(*flat, has_bias=has_bias)
-    return (_unfold(pw, size), _unfold(pb, size)), (0, 0)
+    outs = norm_param_grad_p.bind(*flat, has_bias=has_bias)
+    return [_unfold(o, size) for o in outs], [0, 0, 0, 0]
 
 
 norm_param_grad_p = _ffi.define_primitive(
@@ -229,9 +237,9 @@ def _grads_abstract_eval(x, stats, g, *, has_bias):
 
 
 def _grads_of(x3, stats3, g3, has_bias):
-    """Per group: the kernels' aligned 32-token subtrees, then the upper levels of the tree."""
-    pw, pb = norm_param_grad_p.bind(x3, stats3, g3, has_bias=has_bias)
-    return [_rows.tree_rows(pw)] + ([_rows.tree_rows(pb)] if has_bias else [])
+    """Per group [G, n]: the canonical tree over the group's tokens."""
+    dw, db, _, _ = norm_param_grad_p.bind(x3, stats3, g3, has_bias=has_bias)
+    return [dw] + ([db] if has_bias else [])
 
 
 def _grads_local(params, axes, shapes):

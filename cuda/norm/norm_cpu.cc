@@ -4,10 +4,11 @@
 //
 // Layouts (jaxdet/norm.py): x, y, g, dx [G, R, n]; w, b float32 [Gw, n] with Gw in {1, G} (b may be
 // empty: no bias); stats float32 [G, R, 2] = (mean, rstd) per row (mean = +0 for RMSNorm);
-// partials float32 [G, ceil(R / kGradBlock), n].
+// parameter gradients float32 [G, n] (the tree over each group's R tokens).
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/det_math.h"
@@ -161,54 +162,111 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-// One partial per (group, block of kGradBlock tokens, column): the canonical tree over the block's
-// tokens of g * xhat (and of g).
-template <typename S>
-void ParamGrad(const void* x, const float* stats, const void* g, float* pw, float* pb, const Shape& s) {
-  using Bits = typename S::Bits;
-  const Bits* xp = static_cast<const Bits*>(x);
-  const Bits* gp = static_cast<const Bits*>(g);
-  const int64_t n = s.n;
-  const int64_t blocks = (s.rows + norm::kGradBlock - 1) / norm::kGradBlock;
-  float vw[norm::kGradBlock], vb[norm::kGradBlock];
-  for (int64_t grp = 0; grp < s.groups; ++grp) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t t0 = blk * norm::kGradBlock;
-      const int m = static_cast<int>(std::min<int64_t>(norm::kGradBlock, s.rows - t0));
-      for (int64_t j = 0; j < n; ++j) {
-        for (int i = 0; i < m; ++i) {
-          const int64_t row = grp * s.rows + t0 + i;
-          const float gv = S::load(gp[row * n + j]);
-          vw[i] = norm::scale_grad_term(S::load(xp[row * n + j]), gv, stats[2 * row], stats[2 * row + 1]);
-          vb[i] = gv;
-        }
-        const int64_t out = (grp * blocks + blk) * n + j;
-        pw[out] = norm::block_tree(vw, m);
-        if (pb) pb[out] = norm::block_tree(vb, m);
-      }
+// The canonical tree over the rows of rows[0 .. m) (m <= kGradBlock rows of n floats) in place,
+// as norm::block_tree walks it for one column: at stride s = 1, 2, 4, ..., row i (a multiple of
+// 2s) += row i + s when that row holds a token.
+void BlockTreeRows(std::vector<float>& rows, int m, int64_t n) {
+  for (int s = 1; s < norm::kGradBlock; s *= 2) {
+    for (int i = 0; i + s < m; i += 2 * s) {
+      float* left = rows.data() + i * n;
+      const float* right = rows.data() + (i + s) * n;
+      for (int64_t j = 0; j < n; ++j) left[j] = dm::add(left[j], right[j]);
     }
   }
 }
 
+// The canonical tree over a sequence of vectors, walked left to right with a stack of complete
+// subtrees (detmath::tree_fold's walk, elementwise).
+class VectorTree {
+ public:
+  void push(std::vector<float> node) {
+    int64_t count = 1;
+    while (!sizes_.empty() && sizes_.back() == count) {
+      std::vector<float>& left = nodes_.back();
+      for (size_t j = 0; j < node.size(); ++j) left[j] = dm::add(left[j], node[j]);
+      node.swap(left);
+      nodes_.pop_back();
+      sizes_.pop_back();
+      count *= 2;
+    }
+    nodes_.push_back(std::move(node));
+    sizes_.push_back(count);
+  }
+  // The root: the stack folded from the top (the padded tree's right spine).
+  void root(float* out) {
+    std::vector<float> acc = std::move(nodes_.back());
+    for (size_t k = nodes_.size() - 1; k-- > 0;) {
+      for (size_t j = 0; j < acc.size(); ++j) acc[j] = dm::add(nodes_[k][j], acc[j]);
+    }
+    std::copy(acc.begin(), acc.end(), out);
+  }
+
+ private:
+  std::vector<std::vector<float>> nodes_;
+  std::vector<int64_t> sizes_;
+};
+
+// Per group: dscale (and dbias) = the canonical tree over tokens of g * xhat (and of g), computed
+// as the CUDA kernels do: aligned blocks of kGradBlock tokens, then the tree over the blocks.
+template <typename S>
+void ParamGrad(const void* x, const float* stats, const void* g, float* dw, float* db, const Shape& s) {
+  using Bits = typename S::Bits;
+  const Bits* xp = static_cast<const Bits*>(x);
+  const Bits* gp = static_cast<const Bits*>(g);
+  const int64_t n = s.n;
+  std::vector<float> tw(norm::kGradBlock * n), tb(db ? norm::kGradBlock * n : 0);
+  for (int64_t grp = 0; grp < s.groups; ++grp) {
+    VectorTree tree_w, tree_b;
+    for (int64_t t0 = 0; t0 < s.rows; t0 += norm::kGradBlock) {
+      const int m = static_cast<int>(std::min<int64_t>(norm::kGradBlock, s.rows - t0));
+      for (int i = 0; i < m; ++i) {
+        const int64_t row = grp * s.rows + t0 + i;
+        const float mean = stats[2 * row], rstd = stats[2 * row + 1];
+        for (int64_t j = 0; j < n; ++j) {
+          const float gv = S::load(gp[row * n + j]);
+          tw[i * n + j] = norm::scale_grad_term(S::load(xp[row * n + j]), gv, mean, rstd);
+          if (db) tb[i * n + j] = gv;
+        }
+      }
+      BlockTreeRows(tw, m, n);
+      tree_w.push(std::vector<float>(tw.begin(), tw.begin() + n));
+      if (db) {
+        BlockTreeRows(tb, m, n);
+        tree_b.push(std::vector<float>(tb.begin(), tb.begin() + n));
+      }
+    }
+    tree_w.root(dw + grp * n);
+    if (db) tree_b.root(db + grp * n);
+  }
+}
+
+// dw, db [G, n] (db [G, 0] without a bias); the workspaces are the CUDA kernels' (unused here).
 ffi::Error NormParamGradCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g,
-                            ffi::Result<ffi::Buffer<ffi::F32>> pw, ffi::Result<ffi::Buffer<ffi::F32>> pb) {
+                            ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> db,
+                            ffi::Result<ffi::Buffer<ffi::F32>> /*ws_w*/,
+                            ffi::Result<ffi::Buffer<ffi::F32>> /*ws_b*/) {
   constexpr const char* kOp = "jaxdet_norm_param_grad";
   Shape s;
   if (auto err = ShapeOf(x, s, kOp); !err.success()) return err;
   if (g.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
-  float* bias = pb->element_count() > 0 ? pb->typed_data() : nullptr;
-  if (s.n == 0 || s.rows == 0) return ffi::Error::Success();
+  float* bias = db->element_count() > 0 ? db->typed_data() : nullptr;
+  if (s.n == 0 || s.groups == 0) return ffi::Error::Success();
+  if (s.rows == 0) {
+    std::fill(dw->typed_data(), dw->typed_data() + dw->element_count(), 0.0f);
+    if (bias) std::fill(bias, bias + db->element_count(), 0.0f);
+    return ffi::Error::Success();
+  }
   IeeeSubnormalsScope ieee;
   switch (x.element_type()) {
     case ffi::F32:
-      ParamGrad<F32Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(), bias, s);
+      ParamGrad<F32Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(), bias, s);
       break;
     case ffi::BF16:
-      ParamGrad<BF16Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(), bias, s);
+      ParamGrad<BF16Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(), bias, s);
       break;
     case ffi::F16:
-      ParamGrad<F16Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(), bias, s);
+      ParamGrad<F16Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(), bias, s);
       break;
     default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
   }
@@ -241,6 +299,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_param_grad_cpu, NormParamGradCpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

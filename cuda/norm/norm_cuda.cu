@@ -4,8 +4,9 @@
 // 8192 elements stay in registers between the passes (one read of x, one write of y); longer rows
 // re-read x from global memory (L2) for each pass, in the same order.
 //
-// The parameter-gradient partials are column-parallel: one thread per column walks an aligned run
-// of kGradBlock tokens and reduces them by the canonical tree (norm_math.h's block_tree).
+// The parameter gradients are column-parallel: one thread per column walks an aligned run of
+// kGradBlock tokens and reduces them by the canonical tree (norm_math.h's block_tree); a second
+// kernel reduces the runs' partials by the upper levels of the same tree.
 //
 // Layouts as in norm_cpu.cc.
 #include <cuda_runtime.h>
@@ -214,7 +215,9 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
-// grid.x: column tiles of kLanes columns; grid.y: (group, token block) pairs, grid-stride.
+// The parameter-gradient partials: per (group, aligned block of kGradBlock tokens, column), the
+// canonical tree over the block's tokens of g * xhat (and of g). grid.x: column tiles of kLanes
+// columns; grid.y: (group, token block) pairs, grid-stride.
 template <typename S>
 __global__ void __launch_bounds__(kLanes)
     NormParamGradKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
@@ -243,6 +246,19 @@ __global__ void __launch_bounds__(kLanes)
     }
     pw[q * n + j] = norm::block_tree(vw, m);
     if (pb) pb[q * n + j] = norm::block_tree(vb, m);
+  }
+}
+
+// The upper levels: per (group, column) the canonical tree over the blocks' partials (one thread
+// each, detmath::tree_fold's walk; partials [G, blocks, n] -> [G, n]).
+__global__ void __launch_bounds__(kLanes)
+    NormGradTreeKernel(const float* __restrict__ partials, float* __restrict__ out, int64_t groups, int64_t blocks,
+                       int64_t n) {
+  for (int64_t q = int64_t{blockIdx.x} * kLanes + threadIdx.x; q < groups * n; q += int64_t{gridDim.x} * kLanes) {
+    const int64_t grp = q / n, j = q % n;
+    const float* p = partials + grp * blocks * n + j;
+    out[q] = dm::tree_fold<float>(
+        blocks, [&](int64_t i) { return p[i * n]; }, [](float a, float b) { return dm::add(a, b); });
   }
 }
 
@@ -368,40 +384,65 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
 }
 
 template <typename S>
-void LaunchParamGrad(cudaStream_t stream, const void* x, const float* stats, const void* g, float* pw, float* pb,
-                     int64_t groups, int64_t rows, int64_t n) {
+void LaunchParamGrad(cudaStream_t stream, const void* x, const float* stats, const void* g, float* dw, float* db,
+                     float* ws_w, float* ws_b, int64_t groups, int64_t rows, int64_t n) {
   using Bits = typename S::Bits;
-  const int64_t pairs = groups * ((rows + norm::kGradBlock - 1) / norm::kGradBlock);
+  const int64_t blocks = (rows + norm::kGradBlock - 1) / norm::kGradBlock;
+  // One block of tokens: its partial is the result. Otherwise partials go to the workspace first.
+  float* pw = blocks == 1 ? dw : ws_w;
+  float* pb = db == nullptr ? nullptr : blocks == 1 ? db : ws_b;
   const dim3 grid(static_cast<unsigned>((n + kLanes - 1) / kLanes),
-                  static_cast<unsigned>(std::min<int64_t>(pairs, 65535)));
+                  static_cast<unsigned>(std::min<int64_t>(groups * blocks, 65535)));
   NormParamGradKernel<S><<<grid, kLanes, 0, stream>>>(static_cast<const Bits*>(x), stats,
                                                       static_cast<const Bits*>(g), pw, pb, groups, rows, n);
+  if (blocks == 1) return;
+  const unsigned tree_grid = RowGrid((groups * n + kLanes - 1) / kLanes);
+  NormGradTreeKernel<<<tree_grid, kLanes, 0, stream>>>(ws_w, dw, groups, blocks, n);
+  if (db != nullptr) NormGradTreeKernel<<<tree_grid, kLanes, 0, stream>>>(ws_b, db, groups, blocks, n);
 }
 
+// dw, db [G, n] (db [G, 0] without a bias); workspaces [G, blocks, n] when there are several
+// blocks of tokens (ws_b only with a bias), else empty.
 ffi::Error NormParamGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g,
-                             ffi::Result<ffi::Buffer<ffi::F32>> pw, ffi::Result<ffi::Buffer<ffi::F32>> pb) {
+                             ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> db,
+                             ffi::Result<ffi::Buffer<ffi::F32>> ws_w, ffi::Result<ffi::Buffer<ffi::F32>> ws_b) {
   constexpr const char* kOp = "jaxdet_norm_param_grad";
   const auto d = x.dimensions();
   if (d.size() != 3) return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be [G, T, n]");
   if (g.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   const int64_t groups = d[0], rows = d[1], n = d[2];
-  if (groups == 0 || rows == 0 || n == 0) return ffi::Error::Success();
+  float* bias = db->element_count() > 0 ? db->typed_data() : nullptr;
+  if (groups == 0 || n == 0) return ffi::Error::Success();
+  if (rows == 0) {
+    if (auto err = cudaMemsetAsync(dw->typed_data(), 0, dw->size_bytes(), stream); err != cudaSuccess)
+      return cuda_error(kOp, err);
+    if (bias != nullptr) {
+      if (auto err = cudaMemsetAsync(bias, 0, db->size_bytes(), stream); err != cudaSuccess)
+        return cuda_error(kOp, err);
+    }
+    return ffi::Error::Success();
+  }
+  const int64_t blocks = (rows + norm::kGradBlock - 1) / norm::kGradBlock;
+  if (blocks > 1 && (static_cast<int64_t>(ws_w->element_count()) < groups * blocks * n ||
+                     (bias != nullptr && static_cast<int64_t>(ws_b->element_count()) < groups * blocks * n))) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": workspace too small");
+  }
   if ((n + kLanes - 1) / kLanes > 0x7FFFFFFF)
     return ffi::Error::InvalidArgument(std::string(kOp) + ": n too large");
-  float* bias = pb->element_count() > 0 ? pb->typed_data() : nullptr;
   switch (x.element_type()) {
     case ffi::F32:
-      LaunchParamGrad<F32Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(),
-                                  bias, groups, rows, n);
+      LaunchParamGrad<F32Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(),
+                                  bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows, n);
       break;
     case ffi::BF16:
       LaunchParamGrad<BF16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
-                                   pw->typed_data(), bias, groups, rows, n);
+                                   dw->typed_data(), bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows,
+                                   n);
       break;
     case ffi::F16:
-      LaunchParamGrad<F16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), pw->typed_data(),
-                                  bias, groups, rows, n);
+      LaunchParamGrad<F16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(),
+                                  bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows, n);
       break;
     default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
   }
@@ -437,6 +478,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_param_grad_cuda, NormParamGradCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
