@@ -96,14 +96,22 @@ norm_bwd_p = _ffi.define_primitive(
 
 # ---- Primitive 3: jaxdet_norm_param_grad. x [G, T, n], stats [G, T, 2], g [G, T, n] -> dscale
 # f32 [G, n], dbias f32 [G, n] ([G, 0] without a bias): per group, the canonical tree over its T
-# tokens; then the CUDA kernels' workspaces for the partials of aligned blocks of
-# GRAD_BLOCK_TOKENS tokens ([G, blocks, n] when there are several blocks, else empty). ----
+# tokens; then the CUDA kernels' workspaces for the partials between the levels of that tree
+# (aligned runs of GRAD_BLOCK_TOKENS tokens, then of as many partials, ...). ----
+
+
+def _grad_workspace_rows(tokens):
+    """Rows of partials between the levels of the tree (norm_math.h grad_workspace_rows)."""
+    rows, count = 0, -(-tokens // GRAD_BLOCK_TOKENS)
+    while count > 1:
+        rows += count
+        count = -(-count // GRAD_BLOCK_TOKENS)
+    return rows
 
 
 def _pg_abstract_eval(x, stats, g, *, has_bias):
     G, T, n = x.shape
-    blocks = -(-T // GRAD_BLOCK_TOKENS)
-    ws = blocks if blocks > 1 else 0
+    ws = _grad_workspace_rows(T)
     return (
         _rows.shaped((G, n), _F32),
         _rows.shaped((G, n if has_bias else 0), _F32),

@@ -53,7 +53,7 @@ def test_leading_dims_are_tokens():
 
 # ---- the canonical order (CPU kernels vs the NumPy re-implementation) ------------------------------
 
-SHAPES = ((1, 1), (1, 4), (3, 5), (5, 300), (33, 1024), (70, 1027), (64, 4096), (9, 8193), (2, 20000))
+SHAPES = ((1, 1), (1, 4), (3, 5), (5, 300), (33, 1024), (70, 1027), (64, 4096), (9, 8193), (2, 20000), (2100, 16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -231,7 +231,18 @@ def test_bad_inputs_raise_clear_errors():
 
 # ---- GPU (pytest -m gpu): CPU == GPU bitwise ------------------------------------------------------
 
-GPU_SHAPES = ((1, 1), (3, 5), (5, 300), (64, 1024), (70, 1027), (130, 4096), (9, 8192), (4, 8193), (3, 20000))
+GPU_SHAPES = (
+    (1, 1),
+    (3, 5),
+    (5, 300),
+    (64, 1024),
+    (70, 1027),
+    (130, 4096),
+    (9, 8192),
+    (4, 8193),
+    (3, 20000),
+    (2100, 64),
+)
 
 
 @pytest.mark.gpu

@@ -5,8 +5,8 @@
 // re-read x from global memory (L2) for each pass, in the same order.
 //
 // The parameter gradients are column-parallel: one thread per column walks an aligned run of
-// kGradBlock tokens and reduces them by the canonical tree (norm_math.h's block_tree); a second
-// kernel reduces the runs' partials by the upper levels of the same tree.
+// kGradBlock tokens and reduces them by the canonical tree (norm_math.h's block_tree); the runs'
+// partials are reduced the same way, 32 at a time, level by level (the upper levels of the tree).
 //
 // Layouts as in norm_cpu.cc.
 #include <cuda_runtime.h>
@@ -249,16 +249,25 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
-// The upper levels: per (group, column) the canonical tree over the blocks' partials (one thread
-// each, detmath::tree_fold's walk; partials [G, blocks, n] -> [G, n]).
+// One upper level of the tree: per (group, aligned run of kGradBlock partials, column), the run's
+// subtree (block_tree over up to 32 partials, all loaded at once). in [G, count, n] -> out [G,
+// ceil(count / 32), n]. Aligned runs of 32 nodes of one level are subtrees of the next, so
+// repeating it until one partial is left walks exactly the padded tree over the partials.
 __global__ void __launch_bounds__(kLanes)
-    NormGradTreeKernel(const float* __restrict__ partials, float* __restrict__ out, int64_t groups, int64_t blocks,
-                       int64_t n) {
-  for (int64_t q = int64_t{blockIdx.x} * kLanes + threadIdx.x; q < groups * n; q += int64_t{gridDim.x} * kLanes) {
-    const int64_t grp = q / n, j = q % n;
-    const float* p = partials + grp * blocks * n + j;
-    out[q] = dm::tree_fold<float>(
-        blocks, [&](int64_t i) { return p[i * n]; }, [](float a, float b) { return dm::add(a, b); });
+    NormGradLevelKernel(const float* __restrict__ in, float* __restrict__ out, int64_t groups, int64_t count,
+                        int64_t n) {
+  constexpr int kB = norm::kGradBlock;
+  const int64_t j = int64_t{blockIdx.x} * kLanes + threadIdx.x;
+  if (j >= n) return;
+  const int64_t runs = (count + kB - 1) / kB;
+  for (int64_t q = blockIdx.y; q < groups * runs; q += gridDim.y) {
+    const int64_t grp = q / runs, run = q % runs;
+    const int m = static_cast<int>(min(int64_t{kB}, count - run * kB));
+    const float* p = in + (grp * count + run * kB) * n + j;
+    float v[kB];
+#pragma unroll
+    for (int i = 0; i < kB; ++i) v[i] = i < m ? p[i * n] : 0.0f;
+    out[q * n + j] = norm::block_tree(v, m);
   }
 }
 
@@ -387,22 +396,30 @@ template <typename S>
 void LaunchParamGrad(cudaStream_t stream, const void* x, const float* stats, const void* g, float* dw, float* db,
                      float* ws_w, float* ws_b, int64_t groups, int64_t rows, int64_t n) {
   using Bits = typename S::Bits;
-  const int64_t blocks = (rows + norm::kGradBlock - 1) / norm::kGradBlock;
-  // One block of tokens: its partial is the result. Otherwise partials go to the workspace first.
-  float* pw = blocks == 1 ? dw : ws_w;
-  float* pb = db == nullptr ? nullptr : blocks == 1 ? db : ws_b;
-  const dim3 grid(static_cast<unsigned>((n + kLanes - 1) / kLanes),
-                  static_cast<unsigned>(std::min<int64_t>(groups * blocks, 65535)));
-  NormParamGradKernel<S><<<grid, kLanes, 0, stream>>>(static_cast<const Bits*>(x), stats,
-                                                      static_cast<const Bits*>(g), pw, pb, groups, rows, n);
-  if (blocks == 1) return;
-  const unsigned tree_grid = RowGrid((groups * n + kLanes - 1) / kLanes);
-  NormGradTreeKernel<<<tree_grid, kLanes, 0, stream>>>(ws_w, dw, groups, blocks, n);
-  if (db != nullptr) NormGradTreeKernel<<<tree_grid, kLanes, 0, stream>>>(ws_b, db, groups, blocks, n);
+  // Level 0 reduces runs of kGradBlock tokens, each later level runs of kGradBlock partials, until
+  // one is left; it goes to the result, the levels before it to consecutive workspace regions.
+  int64_t count = (rows + norm::kGradBlock - 1) / norm::kGradBlock;
+  float* pw = count == 1 ? dw : ws_w;
+  float* pb = db == nullptr ? nullptr : count == 1 ? db : ws_b;
+  const unsigned columns = static_cast<unsigned>((n + kLanes - 1) / kLanes);
+  NormParamGradKernel<S>
+      <<<dim3(columns, static_cast<unsigned>(std::min<int64_t>(groups * count, 65535))), kLanes, 0, stream>>>(
+          static_cast<const Bits*>(x), stats, static_cast<const Bits*>(g), pw, pb, groups, rows, n);
+  while (count > 1) {
+    const int64_t next = (count + norm::kGradBlock - 1) / norm::kGradBlock;
+    float* nw = next == 1 ? dw : pw + groups * count * n;
+    float* nb = pb == nullptr ? nullptr : next == 1 ? db : pb + groups * count * n;
+    const dim3 grid(columns, static_cast<unsigned>(std::min<int64_t>(groups * next, 65535)));
+    NormGradLevelKernel<<<grid, kLanes, 0, stream>>>(pw, nw, groups, count, n);
+    if (pb != nullptr) NormGradLevelKernel<<<grid, kLanes, 0, stream>>>(pb, nb, groups, count, n);
+    pw = nw;
+    pb = nb;
+    count = next;
+  }
 }
 
-// dw, db [G, n] (db [G, 0] without a bias); workspaces [G, blocks, n] when there are several
-// blocks of tokens (ws_b only with a bias), else empty.
+// dw, db [G, n] (db [G, 0] without a bias); workspaces of norm::grad_workspace_rows(T) * G * n
+// floats (ws_b only with a bias): every level of partials but the last.
 ffi::Error NormParamGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g,
                              ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> db,
                              ffi::Result<ffi::Buffer<ffi::F32>> ws_w, ffi::Result<ffi::Buffer<ffi::F32>> ws_b) {
@@ -423,9 +440,9 @@ ffi::Error NormParamGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
     }
     return ffi::Error::Success();
   }
-  const int64_t blocks = (rows + norm::kGradBlock - 1) / norm::kGradBlock;
-  if (blocks > 1 && (static_cast<int64_t>(ws_w->element_count()) < groups * blocks * n ||
-                     (bias != nullptr && static_cast<int64_t>(ws_b->element_count()) < groups * blocks * n))) {
+  const int64_t need = groups * norm::grad_workspace_rows(rows) * n;
+  if (static_cast<int64_t>(ws_w->element_count()) < need ||
+      (bias != nullptr && static_cast<int64_t>(ws_b->element_count()) < need)) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": workspace too small");
   }
   if ((n + kLanes - 1) / kLanes > 0x7FFFFFFF)

@@ -20,6 +20,17 @@ namespace dm = ::jaxdet::detmath;
 // of the contract (the contract is the tree over tokens).
 constexpr int kGradBlock = 32;
 
+// Rows of partials the CUDA kernels keep between the levels of the tree over T tokens: ceil(T / 32)
+// after the first level, ceil of that / 32 after the next, ..., every level but the last (one).
+JAXDET_HD int64_t grad_workspace_rows(int64_t tokens) {
+  int64_t rows = 0;
+  for (int64_t count = (tokens + kGradBlock - 1) / kGradBlock; count > 1;
+       count = (count + kGradBlock - 1) / kGradBlock) {
+    rows += count;
+  }
+  return rows;
+}
+
 JAXDET_HD float to_float(int64_t n) { return static_cast<float>(n); }
 
 // mean = sum / n (LayerNorm only).
