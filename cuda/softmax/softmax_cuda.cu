@@ -5,9 +5,9 @@
 //   rows of one segment (n <= 8192): one fused kernel per call; the row is held in registers, so
 //     x is read once (forward) or x and g once (backward).
 //   rows of several segments: a statistics pass writes each segment's (m, s) (forward) or partial
-//     sum (backward) to the workspace; the segments' pairs are combined by the canonical tree, one
-//     thread per row (forward; the backward's output blocks each redo the row's small tree of
-//     plain sums, in the same order); an output pass writes every segment. x is read twice, and
+//     sum (backward) to the workspace; the segments' partials are combined by the canonical tree,
+//     one warp per row (forward; in the backward every output block's first warp redoes its row's
+//     small tree of plain sums, in the same order); an output pass writes every segment. x is read twice, and
 //     segments of one row run in parallel, so a single long row (one token's vocabulary) still
 //     spreads over many SMs.
 //
@@ -29,9 +29,13 @@ namespace {
 
 namespace dm = ::jaxdet::detmath;
 namespace sm = ::jaxdet::softmax;
+
+// The heavy kernels keep a segment (or a segment of x and of g) in registers; three resident blocks
+// per SM (<= 80 registers, no spills) keep more loads in flight than the two that 128 would allow.
 using dm::kLanes;
 using dm::kStep;
 using dm::kVec;
+constexpr int kMinBlocks = 3;
 
 // Loads the lane's elements of a span of `len` elements (NaN-free fill, masked by the callers).
 template <typename S, int kSteps>
@@ -68,11 +72,14 @@ __device__ __forceinline__ dm::MaxSum span_stats(const float (&v)[kSteps][kVec],
   return sm::segment_stats(m, dm::block_tree_sum(acc, sh));
 }
 
+// The row's sum from its segments' partial sums by the canonical tree, computed by warp 0 and
+// broadcast to the block through shared memory.
 __device__ __forceinline__ float row_sum_from(const float* __restrict__ ws, int64_t segments, float* shared) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    *shared = dm::tree_fold<float>(
+  if (threadIdx.x < 32) {
+    const float r = dm::warp_tree_fold<float>(
         segments, [&](int64_t i) { return ws[i]; }, [](float a, float b) { return dm::add(a, b); });
+    if (threadIdx.x == 0) *shared = r;
   }
   __syncthreads();
   return *shared;
@@ -97,7 +104,7 @@ __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], ty
 
 // ---- Forward, rows of one segment: stats and outputs in one kernel. ----
 template <typename S, int kSteps>
-__global__ void __launch_bounds__(kLanes)
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
     SoftmaxFusedKernel(const typename S::Bits* __restrict__ x, typename S::Bits* __restrict__ y,
                        float* __restrict__ stats, int64_t rows, int64_t n, int32_t mode) {
   __shared__ float sh[kLanes];
@@ -117,7 +124,7 @@ __global__ void __launch_bounds__(kLanes)
 
 // ---- Rows of several segments, pass 1: each (row, segment)'s (m, s). ----
 template <typename S>
-__global__ void __launch_bounds__(kLanes)
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
     SegmentStatsKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
   constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
@@ -133,27 +140,33 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
-// The row's (M, S) from its segments' pairs: the canonical tree over the segments, one thread per
-// row (a row of s segments costs s - 1 merges).
+// The row's (M, S) from its segments' pairs: the canonical tree over the segments, by one warp
+// (valid in lane 0).
 __device__ __forceinline__ dm::MaxSum row_stats(const float2* __restrict__ pairs, int64_t segments) {
-  return dm::tree_fold<dm::MaxSum>(
+  return dm::warp_tree_fold<dm::MaxSum>(
       segments, [&](int64_t i) { return dm::MaxSum{pairs[i].x, pairs[i].y}; },
       [](dm::MaxSum a, dm::MaxSum b) { return dm::merge(a, b); });
 }
 
+// Warps of a grid-stride loop over rows: one warp per row.
+__device__ __forceinline__ int64_t first_warp() { return (int64_t{blockIdx.x} * kLanes + threadIdx.x) / 32; }
+__device__ __forceinline__ int64_t warp_stride() { return int64_t{gridDim.x} * (kLanes / 32); }
+
 // ---- Rows of several segments, between the passes: each row's (M, S) into `stats`. ----
 __global__ void __launch_bounds__(kLanes)
     RowStatsKernel(const float2* __restrict__ ws, float* __restrict__ stats, int64_t rows, int64_t segments) {
-  for (int64_t row = int64_t{blockIdx.x} * kLanes + threadIdx.x; row < rows; row += int64_t{gridDim.x} * kLanes) {
+  for (int64_t row = first_warp(); row < rows; row += warp_stride()) {
     const dm::MaxSum st = row_stats(ws + row * segments, segments);
-    stats[2 * row] = st.m;
-    stats[2 * row + 1] = st.s;
+    if ((threadIdx.x & 31) == 0) {
+      stats[2 * row] = st.m;
+      stats[2 * row + 1] = st.s;
+    }
   }
 }
 
 // ---- Rows of several segments, pass 2: softmax / log_softmax outputs of each (row, segment). ----
 template <typename S>
-__global__ void __launch_bounds__(kLanes)
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
     SoftmaxOutKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
                      typename S::Bits* __restrict__ y, int64_t rows, int64_t n, int32_t mode) {
   constexpr int kSteps = sm::kSegmentSteps;
@@ -180,7 +193,7 @@ __device__ __forceinline__ float xent_value(const typename S::Bits* __restrict__
 }
 
 template <typename S, int kSteps>
-__global__ void __launch_bounds__(kLanes)
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
     XentFusedKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
                     float* __restrict__ out, float* __restrict__ stats, int64_t rows, int64_t n, bool log_prob) {
   __shared__ float sh[kLanes];
@@ -197,18 +210,20 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
-// Rows of several segments, pass 2: one thread per row.
+// Rows of several segments, pass 2: one warp per row.
 template <typename S>
 __global__ void __launch_bounds__(kLanes)
     XentOutKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
                   const float2* __restrict__ ws, float* __restrict__ out, float* __restrict__ stats, int64_t rows,
                   int64_t n, bool log_prob) {
   const int64_t segments = sm::segment_count(n);
-  for (int64_t row = int64_t{blockIdx.x} * kLanes + threadIdx.x; row < rows; row += int64_t{gridDim.x} * kLanes) {
+  for (int64_t row = first_warp(); row < rows; row += warp_stride()) {
     const dm::MaxSum st = row_stats(ws + row * segments, segments);
-    stats[2 * row] = st.m;
-    stats[2 * row + 1] = st.s;
-    out[row] = xent_value<S>(x + row * n, labels[row], n, st.m, st.s, log_prob);
+    if ((threadIdx.x & 31) == 0) {
+      stats[2 * row] = st.m;
+      stats[2 * row + 1] = st.s;
+      out[row] = xent_value<S>(x + row * n, labels[row], n, st.m, st.s, log_prob);
+    }
   }
 }
 
@@ -243,7 +258,7 @@ __device__ __forceinline__ void write_bwd(const float (&v)[kSteps][kVec], const 
 }
 
 template <typename S, int kSteps>
-__global__ void __launch_bounds__(kLanes)
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
     SoftmaxBwdFusedKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
                           const typename S::Bits* __restrict__ g, typename S::Bits* __restrict__ dx, int64_t rows,
                           int64_t n, int32_t mode) {
@@ -263,7 +278,7 @@ __global__ void __launch_bounds__(kLanes)
 
 // Rows of several segments, pass 1: each (row, segment)'s partial sum.
 template <typename S>
-__global__ void __launch_bounds__(kLanes)
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
     SegmentBwdSumKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
                         const typename S::Bits* __restrict__ g, float* __restrict__ ws, int64_t rows, int64_t n,
                         int32_t mode) {
@@ -286,7 +301,7 @@ __global__ void __launch_bounds__(kLanes)
 
 // Rows of several segments, pass 2: dx of each (row, segment).
 template <typename S>
-__global__ void __launch_bounds__(kLanes)
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
     SegmentBwdOutKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
                         const typename S::Bits* __restrict__ g, const float* __restrict__ ws,
                         typename S::Bits* __restrict__ dx, int64_t rows, int64_t n, int32_t mode) {
@@ -299,10 +314,10 @@ __global__ void __launch_bounds__(kLanes)
     const int64_t offset = row * n + seg * sm::kSegment;
     const int64_t len = sm::segment_length(n, seg);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
+    const float total = row_sum_from(ws + row * segments, segments, &shared);
     float v[kSteps][kVec], gv[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, vec, v);
     load_span<S, kSteps>(g + offset, len, vec, gv);
-    const float total = row_sum_from(ws + row * segments, segments, &shared);
     write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), stats[2 * row],
                          stats[2 * row + 1], total, mode);
   }
@@ -310,7 +325,7 @@ __global__ void __launch_bounds__(kLanes)
 
 // ---- Cross-entropy backward: elementwise, one block per (row, segment). ----
 template <typename S, int kSteps>
-__global__ void __launch_bounds__(kLanes)
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
     XentBwdKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
                   const float* __restrict__ stats, const float* __restrict__ g, typename S::Bits* __restrict__ dx,
                   int64_t rows, int64_t n) {
@@ -384,7 +399,7 @@ void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats,
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
   SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  RowStatsKernel<<<GridFor((rows + kLanes - 1) / kLanes), kLanes, 0, stream>>>(pairs, stats, rows, segments);
+  RowStatsKernel<<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(pairs, stats, rows, segments);
   SoftmaxOutKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, yp, rows, n, mode);
 }
 
@@ -418,8 +433,8 @@ void LaunchXentFwd(cudaStream_t stream, const void* x, const int32_t* labels, fl
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
   SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  XentOutKernel<S><<<GridFor((rows + kLanes - 1) / kLanes), kLanes, 0, stream>>>(xp, labels, pairs, out, stats,
-                                                                                 rows, n, log_prob);
+  XentOutKernel<S>
+      <<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(xp, labels, pairs, out, stats, rows, n, log_prob);
 }
 
 template <typename S>
