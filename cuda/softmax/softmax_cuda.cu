@@ -49,9 +49,10 @@ __device__ __forceinline__ bool in_span(int k, int j, int64_t len) {
   return k * kStep + static_cast<int64_t>(threadIdx.x) * kVec + j < len;
 }
 
-// (m, s) of the span held in v (len elements). Every thread gets it.
+// (m, s) of the span held in v (len elements). Every thread gets it. With keep_exp, v's elements
+// are replaced by their terms e^(x - m) (softmax's numerators when the span is the whole row).
 template <int kSteps>
-__device__ __forceinline__ dm::MaxSum span_stats(const float (&v)[kSteps][kVec], int64_t len, float* sh) {
+__device__ __forceinline__ dm::MaxSum span_stats(float (&v)[kSteps][kVec], int64_t len, float* sh, bool keep_exp) {
   float m = dm::neg_inf();
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
@@ -66,7 +67,9 @@ __device__ __forceinline__ dm::MaxSum span_stats(const float (&v)[kSteps][kVec],
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      if (in_span(k, j, len)) acc = dm::add(acc, sm::exp_term(v[k][j], m));
+      const float e = sm::exp_term(v[k][j], m);
+      if (in_span(k, j, len)) acc = dm::add(acc, e);
+      if (keep_exp) v[k][j] = e;
     }
   }
   return sm::segment_stats(m, dm::block_tree_sum(acc, sh));
@@ -85,9 +88,13 @@ __device__ __forceinline__ float row_sum_from(const float* __restrict__ ws, int6
   return *shared;
 }
 
+// Softmax or log_softmax of the span held in v; `numerators`: v holds e^(x - M) already (the same
+// bits as prob's own exp, except that a row of all -inf gives 0 / 0 instead of NaN / 0: NaN
+// either way, stored canonical).
 template <typename S, int kSteps>
 __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], typename S::Bits* __restrict__ y,
-                                              int64_t len, bool vec, float M, float Ssum, int32_t mode) {
+                                              int64_t len, bool vec, float M, float Ssum, int32_t mode,
+                                              bool numerators) {
   const float log_s = mode == sm::kLogSoftmax ? dm::log(Ssum) : 0.0f;
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
@@ -96,7 +103,8 @@ __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], ty
     float out[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      out[j] = mode == sm::kSoftmax ? sm::prob(v[k][j], M, Ssum) : sm::log_prob(v[k][j], M, log_s);
+      out[j] = mode == sm::kSoftmax ? (numerators ? dm::div(v[k][j], Ssum) : sm::prob(v[k][j], M, Ssum))
+                                    : sm::log_prob(v[k][j], M, log_s);
     }
     dm::store_lane<S>(y, base, len, vec, out);
   }
@@ -113,12 +121,14 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     typename S::Bits* yr = y + row * n;
     float v[kSteps][kVec];
     load_span<S, kSteps>(xr, n, dm::vec_aligned<typename S::Bits>(xr), v);
-    const dm::MaxSum st = span_stats<kSteps>(v, n, sh);
+    // The row is one span, so its max is M and softmax's numerators are the sum's terms: kept.
+    const bool numerators = mode == sm::kSoftmax;
+    const dm::MaxSum st = span_stats<kSteps>(v, n, sh, numerators);
     if (threadIdx.x == 0) {
       stats[2 * row] = st.m;
       stats[2 * row + 1] = st.s;
     }
-    write_outputs<S, kSteps>(v, yr, n, dm::vec_aligned<typename S::Bits>(yr), st.m, st.s, mode);
+    write_outputs<S, kSteps>(v, yr, n, dm::vec_aligned<typename S::Bits>(yr), st.m, st.s, mode, numerators);
   }
 }
 
@@ -135,7 +145,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     const int64_t len = sm::segment_length(n, seg);
     float v[kSteps][kVec];
     load_span<S, kSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
-    const dm::MaxSum st = span_stats<kSteps>(v, len, sh);
+    const dm::MaxSum st = span_stats<kSteps>(v, len, sh, false);
     if (threadIdx.x == 0) ws[q] = make_float2(st.m, st.s);
   }
 }
@@ -178,7 +188,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     float v[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
     write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), stats[2 * row],
-                             stats[2 * row + 1], mode);
+                             stats[2 * row + 1], mode, false);
   }
 }
 
@@ -201,7 +211,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     const typename S::Bits* xr = x + row * n;
     float v[kSteps][kVec];
     load_span<S, kSteps>(xr, n, dm::vec_aligned<typename S::Bits>(xr), v);
-    const dm::MaxSum st = span_stats<kSteps>(v, n, sh);
+    const dm::MaxSum st = span_stats<kSteps>(v, n, sh, false);
     if (threadIdx.x == 0) {
       stats[2 * row] = st.m;
       stats[2 * row + 1] = st.s;
@@ -228,31 +238,42 @@ __global__ void __launch_bounds__(kLanes)
 }
 
 // ---- Backward of softmax / log_softmax. ----
-template <typename S, int kSteps>
-__device__ __forceinline__ float span_bwd_sum(const float (&v)[kSteps][kVec], const float (&gv)[kSteps][kVec],
-                                              int64_t len, float M, float Ssum, int32_t mode, float* sh) {
+
+// v's elements x -> p = e^(x - M) / S (the probabilities both backward formulas use).
+template <int kSteps>
+__device__ __forceinline__ void to_prob(float (&v)[kSteps][kVec], float M, float Ssum) {
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[k][j] = sm::prob(v[k][j], M, Ssum);
+  }
+}
+
+template <int kSteps>
+__device__ __forceinline__ float span_bwd_sum(const float (&p)[kSteps][kVec], const float (&gv)[kSteps][kVec],
+                                              int64_t len, int32_t mode, float* sh) {
   float acc = 0.0f;
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      if (in_span(k, j, len)) acc = dm::add(acc, sm::bwd_term(gv[k][j], sm::prob(v[k][j], M, Ssum), mode));
+      if (in_span(k, j, len)) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
     }
   }
   return dm::block_tree_sum(acc, sh);
 }
 
 template <typename S, int kSteps>
-__device__ __forceinline__ void write_bwd(const float (&v)[kSteps][kVec], const float (&gv)[kSteps][kVec],
-                                          typename S::Bits* __restrict__ dx, int64_t len, bool vec, float M,
-                                          float Ssum, float total, int32_t mode) {
+__device__ __forceinline__ void write_bwd(const float (&p)[kSteps][kVec], const float (&gv)[kSteps][kVec],
+                                          typename S::Bits* __restrict__ dx, int64_t len, bool vec, float total,
+                                          int32_t mode) {
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int64_t base = k * kStep + threadIdx.x * kVec;
     if (base >= len) continue;
     float out[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = sm::bwd(gv[k][j], sm::prob(v[k][j], M, Ssum), total, mode);
+    for (int j = 0; j < kVec; ++j) out[j] = sm::bwd(gv[k][j], p[k][j], total, mode);
     dm::store_lane<S>(dx, base, len, vec, out);
   }
 }
@@ -270,9 +291,9 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     float v[kSteps][kVec], gv[kSteps][kVec];
     load_span<S, kSteps>(x + offset, n, vec, v);
     load_span<S, kSteps>(g + offset, n, vec, gv);
-    const float M = stats[2 * row], Ssum = stats[2 * row + 1];
-    const float total = span_bwd_sum<S, kSteps>(v, gv, n, M, Ssum, mode, sh);
-    write_bwd<S, kSteps>(v, gv, dx + offset, n, dm::vec_aligned<Bits>(dx + offset), M, Ssum, total, mode);
+    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    const float total = span_bwd_sum<kSteps>(v, gv, n, mode, sh);
+    write_bwd<S, kSteps>(v, gv, dx + offset, n, dm::vec_aligned<Bits>(dx + offset), total, mode);
   }
 }
 
@@ -294,7 +315,8 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     float v[kSteps][kVec], gv[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, vec, v);
     load_span<S, kSteps>(g + offset, len, vec, gv);
-    const float total = span_bwd_sum<S, kSteps>(v, gv, len, stats[2 * row], stats[2 * row + 1], mode, sh);
+    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    const float total = span_bwd_sum<kSteps>(v, gv, len, mode, sh);
     if (threadIdx.x == 0) ws[q] = total;
   }
 }
@@ -318,8 +340,8 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     float v[kSteps][kVec], gv[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, vec, v);
     load_span<S, kSteps>(g + offset, len, vec, gv);
-    write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), stats[2 * row],
-                         stats[2 * row + 1], total, mode);
+    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
   }
 }
 
