@@ -6,10 +6,10 @@
 //     x is read once (forward) or x and g once (backward).
 //   rows of several segments: a statistics pass writes each segment's (m, s) (forward) or partial
 //     sum (backward) to the workspace; the segments' partials are combined by the canonical tree,
-//     one warp per row (forward; in the backward every output block's first warp redoes its row's
-//     small tree of plain sums, in the same order); an output pass writes every segment. x is read twice, and
-//     segments of one row run in parallel, so a single long row (one token's vocabulary) still
-//     spreads over many SMs.
+//     one warp per row (forward; in the backward every output block's first warp redoes its
+//     row's small tree of plain sums, in the same order); an output pass writes every segment.
+//     x is read twice, and segments of one row run in parallel, so a single long row (one
+//     token's vocabulary) still spreads over many SMs.
 //
 // Layouts as in softmax_cpu.cc; the workspace is float32 [R, segments, 2] (forward) or
 // [R, segments] (backward) when rows have several segments, else empty.
@@ -30,11 +30,12 @@ namespace {
 namespace dm = ::jaxdet::detmath;
 namespace sm = ::jaxdet::softmax;
 
-// The heavy kernels keep a segment (or a segment of x and of g) in registers; three resident blocks
-// per SM (<= 80 registers, no spills) keep more loads in flight than the two that 128 would allow.
 using dm::kLanes;
 using dm::kStep;
 using dm::kVec;
+
+// The heavy kernels keep a segment (or a segment of x and of g) in registers; three resident blocks
+// per SM (<= 80 registers) keep more loads in flight than the two that 128 registers would allow.
 constexpr int kMinBlocks = 3;
 
 // Loads the lane's elements of a span of `len` elements (NaN-free fill, masked by the callers).
