@@ -23,6 +23,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_partials_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_finalize_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cpu);
+#define JAXDET_ROWOPS_HANDLERS(X) \
+  X(norm_fwd) X(norm_bwd) X(norm_param_grad) X(softmax_fwd) X(softmax_bwd) X(xent_fwd) X(xent_bwd) X(det_math)
+#define JAXDET_DECLARE_CPU(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##name##_cpu);
+JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CPU)
 
 #if defined(JAXDET_WITH_CUDA)
 // CUDA handlers (cuda/<primitive>/*_cuda.cu).
@@ -36,6 +40,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda);
+#define JAXDET_DECLARE_CUDA(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##name##_cuda);
+JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CUDA)
 #endif
 
 namespace {
@@ -69,6 +75,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_clip_partials"] = EncapsulateFfiHandler(jaxdet_clip_partials_cpu);
     d["jaxdet_clip_finalize"] = EncapsulateFfiHandler(jaxdet_clip_finalize_cpu);
     d["jaxdet_clip_apply"] = EncapsulateFfiHandler(jaxdet_clip_apply_cpu);
+#define JAXDET_ADD_CPU(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cpu);
+    JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CPU)
     return d;
   });
   m.def("cpu_gemm_isa", &jaxdet::cpu_gemm_isa,
@@ -96,6 +104,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
     d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
     d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cuda);
+#define JAXDET_ADD_CUDA(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cuda);
+    JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CUDA)
 #endif
     return d;
   });

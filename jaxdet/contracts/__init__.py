@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("dropout", "matmul", "clip", "parallel")
+MODULES = ("dropout", "matmul", "clip", "parallel", "norm", "softmax")
 
 
 def all_checks():
