@@ -23,6 +23,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_partials_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_finalize_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cpu);
+#define JAXDET_ROWOPS_HANDLERS(X) \
+  X(norm_fwd) X(norm_bwd) X(norm_param_grad) X(softmax_fwd) X(softmax_bwd) X(xent_fwd) X(xent_bwd) X(det_math)
+#define JAXDET_DECLARE_CPU(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##name##_cpu);
+JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CPU)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_fwd_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_bwd_cpu);
 
@@ -38,6 +42,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda);
+#define JAXDET_DECLARE_CUDA(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##name##_cuda);
+JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_fwd_cuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_bwd_cuda);
 #endif
@@ -73,6 +79,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_clip_partials"] = EncapsulateFfiHandler(jaxdet_clip_partials_cpu);
     d["jaxdet_clip_finalize"] = EncapsulateFfiHandler(jaxdet_clip_finalize_cpu);
     d["jaxdet_clip_apply"] = EncapsulateFfiHandler(jaxdet_clip_apply_cpu);
+#define JAXDET_ADD_CPU(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cpu);
+    JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CPU)
     d["jaxdet_attention_fwd"] = EncapsulateFfiHandler(jaxdet_attention_fwd_cpu);
     d["jaxdet_attention_bwd"] = EncapsulateFfiHandler(jaxdet_attention_bwd_cpu);
     return d;
@@ -102,6 +110,8 @@ NB_MODULE(_native, m) {
     d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
     d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
     d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cuda);
+#define JAXDET_ADD_CUDA(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cuda);
+    JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CUDA)
     d["jaxdet_attention_fwd"] = EncapsulateFfiHandler(jaxdet_attention_fwd_cuda);
     d["jaxdet_attention_bwd"] = EncapsulateFfiHandler(jaxdet_attention_bwd_cuda);
 #endif

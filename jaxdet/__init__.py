@@ -30,6 +30,14 @@ from jaxdet._ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet.dropout import dropout
 from jaxdet.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet.clip import clip_by_global_norm, global_norm
+from jaxdet.norm import layer_norm, rms_norm
+from jaxdet.softmax import (
+    label_log_probs,
+    log_softmax,
+    softmax,
+    softmax_cross_entropy,
+    softmax_cross_entropy_with_integer_labels,
+)
 from jaxdet.attention import attention
 from jaxdet import optax  # noqa: E402 (imports optax lazily)
 from jaxdet import export, parallel, testing  # noqa: E402
@@ -43,6 +51,13 @@ __all__ = [
     "WGRAD_CHUNK_TOKENS",
     "clip_by_global_norm",
     "global_norm",
+    "rms_norm",
+    "layer_norm",
+    "softmax",
+    "log_softmax",
+    "softmax_cross_entropy",
+    "softmax_cross_entropy_with_integer_labels",
+    "label_log_probs",
     "attention",
     "optax",
     "export",

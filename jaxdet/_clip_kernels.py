@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxdet import _ffi
 
-CHUNK_SIZE = 4096  # elements per chunk (cuda/clip_math.h kChunk)
+CHUNK_SIZE = 4096  # elements per chunk (cuda/clip/clip_math.h kChunk)
 MAX_ALIASED_LEAVES = 256  # leaves per aliased native call (fused clip, apply groups)
 
 
@@ -101,7 +101,7 @@ clip_p = _ffi.define_primitive(
 
 # ---- Staged primitives ------------------------------------------------------------------------
 # Every leaf's first `batch_dims` dims are the example dims (the same for all leaves); each example
-# is clipped as if it were alone (cuda/clip_ffi.h).
+# is clipped as if it were alone (cuda/clip/clip_ffi.h).
 
 def _batch_shape(leaves, batch_dims):
     shapes = {tuple(x.shape[:batch_dims]) for x in leaves}

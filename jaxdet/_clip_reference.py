@@ -1,4 +1,4 @@
-"""A NumPy re-implementation of the canonical clipping order (cuda/clip_math.h), written from the
+"""A NumPy re-implementation of the canonical clipping order (cuda/clip/clip_math.h), written from the
 documented order only, for tests and self-checks: the native targets must match it bit for bit.
 
 NumPy float32 / float64 arithmetic is IEEE (round to nearest even, subnormals kept), as the kernels'.

@@ -275,3 +275,10 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
     params = (("broadcast_dims", tuple(sorted(normalized))), ("drop_threshold", drop_threshold(rate)),
               ("scale", float(keep_scale(rate))))
     return _dropout(x, key, offsets, params, _ffi.varying_axes(x))
+
+
+# `jaxdet.dropout` is the function (the package exports it), so the rule's constants are reachable
+# from it: jaxdet.dropout.drop_threshold(rate), jaxdet.dropout.keep_scale(rate) (docs/dropout.md).
+dropout.drop_threshold = drop_threshold
+dropout.keep_scale = keep_scale
+dropout.SUPPORTED_DTYPES = SUPPORTED_DTYPES

@@ -619,3 +619,4 @@ def matmul_weight_grad(a, dc, acc=None):
 
 # `jaxdet.matmul` is the function (the package exports it), so the chunk size is reachable from it too.
 matmul.WGRAD_CHUNK_TOKENS = WGRAD_CHUNK_TOKENS
+matmul.SUPPORTED_DTYPES = SUPPORTED_DTYPES

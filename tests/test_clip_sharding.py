@@ -12,13 +12,7 @@ devices, the file runs itself in a child pytest with ``--xla_force_host_platform
 and each test here reports the child's outcome.
 """
 
-import functools
-import os
 import re
-import subprocess
-import sys
-import tempfile
-import xml.etree.ElementTree as ET
 
 import jax
 import jax.numpy as jnp
@@ -28,51 +22,14 @@ from bitwise import assert_bitwise
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multidevice import IN_CHILD as HERE  # noqa: F401
+from multidevice import NDEV
+from multidevice import on_devices as on_8_devices
 
 import jaxdet
 from jaxdet import parallel
 
-NDEV = 8
-HERE = len(jax.devices("cpu")) >= NDEV
 BF16, F16 = jnp.bfloat16, jnp.float16
-
-
-@functools.lru_cache(maxsize=None)
-def _child_results():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NDEV}".strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        xml = os.path.join(tmp, "results.xml")
-        run = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", __file__],
-            cwd=tmp, env=env, capture_output=True, text=True, timeout=1800,
-        )
-        if not os.path.exists(xml):
-            raise RuntimeError(f"the {NDEV}-device child pytest did not run:\n{run.stdout}\n{run.stderr}")
-        results = {}
-        for case in ET.parse(xml).getroot().iter("testcase"):
-            results[case.get("name")] = ("passed", "")
-            for kind in ("failure", "error", "skipped"):
-                node = case.find(kind)
-                if node is not None:
-                    results[case.get("name")] = (kind, f"{node.get('message') or ''}\n{node.text or ''}")
-        return results
-
-
-def on_8_devices(test):
-    if HERE:
-        return test
-
-    @functools.wraps(test)
-    def report(*args, **kwargs):
-        name = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]  # with its parameters
-        outcome, message = _child_results().get(name, ("missing", "not run by the child pytest"))
-        if outcome == "skipped":
-            pytest.skip(message)
-        if outcome != "passed":
-            pytest.fail(f"on {NDEV} devices ({outcome}): {message}", pytrace=False)
-
-    return report
 
 
 def mesh_xy():

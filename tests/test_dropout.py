@@ -12,6 +12,7 @@ from jaxdet import random as jr
 from jaxdet.dropout import drop_threshold, keep_scale
 from bitwise import bits
 from philox_reference import keep_mask
+from jaxdet.contracts import dropout as contracts
 
 BITS = {np.dtype(np.float32): np.uint32, np.dtype(ml_dtypes.bfloat16): np.uint16, np.dtype(np.float16): np.uint16}
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -29,8 +30,7 @@ def reference(x, key, rate, offset=0):
     return np.where(np.isnan(out), canonical_nan, out)
 
 
-def random_x(shape, dtype, seed=0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32)).astype(dtype)
+random_x = contracts.random_x
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -52,21 +52,14 @@ def test_keep_threshold_and_scale():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_slice_with_offset_equals_slice_of_whole(dtype):
-    x = random_x((16, 257), dtype, seed=1)
-    key = jr.key(7)
-    whole = bits(jaxdet.dropout(x, key, 0.3)).ravel()
-    flat = x.ravel()
-    for a, b in [(0, 1), (1, 2), (3, 11), (5, 4000), (17, 4112), (4096, 4112), (4111, 4112)]:
-        part = jaxdet.dropout(flat[a:b], key, 0.3, offset=a)
-        np.testing.assert_array_equal(bits(part), whole[a:b], err_msg=f"slice {a}:{b}")
+    cuts = ((0, 1), (1, 2), (3, 11), (5, 4000), (17, 4112), (4096, 4112), (4111, 4112))
+    ok, detail = contracts.check_slicing(dtype, (16, 257), cuts)
+    assert ok, detail
 
 
 def test_mask_does_not_depend_on_dtype():
-    x32 = random_x((33, 65), jnp.float32, seed=2)
-    key = jr.key(99)
-    masks = [np.asarray(jaxdet.dropout(x32.astype(dt), key, 0.25)) != 0 for dt in DTYPES]
-    np.testing.assert_array_equal(masks[0], masks[1])
-    np.testing.assert_array_equal(masks[0], masks[2])
+    ok, detail = contracts.check_dtypes((33, 65), 0.25)
+    assert ok, detail
 
 
 def test_jit_equals_eager_and_repeats():
@@ -224,16 +217,8 @@ def test_nested_vmap_and_grad_under_vmap():
 
 @pytest.mark.parametrize("rate", [0.05, 0.1, 0.5, 0.9])
 def test_keep_rate_and_mean_statistics(rate):
-    n = 10**6
-    x = jnp.ones((n,), jnp.float32)
-    out = np.asarray(jaxdet.dropout(x, jr.key(int(rate * 100)), rate), np.float64)
-    q = 1.0 - rate
-    kept = np.count_nonzero(out) / n
-    sigma = np.sqrt(q * (1 - q) / n)
-    assert abs(kept - q) < 5 * sigma, (kept, q, sigma)
-    scale = float(keep_scale(rate))
-    mean_sigma = scale * sigma
-    assert abs(out.mean() - 1.0) < 5 * mean_sigma + 1e-6, out.mean()
+    ok, detail = contracts.check_keep_rate((rate,))
+    assert ok, detail
 
 
 # ---- GPU: the same bits as the CPU (run with `pytest -m gpu`). ----
@@ -241,16 +226,17 @@ def test_keep_rate_and_mean_statistics(rate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_bits_equal_cpu_bits(cpu, gpu, dtype):
-    key = np.asarray(jr.key(31337))
-    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -3e-39, 7e4], np.float32)
-    for shape, offset in [((3, 1000, 77), 0), ((12345,), 3), ((2, 4097), 2**35 + 6), ((1,), 1)]:
-        x = np.array(random_x(shape, dtype, seed=shape[0]))  # a writable copy
+    cases = (((3, 1000, 77), 0), ((12345,), 3), ((2, 4097), 2**35 + 6), ((1,), 1))
+    ok, detail = contracts.check_cpu_vs_gpu(dtype, cases)
+    assert ok, detail
+    key = np.asarray(jr.key(3))
+    for shape, offset in cases:  # and both equal the documented NumPy reference
+        x = np.array(contracts.random_x(shape, dtype, seed=shape[0]))
         with np.errstate(over="ignore"):
-            x.ravel()[: specials.size] = specials[: x.size].astype(x.dtype)
-        run = lambda d: np.asarray(jax.jit(lambda x, k: jaxdet.dropout(x, k, 0.3, offset=offset))(
-            jax.device_put(x, d), jax.device_put(key, d)))
-        np.testing.assert_array_equal(bits(run(gpu)), bits(run(cpu)))
-        np.testing.assert_array_equal(bits(run(gpu)), bits(reference(x, key, 0.3, offset)))
+            x.ravel()[: contracts.SPECIALS.size] = contracts.SPECIALS[: x.size].astype(x.dtype)
+        got = jax.jit(lambda x, k, offset=offset: jaxdet.dropout(x, k, 0.3, offset=offset))(
+            jax.device_put(x, gpu), jax.device_put(key, gpu))
+        np.testing.assert_array_equal(bits(got), bits(reference(x, key, 0.3, offset)))
 
 
 @pytest.mark.gpu

@@ -7,70 +7,20 @@ devices the file runs itself once in a child pytest with
 
 import contextlib
 import functools
-import os
-import re
-import subprocess
-import sys
-import tempfile
-import xml.etree.ElementTree as ET
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_bitwise
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multidevice import COLLECTIVES, IN_CHILD, NDEV, collectives, on_devices  # noqa: E402, F401
 
 import jaxdet
 from jaxdet import parallel
 from jaxdet import random as jr
-from bitwise import assert_bitwise
-
-NDEV = 8
-IN_CHILD = len(jax.devices("cpu")) >= NDEV
-
-
-@functools.cache
-def _child_outcomes():
-    """Runs this file in a child pytest on NDEV CPU devices: {test name: (outcome, message)}."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NDEV}").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.xml")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", __file__],
-            cwd=tmp, env=env, capture_output=True, text=True, timeout=3600, check=False,
-        )
-        if not os.path.exists(report):
-            raise RuntimeError(f"the {NDEV}-device child pytest did not run:\n{proc.stdout}\n{proc.stderr}")
-        outcomes = {}
-        for case in ET.parse(report).getroot().iter("testcase"):
-            outcome, message = "passed", ""
-            for kind in ("failure", "error", "skipped"):
-                node = case.find(kind)
-                if node is not None:
-                    outcome, message = kind, (node.get("message") or "") + "\n" + (node.text or "")
-            outcomes[case.get("name")] = (outcome, message)
-        return outcomes
-
-
-def on_devices(fn):
-    """Run the test on NDEV devices: here when this process has them, else in the child pytest."""
-    if IN_CHILD:
-        return fn
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        name = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]
-        outcome, message = _child_outcomes().get(name, ("missing", "no result from the child pytest"))
-        if outcome == "skipped":
-            pytest.skip(message)
-        if outcome != "passed":
-            pytest.fail(f"on {NDEV} devices ({outcome}): {message}", pytrace=False)
-
-    return wrapper
 
 
 def mesh(n=NDEV, names=("data",), shape=None):
@@ -80,16 +30,6 @@ def mesh(n=NDEV, names=("data",), shape=None):
 
 def rand(shape, dtype=jnp.float32, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
-
-
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def collectives(f, *args):
-    """{collective: count} in the compiled (partitioned) HLO of jit(f)(*args)."""
-    text = jax.jit(f).lower(*args).compile().as_text()
-    found = {k: len(re.findall(rf"\s{k}(?:-start)?\(", text)) for k in COLLECTIVES}
-    return {k: n for k, n in found.items() if n}
 
 
 def put(x, m, spec):

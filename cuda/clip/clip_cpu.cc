@@ -1,4 +1,4 @@
-// CPU targets of global-norm clipping: the canonical order of cuda/clip_math.h, walked with plain
+// CPU targets of global-norm clipping: the canonical order of cuda/clip/clip_math.h, walked with plain
 // loops that mirror the CUDA kernels' lanes and trees exactly (same operations, same order), so the
 // norm and every clipped element are bitwise equal to the GPU's.
 #include <cstdint>

@@ -1,7 +1,7 @@
 // CUDA targets of global-norm clipping: three stream-ordered kernels, no host sync, no atomics.
 //
 //   pass 1  PartialKernel   one 256-thread block per 4096-element chunk (grid-stride): each thread
-//                           is one lane of the canonical order (cuda/clip_math.h), the block tree
+//                           is one lane of the canonical order (cuda/clip/clip_math.h), the block tree
 //                           combines the lanes, thread 0 writes the chunk's float32 slot.
 //   pass 2  FinalizeKernel  one 1024-thread block: the float64 lane sums and tree over the slots,
 //                           the norm (written to the norm result) and the clip decision (mode and
@@ -16,7 +16,7 @@
 // and pass 3 around one pass 2; launches only decide who computes a chunk, never what it holds.
 //
 // The fused targets (jaxdet_clip_global_norm, jaxdet_global_norm) run the passes in one call. The
-// staged targets (jaxdet_clip_partials / _finalize / _apply, cuda/clip_ffi.h) run one pass each,
+// staged targets (jaxdet_clip_partials / _finalize / _apply, cuda/clip/clip_ffi.h) run one pass each,
 // over `batch` examples per leaf (vmap), with the same kernels: pass 2 runs one block per example.
 #include <cuda_runtime.h>
 
@@ -402,7 +402,7 @@ ffi::Error ClipCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ff
              nonfinite, norm->typed_data(), ctrl, kOp);
 }
 
-// ---- Staged targets (cuda/clip_ffi.h) ----
+// ---- Staged targets (cuda/clip/clip_ffi.h) ----
 
 ffi::Error PartialsCuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> slots,
                         ffi::RemainingRets rets) {

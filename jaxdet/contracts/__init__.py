@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("dropout", "matmul", "clip", "parallel", "attention")
+MODULES = ("dropout", "matmul", "clip", "parallel", "norm", "softmax", "attention")
 
 
 def all_checks():

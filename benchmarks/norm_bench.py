@@ -1,0 +1,144 @@
+"""Benchmark: jaxdet.rms_norm / layer_norm vs the jnp versions, forward and backward, side by side.
+
+    python benchmarks/norm_bench.py                      # GPU: markdown table for benchmarks/RESULTS.md
+    python benchmarks/norm_bench.py --dtype float32
+    python benchmarks/norm_bench.py --sanitize           # every kernel path once, small (compute-sanitizer)
+    python benchmarks/norm_bench.py --allow-cpu --small  # smoke-test the script without a GPU
+
+Shapes (tokens, d): (1, 4096), (64, 4096), (16384, 4096) (--small: (1, 256), (64, 256), (512, 256)).
+The jnp versions are the usual float32-statistics formulations (flax's RMSNorm / LayerNorm):
+x widened to float32, mean / var reductions, the output cast back. Forward: y from (x, scale[, bias]).
+Backward: dx, dscale[, dbias] from the cotangent and the forward's residuals (_rowops_timing.py).
+ratio = jnp time / jaxdet time (>= 0.9 is the target). Bandwidth: the minimal bytes (forward: read x,
+write y; backward: read x and g, write dx; parameters and statistics ignored) per second, and its
+fraction of the copy bandwidth measured in the same run (`x * 1.5`, float32, 1 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _rowops_timing import copy_bandwidth, forward_and_backward, nbytes, row, time_pair  # noqa: E402
+
+import jaxdet  # noqa: E402
+
+EPS = 1e-6
+
+
+def jnp_rms_norm(x, scale):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def jnp_layer_norm(x, scale, bias):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + EPS)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+IMPLS = {
+    "rms": (lambda x, w, b: jnp_rms_norm(x, w), lambda x, w, b: jaxdet.rms_norm(x, w, EPS)),
+    "layer": (jnp_layer_norm, lambda x, w, b: jaxdet.layer_norm(x, w, b, EPS)),
+}
+
+
+def inputs(tokens, d, dtype, device):
+    rng = np.random.default_rng(0)
+    put = lambda a, dt: jax.device_put(jnp.asarray(a, jnp.float32).astype(dt), device)
+    return (
+        put(rng.standard_normal((tokens, d)), dtype),
+        put(1 + 0.1 * rng.standard_normal(d), jnp.float32),
+        put(0.1 * rng.standard_normal(d), jnp.float32),
+    ), put(rng.standard_normal((tokens, d)), dtype)
+
+
+def sanitize(device):
+    """Every kernel path once: registers (1, 2, 4, 8 steps) and streamed rows, aligned or not."""
+    for tokens, d in ((3, 5), (33, 1027), (5, 2048), (4, 4096), (3, 8192), (2, 9000)):
+        args, g = inputs(tokens, d, jnp.bfloat16, device)
+        for kind in IMPLS:
+            (fwd, a), (bwd, b) = forward_and_backward(IMPLS[kind][1], args, g)
+            jax.block_until_ready((fwd(*a), bwd(*b)))
+    print("sanitize: every norm kernel path ran once")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
+    p.add_argument("--allow-cpu", action="store_true", help="run on the CPU when there is no GPU")
+    p.add_argument("--sanitize", action="store_true")
+    args = p.parse_args()
+    device = jax.devices()[0]
+    if device.platform == "cpu" and not args.allow_cpu:
+        sys.exit("no GPU: pass --allow-cpu (with --small) to smoke-test the script on the CPU")
+    if args.sanitize:
+        sanitize(device)
+        return
+    dtype = jnp.dtype(args.dtype)
+    d = 256 if args.small else 4096
+    shapes = [(1, d), (64, d), (512 if args.small else 16384, d)]
+    bw = copy_bandwidth(device, nbytes=(16 << 20) if args.small else (1 << 30))
+    print(
+        f"{device.device_kind}, jax {jax.__version__}, {dtype.name}, copy bandwidth {bw / 1e9:.0f} GB/s, "
+        f"median of {args.reps} x {args.calls} back-to-back calls, jnp and jaxdet alternating\n"
+    )
+    print(
+        row(
+            [
+                "op",
+                "pass",
+                "tokens",
+                "d",
+                "jnp ms",
+                "jaxdet ms",
+                "ratio (jnp/jaxdet)",
+                "jaxdet GB/s",
+                "fraction of copy bw",
+            ]
+        )
+    )
+    print(row(["---"] * 9))
+    for kind, (jnp_f, det_f) in IMPLS.items():
+        for tokens, d in shapes:
+            xs, g = inputs(tokens, d, dtype, device)
+            (jf, ja), (jb, jba) = forward_and_backward(jnp_f, xs, g)
+            (df, da), (db, dba) = forward_and_backward(det_f, xs, g)
+            act = ((tokens, d), dtype)
+            for name, pair, moved in (
+                ("fwd", ((jf, ja), (df, da)), nbytes(act, act)),
+                ("bwd", ((jb, jba), (db, dba)), nbytes(act, act, act)),
+            ):
+                tj, td = time_pair(*pair, reps=args.reps, calls=args.calls)
+                print(
+                    row(
+                        [
+                            f"{kind}_norm",
+                            name,
+                            tokens,
+                            d,
+                            f"{tj * 1e3:.4f}",
+                            f"{td * 1e3:.4f}",
+                            f"{tj / td:.3f}",
+                            f"{moved / td / 1e9:.0f}",
+                            f"{moved / td / bw:.2f}",
+                        ]
+                    ),
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Benchmark: jaxdet softmax / log_softmax / cross-entropy vs jax.nn and optax, forward and backward.
+
+    python benchmarks/softmax_bench.py                      # GPU: markdown table for benchmarks/RESULTS.md
+    python benchmarks/softmax_bench.py --dtype bfloat16 --tokens 1,64,4096,16384
+    python benchmarks/softmax_bench.py --sanitize           # every kernel path once, small (compute-sanitizer)
+    python benchmarks/softmax_bench.py --allow-cpu --small  # smoke-test the script without a GPU
+
+Rows of vocab 128256 (--small: 3000), tokens 1, 64, 4096 by default. Baselines: jax.nn.softmax,
+jax.nn.log_softmax, optax.softmax_cross_entropy_with_integer_labels (in the logits' dtype, as
+users call them). Forward and backward timed separately (_rowops_timing.py); ratio = baseline
+time / jaxdet time (>= 0.9 is the target). Bandwidth: the minimal bytes (forward: read x, write y
+(softmax, log_softmax) or only read the logits (cross-entropy); backward: read x and g, write dx,
+or read the logits and write their gradient (cross-entropy)) per second, and its fraction of the
+copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _rowops_timing import copy_bandwidth, forward_and_backward, nbytes, row, time_pair  # noqa: E402
+
+import jaxdet  # noqa: E402
+
+
+def baselines():
+    import optax
+
+    return {
+        "softmax": (jax.nn.softmax, jaxdet.softmax),
+        "log_softmax": (jax.nn.log_softmax, jaxdet.log_softmax),
+        "cross_entropy": (
+            optax.softmax_cross_entropy_with_integer_labels,
+            jaxdet.softmax_cross_entropy_with_integer_labels,
+        ),
+    }
+
+
+def inputs(tokens, vocab, dtype, device):
+    rng = np.random.default_rng(0)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((tokens, vocab), np.float32) * 3).astype(dtype), device)
+    g = jax.device_put(jnp.asarray(rng.standard_normal((tokens, vocab), np.float32)).astype(dtype), device)
+    labels = jax.device_put(jnp.asarray(rng.integers(0, vocab, tokens), jnp.int32), device)
+    gl = jax.device_put(jnp.asarray(rng.standard_normal(tokens), jnp.float32), device)
+    return x, g, labels, gl
+
+
+def cases(mode, fns, x, g, labels, gl):
+    """((fwd, args), (bwd, args)) for the baseline and for jaxdet."""
+    out = []
+    for f in fns:
+        if mode == "cross_entropy":
+            # labels are an argument (not a constant) and receive no cotangent.
+            out.append(forward_and_backward(lambda x, f=f: f(x, labels), (x,), gl))
+        else:
+            out.append(forward_and_backward(f, (x,), g))
+    return out
+
+
+def sanitize(device):
+    """Every kernel path once: one-segment rows (1, 2, 4, 8 register steps) and multi-segment rows."""
+    for tokens, vocab in ((3, 5), (9, 1027), (4, 2048), (3, 4096), (2, 8192), (3, 8193), (2, 20000)):
+        x, g, labels, gl = inputs(tokens, vocab, jnp.bfloat16, device)
+        for mode, (_, f) in baselines().items():
+            (fwd, a), (bwd, b) = cases(mode, (f,), x, g, labels, gl)[0]
+            jax.block_until_ready((fwd(*a), bwd(*b)))
+    print("sanitize: every softmax kernel path ran once")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,64,4096)")
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
+    p.add_argument("--allow-cpu", action="store_true", help="run on the CPU when there is no GPU")
+    p.add_argument("--sanitize", action="store_true")
+    args = p.parse_args()
+    device = jax.devices()[0]
+    if device.platform == "cpu" and not args.allow_cpu:
+        sys.exit("no GPU: pass --allow-cpu (with --small) to smoke-test the script on the CPU")
+    if args.sanitize:
+        sanitize(device)
+        return
+    dtype = jnp.dtype(args.dtype)
+    vocab = args.vocab or (3000 if args.small else 128256)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1, 8, 64] if args.small else [1, 64, 4096])
+    bw = copy_bandwidth(device, nbytes=(16 << 20) if args.small else (1 << 30))
+    print(
+        f"{device.device_kind}, jax {jax.__version__}, {dtype.name} logits, vocab {vocab}, copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s, median of {args.reps} x {args.calls} back-to-back calls, alternating\n"
+    )
+    print(
+        row(
+            [
+                "op",
+                "pass",
+                "tokens",
+                "vocab",
+                "baseline ms",
+                "jaxdet ms",
+                "ratio (baseline/jaxdet)",
+                "jaxdet GB/s",
+                "fraction of copy bw",
+            ]
+        )
+    )
+    print(row(["---"] * 9))
+    for mode, fns in baselines().items():
+        for t in tokens:
+            x, g, labels, gl = inputs(t, vocab, dtype, device)
+            (bf, bb), (jf, jb) = cases(mode, fns, x, g, labels, gl)
+            act = ((t, vocab), dtype)
+            fwd_bytes = nbytes(act) if mode == "cross_entropy" else nbytes(act, act)
+            bwd_bytes = nbytes(act, act) if mode == "cross_entropy" else nbytes(act, act, act)
+            for name, base, det, moved in (("fwd", bf, jf, fwd_bytes), ("bwd", bb, jb, bwd_bytes)):
+                tb, td = time_pair(base, det, reps=args.reps, calls=args.calls)
+                print(
+                    row(
+                        [
+                            mode,
+                            name,
+                            t,
+                            vocab,
+                            f"{tb * 1e3:.4f}",
+                            f"{td * 1e3:.4f}",
+                            f"{tb / td:.3f}",
+                            f"{moved / td / 1e9:.0f}",
+                            f"{moved / td / bw:.2f}",
+                        ]
+                    ),
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,503 @@
+// CUDA targets of RMSNorm / LayerNorm. One 256-thread block per row (grid-stride over rows):
+// thread t is lane t of the canonical span order (common/det_math.h), so a row's bits depend on
+// that row and the parameters only, never on the number of rows or the launch grid. Rows of up to
+// 8192 elements stay in registers between the passes (one read of x, one write of y); longer rows
+// re-read x from global memory (L2) for each pass, in the same order.
+//
+// The parameter gradients are column-parallel: one thread per column walks an aligned run of
+// kGradBlock tokens and reduces them by the canonical tree (norm_math.h's block_tree); the runs'
+// partials are reduced the same way, 32 at a time, level by level (the upper levels of the tree).
+//
+// Layouts as in norm_cpu.cc.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common/cuda_common.h"
+#include "common/det_math.h"
+#include "common/det_reduce_cuda.cuh"
+#include "norm/norm_math.h"
+
+namespace jaxdet {
+namespace {
+
+namespace dm = ::jaxdet::detmath;
+using dm::kLanes;
+using dm::kStep;
+using dm::kVec;
+
+struct RowArgs {
+  int64_t rows;            // G * R
+  int64_t rows_per_group;  // R
+  int64_t n;
+  int64_t w_stride;  // group stride of w (0 or n)
+  int64_t b_stride;
+};
+
+// kSteps > 0: the row (n <= kSteps * kStep) is held in registers. kSteps == 0: streamed.
+template <typename S, int kSteps>
+__global__ void __launch_bounds__(kLanes)
+    NormFwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
+                  typename S::Bits* __restrict__ y, float* __restrict__ stats, RowArgs a, float eps, bool center,
+                  bool has_bias) {
+  using Bits = typename S::Bits;
+  constexpr int kHeld = kSteps > 0 ? kSteps : 1;
+  __shared__ float sh[kLanes];
+  const int lane = threadIdx.x;
+  const int64_t n = a.n;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const int64_t grp = row / a.rows_per_group;
+    const Bits* xr = x + row * n;
+    Bits* yr = y + row * n;
+    const float* wr = w + grp * a.w_stride;
+    const float* br = has_bias ? b + grp * a.b_stride : nullptr;
+    const bool xvec = dm::vec_aligned<Bits>(xr);
+    const bool yvec = dm::vec_aligned<Bits>(yr);
+    const bool wvec = dm::vec_aligned<float>(wr) && (!has_bias || dm::vec_aligned<float>(br));
+    float v[kHeld][kVec];
+    if (kSteps > 0) {
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) dm::load_lane<S>(xr, k * kStep + lane * kVec, n, xvec, 0.0f, v[k]);
+    }
+    // Pass 1 (LayerNorm): the sum of x.
+    float mean = 0.0f;
+    if (center) {
+      float acc = 0.0f;
+      if (kSteps > 0) {
+#pragma unroll
+        for (int k = 0; k < kHeld; ++k) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            if (k * kStep + lane * kVec + j < n) acc = dm::add(acc, v[k][j]);
+          }
+        }
+      } else {
+        for (int64_t base = lane * kVec; base < n; base += kStep) {
+          float u[kVec];
+          dm::load_lane<S>(xr, base, n, xvec, 0.0f, u);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            if (base + j < n) acc = dm::add(acc, u[j]);
+          }
+        }
+      }
+      mean = norm::mean_of(dm::block_tree_sum(acc, sh), n);
+    }
+    // Pass 2: the sum of (x - mean)^2.
+    float acc = 0.0f;
+    if (kSteps > 0) {
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (k * kStep + lane * kVec + j < n) acc = dm::add(acc, norm::centered_square(v[k][j], mean));
+        }
+      }
+    } else {
+      for (int64_t base = lane * kVec; base < n; base += kStep) {
+        float u[kVec];
+        dm::load_lane<S>(xr, base, n, xvec, 0.0f, u);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (base + j < n) acc = dm::add(acc, norm::centered_square(u[j], mean));
+        }
+      }
+    }
+    const float rstd = norm::rstd_of(dm::block_tree_sum(acc, sh), n, eps);
+    if (lane == 0) {
+      stats[2 * row] = mean;
+      stats[2 * row + 1] = rstd;
+    }
+    // Pass 3: y.
+    auto write = [&](int64_t base, const float (&u)[kVec]) {
+      float wv[kVec], bv[kVec] = {0.0f, 0.0f, 0.0f, 0.0f}, out[kVec];
+      dm::load_lane<F32Storage>(reinterpret_cast<const uint32_t*>(wr), base, n, wvec, 0.0f, wv);
+      if (has_bias) dm::load_lane<F32Storage>(reinterpret_cast<const uint32_t*>(br), base, n, wvec, 0.0f, bv);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out[j] = norm::forward(u[j], mean, rstd, wv[j], bv[j], has_bias);
+      dm::store_lane<S>(yr, base, n, yvec, out);
+    };
+    if (kSteps > 0) {
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+        const int64_t base = k * kStep + lane * kVec;
+        if (base < n) write(base, v[k]);
+      }
+    } else {
+      for (int64_t base = lane * kVec; base < n; base += kStep) {
+        float u[kVec];
+        dm::load_lane<S>(xr, base, n, xvec, 0.0f, u);
+        write(base, u);
+      }
+    }
+  }
+}
+
+template <typename S, int kSteps>
+__global__ void __launch_bounds__(kLanes)
+    NormBwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ w,
+                  const float* __restrict__ stats, const typename S::Bits* __restrict__ g,
+                  typename S::Bits* __restrict__ dx, RowArgs a, bool center) {
+  using Bits = typename S::Bits;
+  constexpr int kHeld = kSteps > 0 ? kSteps : 1;
+  __shared__ float2 sh[kLanes];
+  const int lane = threadIdx.x;
+  const int64_t n = a.n;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const int64_t grp = row / a.rows_per_group;
+    const Bits* xr = x + row * n;
+    const Bits* gr = g + row * n;
+    Bits* dr = dx + row * n;
+    const float* wr = w + grp * a.w_stride;
+    const bool xvec = dm::vec_aligned<Bits>(xr) && dm::vec_aligned<Bits>(gr);
+    const bool dvec = dm::vec_aligned<Bits>(dr);
+    const bool wvec = dm::vec_aligned<float>(wr);
+    const float mean = stats[2 * row], rstd = stats[2 * row + 1];
+    // xhat and gw of one lane's kVec elements.
+    auto lane_terms = [&](int64_t base, float (&xh)[kVec], float (&gw)[kVec]) {
+      float wv[kVec];
+      dm::load_lane<S>(xr, base, n, xvec, 0.0f, xh);
+      dm::load_lane<S>(gr, base, n, xvec, 0.0f, gw);
+      dm::load_lane<F32Storage>(reinterpret_cast<const uint32_t*>(wr), base, n, wvec, 0.0f, wv);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        xh[j] = norm::normalized(xh[j], mean, rstd);
+        gw[j] = norm::grad_scaled(gw[j], wv[j]);
+      }
+    };
+    float xh[kHeld][kVec], gw[kHeld][kVec];
+    float acc_a = 0.0f, acc_b = 0.0f;
+    auto fold = [&](int64_t base, const float (&xs)[kVec], const float (&gs)[kVec]) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        if (base + j < n) {
+          acc_a = dm::add(acc_a, gs[j]);
+          acc_b = dm::add(acc_b, dm::mul(gs[j], xs[j]));
+        }
+      }
+    };
+    if (kSteps > 0) {
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+        const int64_t base = k * kStep + lane * kVec;
+        lane_terms(base, xh[k], gw[k]);
+        fold(base, xh[k], gw[k]);
+      }
+    } else {
+      for (int64_t base = lane * kVec; base < n; base += kStep) {
+        lane_terms(base, xh[0], gw[0]);
+        fold(base, xh[0], gw[0]);
+      }
+    }
+    const float2 sums = dm::block_tree_sum2(acc_a, acc_b, sh);
+    const float ma = center ? norm::mean_of(sums.x, n) : 0.0f;
+    const float mb = norm::mean_of(sums.y, n);
+    auto write = [&](int64_t base, const float (&xs)[kVec], const float (&gs)[kVec]) {
+      float out[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out[j] = norm::backward_from(xs[j], gs[j], rstd, ma, mb, center);
+      dm::store_lane<S>(dr, base, n, dvec, out);
+    };
+    if (kSteps > 0) {
+#pragma unroll
+      for (int k = 0; k < kHeld; ++k) {
+        const int64_t base = k * kStep + lane * kVec;
+        if (base < n) write(base, xh[k], gw[k]);
+      }
+    } else {
+      for (int64_t base = lane * kVec; base < n; base += kStep) {
+        lane_terms(base, xh[0], gw[0]);
+        write(base, xh[0], gw[0]);
+      }
+    }
+  }
+}
+
+// The parameter-gradient partials: per (group, aligned block of kGradBlock tokens, column), the
+// canonical tree over the block's tokens of g * xhat (and of g). grid.x: column tiles of kLanes
+// columns; grid.y: (group, token block) pairs, grid-stride.
+template <typename S>
+__global__ void __launch_bounds__(kLanes)
+    NormParamGradKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
+                        const typename S::Bits* __restrict__ g, float* __restrict__ pw, float* __restrict__ pb,
+                        int64_t groups, int64_t rows, int64_t n) {
+  constexpr int kB = norm::kGradBlock;
+  const int64_t j = int64_t{blockIdx.x} * kLanes + threadIdx.x;
+  if (j >= n) return;
+  const int64_t blocks = (rows + kB - 1) / kB;
+  for (int64_t q = blockIdx.y; q < groups * blocks; q += gridDim.y) {
+    const int64_t grp = q / blocks, blk = q % blocks;
+    const int64_t t0 = blk * kB;
+    const int m = static_cast<int>(min(int64_t{kB}, rows - t0));
+    float vw[kB], vb[kB];
+#pragma unroll
+    for (int i = 0; i < kB; ++i) {
+      if (i < m) {
+        const int64_t row = grp * rows + t0 + i;
+        const float gv = S::load(g[row * n + j]);
+        vw[i] = norm::scale_grad_term(S::load(x[row * n + j]), gv, stats[2 * row], stats[2 * row + 1]);
+        vb[i] = gv;
+      } else {
+        vw[i] = 0.0f;
+        vb[i] = 0.0f;
+      }
+    }
+    pw[q * n + j] = norm::block_tree(vw, m);
+    if (pb) pb[q * n + j] = norm::block_tree(vb, m);
+  }
+}
+
+// One upper level of the tree: per (group, aligned run of kGradBlock partials, column), the run's
+// subtree (block_tree over up to 32 partials, all loaded at once). in [G, count, n] -> out [G,
+// ceil(count / 32), n]. Aligned runs of 32 nodes of one level are subtrees of the next, so
+// repeating it until one partial is left walks exactly the padded tree over the partials.
+__global__ void __launch_bounds__(kLanes)
+    NormGradLevelKernel(const float* __restrict__ in, float* __restrict__ out, int64_t groups, int64_t count,
+                        int64_t n) {
+  constexpr int kB = norm::kGradBlock;
+  const int64_t j = int64_t{blockIdx.x} * kLanes + threadIdx.x;
+  if (j >= n) return;
+  const int64_t runs = (count + kB - 1) / kB;
+  for (int64_t q = blockIdx.y; q < groups * runs; q += gridDim.y) {
+    const int64_t grp = q / runs, run = q % runs;
+    const int m = static_cast<int>(min(int64_t{kB}, count - run * kB));
+    const float* p = in + (grp * count + run * kB) * n + j;
+    float v[kB];
+#pragma unroll
+    for (int i = 0; i < kB; ++i) v[i] = i < m ? p[i * n] : 0.0f;
+    out[q * n + j] = norm::block_tree(v, m);
+  }
+}
+
+unsigned RowGrid(int64_t rows) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{current_sm_count()} * 32)));
+}
+
+template <typename S>
+void LaunchFwd(cudaStream_t stream, const void* x, const float* w, const float* b, void* y, float* stats,
+               const RowArgs& a, float eps, bool center, bool has_bias) {
+  using Bits = typename S::Bits;
+  const auto* xp = static_cast<const Bits*>(x);
+  auto* yp = static_cast<Bits*>(y);
+  const unsigned grid = RowGrid(a.rows);
+  if (a.n <= 1 * kStep) {
+    NormFwdKernel<S, 1><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+  } else if (a.n <= 2 * kStep) {
+    NormFwdKernel<S, 2><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+  } else if (a.n <= 4 * kStep) {
+    NormFwdKernel<S, 4><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+  } else if (a.n <= 8 * kStep) {
+    NormFwdKernel<S, 8><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+  } else {
+    NormFwdKernel<S, 0><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+  }
+}
+
+template <typename S>
+void LaunchBwd(cudaStream_t stream, const void* x, const float* w, const float* stats, const void* g, void* dx,
+               const RowArgs& a, bool center) {
+  using Bits = typename S::Bits;
+  const auto* xp = static_cast<const Bits*>(x);
+  const auto* gp = static_cast<const Bits*>(g);
+  auto* dp = static_cast<Bits*>(dx);
+  const unsigned grid = RowGrid(a.rows);
+  if (a.n <= 1 * kStep) {
+    NormBwdKernel<S, 1><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);
+  } else if (a.n <= 2 * kStep) {
+    NormBwdKernel<S, 2><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);
+  } else if (a.n <= 4 * kStep) {
+    NormBwdKernel<S, 4><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);
+  } else {
+    NormBwdKernel<S, 0><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);
+  }
+}
+
+ffi::Error Dims(const ffi::AnyBuffer& x, RowArgs& a, const char* op) {
+  const auto d = x.dimensions();
+  if (d.size() != 3) return ffi::Error::InvalidArgument(std::string(op) + ": x must be [G, R, n]");
+  a.rows = d[0] * d[1];
+  a.rows_per_group = d[1];
+  a.n = d[2];
+  return ffi::Error::Success();
+}
+
+int64_t ParamStride(const ffi::Buffer<ffi::F32>& p, const ffi::AnyBuffer& x) {
+  const auto d = p.dimensions();
+  const auto xd = x.dimensions();
+  if (d.size() != 2 || d[1] != xd[2]) return -1;
+  if (d[0] == 1) return 0;
+  if (d[0] == xd[0]) return xd[2];
+  return -1;
+}
+
+ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> b,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> stats, float eps,
+                       bool center) {
+  constexpr const char* kOp = "jaxdet_norm_fwd";
+  RowArgs a{};
+  if (auto err = Dims(x, a, kOp); !err.success()) return err;
+  const bool has_bias = b.element_count() > 0;
+  a.w_stride = ParamStride(w, x);
+  a.b_stride = has_bias ? ParamStride(b, x) : 0;
+  if (a.w_stride < 0 || a.b_stride < 0) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": scale/bias must be [1 or G, n]");
+  }
+  if (a.rows == 0 || a.n == 0) return ffi::Error::Success();
+  const float* bp = has_bias ? b.typed_data() : nullptr;
+  switch (x.element_type()) {
+    case ffi::F32:
+      LaunchFwd<F32Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
+                            a, eps, center, has_bias);
+      break;
+    case ffi::BF16:
+      LaunchFwd<BF16Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
+                             a, eps, center, has_bias);
+      break;
+    case ffi::F16:
+      LaunchFwd<F16Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
+                            a, eps, center, has_bias);
+      break;
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+  }
+  return last_launch_error(kOp);
+}
+
+ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> stats,
+                       ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx, bool center) {
+  constexpr const char* kOp = "jaxdet_norm_bwd";
+  RowArgs a{};
+  if (auto err = Dims(x, a, kOp); !err.success()) return err;
+  a.w_stride = ParamStride(w, x);
+  if (a.w_stride < 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": scale must be [1 or G, n]");
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (a.rows == 0 || a.n == 0) return ffi::Error::Success();
+  switch (x.element_type()) {
+    case ffi::F32:
+      LaunchBwd<F32Storage>(stream, x.untyped_data(), w.typed_data(), stats.typed_data(), g.untyped_data(),
+                            dx->untyped_data(), a, center);
+      break;
+    case ffi::BF16:
+      LaunchBwd<BF16Storage>(stream, x.untyped_data(), w.typed_data(), stats.typed_data(), g.untyped_data(),
+                             dx->untyped_data(), a, center);
+      break;
+    case ffi::F16:
+      LaunchBwd<F16Storage>(stream, x.untyped_data(), w.typed_data(), stats.typed_data(), g.untyped_data(),
+                            dx->untyped_data(), a, center);
+      break;
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+  }
+  return last_launch_error(kOp);
+}
+
+template <typename S>
+void LaunchParamGrad(cudaStream_t stream, const void* x, const float* stats, const void* g, float* dw, float* db,
+                     float* ws_w, float* ws_b, int64_t groups, int64_t rows, int64_t n) {
+  using Bits = typename S::Bits;
+  // Level 0 reduces runs of kGradBlock tokens, each later level runs of kGradBlock partials, until
+  // one is left; it goes to the result, the levels before it to consecutive workspace regions.
+  int64_t count = (rows + norm::kGradBlock - 1) / norm::kGradBlock;
+  float* pw = count == 1 ? dw : ws_w;
+  float* pb = db == nullptr ? nullptr : count == 1 ? db : ws_b;
+  const unsigned columns = static_cast<unsigned>((n + kLanes - 1) / kLanes);
+  NormParamGradKernel<S>
+      <<<dim3(columns, static_cast<unsigned>(std::min<int64_t>(groups * count, 65535))), kLanes, 0, stream>>>(
+          static_cast<const Bits*>(x), stats, static_cast<const Bits*>(g), pw, pb, groups, rows, n);
+  while (count > 1) {
+    const int64_t next = (count + norm::kGradBlock - 1) / norm::kGradBlock;
+    float* nw = next == 1 ? dw : pw + groups * count * n;
+    float* nb = pb == nullptr ? nullptr : next == 1 ? db : pb + groups * count * n;
+    const dim3 grid(columns, static_cast<unsigned>(std::min<int64_t>(groups * next, 65535)));
+    NormGradLevelKernel<<<grid, kLanes, 0, stream>>>(pw, nw, groups, count, n);
+    if (pb != nullptr) NormGradLevelKernel<<<grid, kLanes, 0, stream>>>(pb, nb, groups, count, n);
+    pw = nw;
+    pb = nb;
+    count = next;
+  }
+}
+
+// dw, db [G, n] (db [G, 0] without a bias); workspaces of norm::grad_workspace_rows(T) * G * n
+// floats (ws_b only with a bias): every level of partials but the last.
+ffi::Error NormParamGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g,
+                             ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::Result<ffi::Buffer<ffi::F32>> db,
+                             ffi::Result<ffi::Buffer<ffi::F32>> ws_w, ffi::Result<ffi::Buffer<ffi::F32>> ws_b) {
+  constexpr const char* kOp = "jaxdet_norm_param_grad";
+  const auto d = x.dimensions();
+  if (d.size() != 3) return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be [G, T, n]");
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  const int64_t groups = d[0], rows = d[1], n = d[2];
+  float* bias = db->element_count() > 0 ? db->typed_data() : nullptr;
+  if (groups == 0 || n == 0) return ffi::Error::Success();
+  if (rows == 0) {
+    if (auto err = cudaMemsetAsync(dw->typed_data(), 0, dw->size_bytes(), stream); err != cudaSuccess)
+      return cuda_error(kOp, err);
+    if (bias != nullptr) {
+      if (auto err = cudaMemsetAsync(bias, 0, db->size_bytes(), stream); err != cudaSuccess)
+        return cuda_error(kOp, err);
+    }
+    return ffi::Error::Success();
+  }
+  const int64_t need = groups * norm::grad_workspace_rows(rows) * n;
+  if (static_cast<int64_t>(ws_w->element_count()) < need ||
+      (bias != nullptr && static_cast<int64_t>(ws_b->element_count()) < need)) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": workspace too small");
+  }
+  if ((n + kLanes - 1) / kLanes > 0x7FFFFFFF)
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": n too large");
+  switch (x.element_type()) {
+    case ffi::F32:
+      LaunchParamGrad<F32Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(),
+                                  bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows, n);
+      break;
+    case ffi::BF16:
+      LaunchParamGrad<BF16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
+                                   dw->typed_data(), bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows,
+                                   n);
+      break;
+    case ffi::F16:
+      LaunchParamGrad<F16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(),
+                                  bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows, n);
+      break;
+    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
+  }
+  return last_launch_error(kOp);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_fwd_cuda, NormFwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("center"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_bwd_cuda, NormBwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("center"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_param_grad_cuda, NormParamGradCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+}  // namespace jaxdet

@@ -1,0 +1,260 @@
+// CPU targets of softmax, log_softmax and cross-entropy (forward and backward), and of the
+// deterministic math functions themselves (a test target). Plain loops walking the segments,
+// lanes and trees of softmax_math.h / det_math.h, so the bits equal the CUDA kernels'.
+//
+// Layouts (jaxdet/softmax.py): x, y, g, dx [R, n]; stats float32 [R, 2] = (M, S) per row; labels
+// int32 [R]; per-row losses and their cotangents float32 [R]. The workspace results are used by the
+// CUDA kernels only (rows of several segments); here they are left untouched.
+#include <cstdint>
+#include <string>
+
+#include "common/det_math.h"
+#include "common/ffi_common.h"
+#include "softmax/softmax_math.h"
+
+namespace jaxdet {
+namespace {
+
+namespace dm = ::jaxdet::detmath;
+namespace sm = ::jaxdet::softmax;
+
+ffi::Error RowsOf(const ffi::AnyBuffer& x, int64_t& rows, int64_t& n, const char* op) {
+  const auto d = x.dimensions();
+  if (d.size() != 2) return ffi::Error::InvalidArgument(std::string(op) + ": x must be [R, n]");
+  rows = d[0];
+  n = d[1];
+  return ffi::Error::Success();
+}
+
+template <typename S>
+dm::MaxSum RowStats(const typename S::Bits* x, int64_t n) {
+  return dm::tree_fold<dm::MaxSum>(
+      sm::segment_count(n),
+      [&](int64_t seg) {
+        const typename S::Bits* xs = x + seg * sm::kSegment;
+        const int64_t len = sm::segment_length(n, seg);
+        float m = dm::neg_inf();
+        for (int64_t e = 0; e < len; ++e) m = dm::max(m, S::load(xs[e]));
+        dm::HostLanes lanes;
+        for (int64_t e = 0; e < len; ++e) lanes.add_term(e, sm::exp_term(S::load(xs[e]), m));
+        return sm::segment_stats(m, lanes.tree());
+      },
+      [](dm::MaxSum a, dm::MaxSum b) { return dm::merge(a, b); });
+}
+
+// The row sum of term(e) by segments, lanes and the segment tree.
+template <typename Term>
+float RowSum(int64_t n, Term term) {
+  return dm::tree_fold<float>(
+      sm::segment_count(n),
+      [&](int64_t seg) {
+        const int64_t len = sm::segment_length(n, seg);
+        dm::HostLanes lanes;
+        for (int64_t e = 0; e < len; ++e) lanes.add_term(e, term(seg * sm::kSegment + e));
+        return lanes.tree();
+      },
+      [](float a, float b) { return dm::add(a, b); });
+}
+
+template <typename S>
+void SoftmaxRows(const void* x, void* y, float* stats, int64_t rows, int64_t n, int32_t mode) {
+  using Bits = typename S::Bits;
+  for (int64_t r = 0; r < rows; ++r) {
+    const Bits* xr = static_cast<const Bits*>(x) + r * n;
+    Bits* yr = static_cast<Bits*>(y) + r * n;
+    const dm::MaxSum st = RowStats<S>(xr, n);
+    stats[2 * r] = st.m;
+    stats[2 * r + 1] = st.s;
+    if (mode == sm::kSoftmax) {
+      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::prob(S::load(xr[e]), st.m, st.s));
+    } else {
+      const float log_s = dm::log(st.s);
+      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::log_prob(S::load(xr[e]), st.m, log_s));
+    }
+  }
+}
+
+#define JAXDET_DISPATCH(dtype, op, CALL)                                                                       \
+  switch (dtype) {                                                                                             \
+    case ffi::F32: {                                                                                           \
+      using S = F32Storage;                                                                                    \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    case ffi::BF16: {                                                                                          \
+      using S = BF16Storage;                                                                                   \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    case ffi::F16: {                                                                                           \
+      using S = F16Storage;                                                                                    \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    default: return ffi::Error::InvalidArgument(std::string(op) + ": x must be float32, bfloat16 or float16"); \
+  }
+
+ffi::Error SoftmaxFwdCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> stats,
+                         ffi::Result<ffi::Buffer<ffi::F32>> /*workspace*/, int32_t mode) {
+  constexpr const char* kOp = "jaxdet_softmax_fwd";
+  int64_t rows, n;
+  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  IeeeSubnormalsScope ieee;
+  JAXDET_DISPATCH(x.element_type(), kOp,
+                  SoftmaxRows<S>(x.untyped_data(), y->untyped_data(), stats->typed_data(), rows, n, mode));
+  return ffi::Error::Success();
+}
+
+template <typename S>
+void SoftmaxBwdRows(const void* x, const float* stats, const void* g, void* dx, int64_t rows, int64_t n,
+                    int32_t mode) {
+  using Bits = typename S::Bits;
+  for (int64_t r = 0; r < rows; ++r) {
+    const Bits* xr = static_cast<const Bits*>(x) + r * n;
+    const Bits* gr = static_cast<const Bits*>(g) + r * n;
+    Bits* dr = static_cast<Bits*>(dx) + r * n;
+    const float M = stats[2 * r], Ssum = stats[2 * r + 1];
+    const float total = RowSum(
+        n, [&](int64_t e) { return sm::bwd_term(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), mode); });
+    for (int64_t e = 0; e < n; ++e) {
+      dr[e] = S::store(sm::bwd(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), total, mode));
+    }
+  }
+}
+
+ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g,
+                         ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> /*workspace*/,
+                         int32_t mode) {
+  constexpr const char* kOp = "jaxdet_softmax_bwd";
+  int64_t rows, n;
+  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  IeeeSubnormalsScope ieee;
+  JAXDET_DISPATCH(x.element_type(), kOp,
+                  SoftmaxBwdRows<S>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dx->untyped_data(),
+                                    rows, n, mode));
+  return ffi::Error::Success();
+}
+
+template <typename S>
+void XentRows(const void* x, const int32_t* labels, float* out, float* stats, int64_t rows, int64_t n,
+              bool log_prob) {
+  using Bits = typename S::Bits;
+  for (int64_t r = 0; r < rows; ++r) {
+    const Bits* xr = static_cast<const Bits*>(x) + r * n;
+    const dm::MaxSum st = RowStats<S>(xr, n);
+    stats[2 * r] = st.m;
+    stats[2 * r + 1] = st.s;
+    const int32_t label = labels[r];
+    const bool valid = label >= 0 && label < n;
+    const float x_label = valid ? S::load(xr[label]) : 0.0f;
+    const float log_s = dm::log(st.s);
+    out[r] = log_prob ? sm::label_log_prob(x_label, st.m, log_s, valid)
+                      : sm::cross_entropy(x_label, st.m, log_s, valid);
+  }
+}
+
+ffi::Error XentFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> stats, ffi::Result<ffi::Buffer<ffi::F32>> /*workspace*/,
+                      bool log_prob) {
+  constexpr const char* kOp = "jaxdet_xent_fwd";
+  int64_t rows, n;
+  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (static_cast<int64_t>(labels.element_count()) != rows) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": labels must be int32[R]");
+  }
+  if (rows == 0) return ffi::Error::Success();
+  if (n == 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": logits must have at least one class");
+  IeeeSubnormalsScope ieee;
+  JAXDET_DISPATCH(x.element_type(), kOp,
+                  XentRows<S>(x.untyped_data(), labels.typed_data(), out->typed_data(), stats->typed_data(), rows,
+                              n, log_prob));
+  return ffi::Error::Success();
+}
+
+template <typename S>
+void XentBwdRows(const void* x, const int32_t* labels, const float* stats, const float* g, void* dx, int64_t rows,
+                 int64_t n) {
+  using Bits = typename S::Bits;
+  for (int64_t r = 0; r < rows; ++r) {
+    const Bits* xr = static_cast<const Bits*>(x) + r * n;
+    Bits* dr = static_cast<Bits*>(dx) + r * n;
+    const int32_t label = labels[r];
+    const bool valid = label >= 0 && label < n;
+    const float M = stats[2 * r], Ssum = stats[2 * r + 1], gr = g[r];
+    for (int64_t e = 0; e < n; ++e) {
+      dr[e] = S::store(sm::xent_bwd(gr, sm::prob(S::load(xr[e]), M, Ssum), e == label, valid));
+    }
+  }
+}
+
+ffi::Error XentBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Buffer<ffi::F32> stats,
+                      ffi::Buffer<ffi::F32> g, ffi::Result<ffi::AnyBuffer> dx) {
+  constexpr const char* kOp = "jaxdet_xent_bwd";
+  int64_t rows, n;
+  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  IeeeSubnormalsScope ieee;
+  JAXDET_DISPATCH(x.element_type(), kOp,
+                  XentBwdRows<S>(x.untyped_data(), labels.typed_data(), stats.typed_data(), g.typed_data(),
+                                 dx->untyped_data(), rows, n));
+  return ffi::Error::Success();
+}
+
+// The deterministic math functions elementwise (op 0: exp, 1: log, 2: rsqrt), for the tests.
+ffi::Error DetMathCpu(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t op) {
+  IeeeSubnormalsScope ieee;
+  const float* src = x.typed_data();
+  float* dst = y->typed_data();
+  const int64_t count = static_cast<int64_t>(x.element_count());
+  for (int64_t i = 0; i < count; ++i) {
+    const float v = src[i];
+    dst[i] = dm::canonical(op == 0 ? dm::exp(v) : op == 1 ? dm::log(v) : dm::rsqrt(v));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_fwd_cpu, SoftmaxFwdCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_bwd_cpu, SoftmaxBwdCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_fwd_cpu, XentFwdCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("log_prob"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_bwd_cpu, XentBwdCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_det_math_cpu, DetMathCpu,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("op"));
+
+}  // namespace jaxdet

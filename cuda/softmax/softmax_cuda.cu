@@ -1,0 +1,628 @@
+// CUDA targets of softmax, log_softmax and cross-entropy. A 256-thread block works on one segment
+// of one row at a time (thread t is lane t of the canonical span order), so a row's bits depend on
+// that row only, never on the number of rows or the launch grid.
+//
+//   rows of one segment (n <= 8192): one fused kernel per call; the row is held in registers, so
+//     x is read once (forward) or x and g once (backward).
+//   rows of several segments: a statistics pass writes each segment's (m, s) (forward) or partial
+//     sum (backward) to the workspace; the segments' partials are combined by the canonical tree,
+//     one warp per row (forward; in the backward every output block's first warp redoes its
+//     row's small tree of plain sums, in the same order); an output pass writes every segment.
+//     x is read twice, and segments of one row run in parallel, so a single long row (one
+//     token's vocabulary) still spreads over many SMs.
+//
+// Layouts as in softmax_cpu.cc; the workspace is float32 [R, segments, 2] (forward) or
+// [R, segments] (backward) when rows have several segments, else empty.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common/cuda_common.h"
+#include "common/det_math.h"
+#include "common/det_reduce_cuda.cuh"
+#include "softmax/softmax_math.h"
+
+namespace jaxdet {
+namespace {
+
+namespace dm = ::jaxdet::detmath;
+namespace sm = ::jaxdet::softmax;
+
+using dm::kLanes;
+using dm::kStep;
+using dm::kVec;
+
+// The heavy kernels keep a segment (or a segment of x and of g) in registers; three resident blocks
+// per SM (<= 80 registers) keep more loads in flight than the two that 128 registers would allow.
+constexpr int kMinBlocks = 3;
+
+// Loads the lane's elements of a span of `len` elements (NaN-free fill, masked by the callers).
+template <typename S, int kSteps>
+__device__ __forceinline__ void load_span(const typename S::Bits* __restrict__ p, int64_t len, bool vec,
+                                          float (&v)[kSteps][kVec]) {
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) dm::load_lane<S>(p, k * kStep + threadIdx.x * kVec, len, vec, 0.0f, v[k]);
+}
+
+__device__ __forceinline__ bool in_span(int k, int j, int64_t len) {
+  return k * kStep + static_cast<int64_t>(threadIdx.x) * kVec + j < len;
+}
+
+// (m, s) of the span held in v (len elements). Every thread gets it. With keep_exp, v's elements
+// are replaced by their terms e^(x - m) (softmax's numerators when the span is the whole row).
+template <int kSteps>
+__device__ __forceinline__ dm::MaxSum span_stats(float (&v)[kSteps][kVec], int64_t len, float* sh, bool keep_exp) {
+  float m = dm::neg_inf();
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (in_span(k, j, len)) m = dm::max(m, v[k][j]);
+    }
+  }
+  m = dm::block_max(m, sh);
+  float acc = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float e = sm::exp_term(v[k][j], m);
+      if (in_span(k, j, len)) acc = dm::add(acc, e);
+      if (keep_exp) v[k][j] = e;
+    }
+  }
+  return sm::segment_stats(m, dm::block_tree_sum(acc, sh));
+}
+
+// The row's sum from its segments' partial sums by the canonical tree, computed by warp 0 and
+// broadcast to the block through shared memory.
+__device__ __forceinline__ float row_sum_from(const float* __restrict__ ws, int64_t segments, float* shared) {
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const float r = dm::warp_tree_fold<float>(
+        segments, [&](int64_t i) { return ws[i]; }, [](float a, float b) { return dm::add(a, b); });
+    if (threadIdx.x == 0) *shared = r;
+  }
+  __syncthreads();
+  return *shared;
+}
+
+// Softmax or log_softmax of the span held in v; `numerators`: v holds e^(x - M) already (the same
+// bits as prob's own exp, except that a row of all -inf gives 0 / 0 instead of NaN / 0: NaN
+// either way, stored canonical).
+template <typename S, int kSteps>
+__device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], typename S::Bits* __restrict__ y,
+                                              int64_t len, bool vec, float M, float Ssum, int32_t mode,
+                                              bool numerators) {
+  const float log_s = mode == sm::kLogSoftmax ? dm::log(Ssum) : 0.0f;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int64_t base = k * kStep + threadIdx.x * kVec;
+    if (base >= len) continue;
+    float out[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      out[j] = mode == sm::kSoftmax ? (numerators ? dm::div(v[k][j], Ssum) : sm::prob(v[k][j], M, Ssum))
+                                    : sm::log_prob(v[k][j], M, log_s);
+    }
+    dm::store_lane<S>(y, base, len, vec, out);
+  }
+}
+
+// ---- Forward, rows of one segment: stats and outputs in one kernel. ----
+template <typename S, int kSteps>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SoftmaxFusedKernel(const typename S::Bits* __restrict__ x, typename S::Bits* __restrict__ y,
+                       float* __restrict__ stats, int64_t rows, int64_t n, int32_t mode) {
+  __shared__ float sh[kLanes];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const typename S::Bits* xr = x + row * n;
+    typename S::Bits* yr = y + row * n;
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(xr, n, dm::vec_aligned<typename S::Bits>(xr), v);
+    // The row is one span, so its max is M and softmax's numerators are the sum's terms: kept.
+    const bool numerators = mode == sm::kSoftmax;
+    const dm::MaxSum st = span_stats<kSteps>(v, n, sh, numerators);
+    if (threadIdx.x == 0) {
+      stats[2 * row] = st.m;
+      stats[2 * row + 1] = st.s;
+    }
+    write_outputs<S, kSteps>(v, yr, n, dm::vec_aligned<typename S::Bits>(yr), st.m, st.s, mode, numerators);
+  }
+}
+
+// ---- Rows of several segments, pass 1: each (row, segment)'s (m, s). ----
+template <typename S>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SegmentStatsKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
+  constexpr int kSteps = sm::kSegmentSteps;
+  __shared__ float sh[kLanes];
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const int64_t row = q / segments, seg = q % segments;
+    const typename S::Bits* xs = x + row * n + seg * sm::kSegment;
+    const int64_t len = sm::segment_length(n, seg);
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
+    const dm::MaxSum st = span_stats<kSteps>(v, len, sh, false);
+    if (threadIdx.x == 0) ws[q] = make_float2(st.m, st.s);
+  }
+}
+
+// The row's (M, S) from its segments' pairs: the canonical tree over the segments, by one warp
+// (valid in lane 0).
+__device__ __forceinline__ dm::MaxSum row_stats(const float2* __restrict__ pairs, int64_t segments) {
+  return dm::warp_tree_fold<dm::MaxSum>(
+      segments, [&](int64_t i) { return dm::MaxSum{pairs[i].x, pairs[i].y}; },
+      [](dm::MaxSum a, dm::MaxSum b) { return dm::merge(a, b); });
+}
+
+// Warps of a grid-stride loop over rows: one warp per row.
+__device__ __forceinline__ int64_t first_warp() { return (int64_t{blockIdx.x} * kLanes + threadIdx.x) / 32; }
+__device__ __forceinline__ int64_t warp_stride() { return int64_t{gridDim.x} * (kLanes / 32); }
+
+// ---- Rows of several segments, between the passes: each row's (M, S) into `stats`. ----
+__global__ void __launch_bounds__(kLanes)
+    RowStatsKernel(const float2* __restrict__ ws, float* __restrict__ stats, int64_t rows, int64_t segments) {
+  for (int64_t row = first_warp(); row < rows; row += warp_stride()) {
+    const dm::MaxSum st = row_stats(ws + row * segments, segments);
+    if ((threadIdx.x & 31) == 0) {
+      stats[2 * row] = st.m;
+      stats[2 * row + 1] = st.s;
+    }
+  }
+}
+
+// ---- Rows of several segments, pass 2: softmax / log_softmax outputs of each (row, segment). ----
+template <typename S>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SoftmaxOutKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
+                     typename S::Bits* __restrict__ y, int64_t rows, int64_t n, int32_t mode) {
+  constexpr int kSteps = sm::kSegmentSteps;
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const int64_t row = q / segments, seg = q % segments;
+    const int64_t offset = row * n + seg * sm::kSegment;
+    const int64_t len = sm::segment_length(n, seg);
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
+    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), stats[2 * row],
+                             stats[2 * row + 1], mode, false);
+  }
+}
+
+// ---- Cross-entropy forward. Rows of one segment: fused. ----
+template <typename S>
+__device__ __forceinline__ float xent_value(const typename S::Bits* __restrict__ xr, int32_t label, int64_t n,
+                                            float M, float Ssum, bool log_prob) {
+  const bool valid = label >= 0 && label < n;
+  const float x_label = valid ? S::load(xr[label]) : 0.0f;
+  const float log_s = dm::log(Ssum);
+  return log_prob ? sm::label_log_prob(x_label, M, log_s, valid) : sm::cross_entropy(x_label, M, log_s, valid);
+}
+
+template <typename S, int kSteps>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    XentFusedKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
+                    float* __restrict__ out, float* __restrict__ stats, int64_t rows, int64_t n, bool log_prob) {
+  __shared__ float sh[kLanes];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const typename S::Bits* xr = x + row * n;
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(xr, n, dm::vec_aligned<typename S::Bits>(xr), v);
+    const dm::MaxSum st = span_stats<kSteps>(v, n, sh, false);
+    if (threadIdx.x == 0) {
+      stats[2 * row] = st.m;
+      stats[2 * row + 1] = st.s;
+      out[row] = xent_value<S>(xr, labels[row], n, st.m, st.s, log_prob);
+    }
+  }
+}
+
+// Rows of several segments, pass 2: one warp per row.
+template <typename S>
+__global__ void __launch_bounds__(kLanes)
+    XentOutKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
+                  const float2* __restrict__ ws, float* __restrict__ out, float* __restrict__ stats, int64_t rows,
+                  int64_t n, bool log_prob) {
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t row = first_warp(); row < rows; row += warp_stride()) {
+    const dm::MaxSum st = row_stats(ws + row * segments, segments);
+    if ((threadIdx.x & 31) == 0) {
+      stats[2 * row] = st.m;
+      stats[2 * row + 1] = st.s;
+      out[row] = xent_value<S>(x + row * n, labels[row], n, st.m, st.s, log_prob);
+    }
+  }
+}
+
+// ---- Backward of softmax / log_softmax. ----
+
+// v's elements x -> p = e^(x - M) / S (the probabilities both backward formulas use).
+template <int kSteps>
+__device__ __forceinline__ void to_prob(float (&v)[kSteps][kVec], float M, float Ssum) {
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[k][j] = sm::prob(v[k][j], M, Ssum);
+  }
+}
+
+template <int kSteps>
+__device__ __forceinline__ float span_bwd_sum(const float (&p)[kSteps][kVec], const float (&gv)[kSteps][kVec],
+                                              int64_t len, int32_t mode, float* sh) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (in_span(k, j, len)) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
+    }
+  }
+  return dm::block_tree_sum(acc, sh);
+}
+
+template <typename S, int kSteps>
+__device__ __forceinline__ void write_bwd(const float (&p)[kSteps][kVec], const float (&gv)[kSteps][kVec],
+                                          typename S::Bits* __restrict__ dx, int64_t len, bool vec, float total,
+                                          int32_t mode) {
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int64_t base = k * kStep + threadIdx.x * kVec;
+    if (base >= len) continue;
+    float out[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out[j] = sm::bwd(gv[k][j], p[k][j], total, mode);
+    dm::store_lane<S>(dx, base, len, vec, out);
+  }
+}
+
+template <typename S, int kSteps>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SoftmaxBwdFusedKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
+                          const typename S::Bits* __restrict__ g, typename S::Bits* __restrict__ dx, int64_t rows,
+                          int64_t n, int32_t mode) {
+  using Bits = typename S::Bits;
+  __shared__ float sh[kLanes];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t offset = row * n;
+    const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
+    float v[kSteps][kVec], gv[kSteps][kVec];
+    load_span<S, kSteps>(x + offset, n, vec, v);
+    load_span<S, kSteps>(g + offset, n, vec, gv);
+    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    const float total = span_bwd_sum<kSteps>(v, gv, n, mode, sh);
+    write_bwd<S, kSteps>(v, gv, dx + offset, n, dm::vec_aligned<Bits>(dx + offset), total, mode);
+  }
+}
+
+// Rows of several segments, pass 1: each (row, segment)'s partial sum.
+template <typename S>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SegmentBwdSumKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
+                        const typename S::Bits* __restrict__ g, float* __restrict__ ws, int64_t rows, int64_t n,
+                        int32_t mode) {
+  using Bits = typename S::Bits;
+  constexpr int kSteps = sm::kSegmentSteps;
+  __shared__ float sh[kLanes];
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const int64_t row = q / segments, seg = q % segments;
+    const int64_t offset = row * n + seg * sm::kSegment;
+    const int64_t len = sm::segment_length(n, seg);
+    const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
+    float v[kSteps][kVec], gv[kSteps][kVec];
+    load_span<S, kSteps>(x + offset, len, vec, v);
+    load_span<S, kSteps>(g + offset, len, vec, gv);
+    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    const float total = span_bwd_sum<kSteps>(v, gv, len, mode, sh);
+    if (threadIdx.x == 0) ws[q] = total;
+  }
+}
+
+// Rows of several segments, pass 2: dx of each (row, segment).
+template <typename S>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SegmentBwdOutKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
+                        const typename S::Bits* __restrict__ g, const float* __restrict__ ws,
+                        typename S::Bits* __restrict__ dx, int64_t rows, int64_t n, int32_t mode) {
+  using Bits = typename S::Bits;
+  constexpr int kSteps = sm::kSegmentSteps;
+  __shared__ float shared;
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const int64_t row = q / segments, seg = q % segments;
+    const int64_t offset = row * n + seg * sm::kSegment;
+    const int64_t len = sm::segment_length(n, seg);
+    const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
+    const float total = row_sum_from(ws + row * segments, segments, &shared);
+    float v[kSteps][kVec], gv[kSteps][kVec];
+    load_span<S, kSteps>(x + offset, len, vec, v);
+    load_span<S, kSteps>(g + offset, len, vec, gv);
+    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
+  }
+}
+
+// ---- Cross-entropy backward: elementwise, one block per (row, segment). ----
+template <typename S, int kSteps>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    XentBwdKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
+                  const float* __restrict__ stats, const float* __restrict__ g, typename S::Bits* __restrict__ dx,
+                  int64_t rows, int64_t n) {
+  using Bits = typename S::Bits;
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const int64_t row = q / segments, seg = q % segments;
+    const int64_t offset = row * n + seg * sm::kSegment;
+    const int64_t len = sm::segment_length(n, seg);
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(x + offset, len, dm::vec_aligned<Bits>(x + offset), v);
+    const int32_t label = labels[row];
+    const bool valid = label >= 0 && label < n;
+    const float M = stats[2 * row], Ssum = stats[2 * row + 1], gr = g[row];
+    const bool vec = dm::vec_aligned<Bits>(dx + offset);
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      const int64_t base = k * kStep + threadIdx.x * kVec;
+      if (base >= len) continue;
+      float out[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int64_t e = seg * sm::kSegment + base + j;
+        out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], M, Ssum), e == label, valid);
+      }
+      dm::store_lane<S>(dx + offset, base, len, vec, out);
+    }
+  }
+}
+
+// The deterministic math functions elementwise (a test target).
+__global__ void DetMathKernel(const float* __restrict__ x, float* __restrict__ y, int64_t count, int32_t op) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float v = x[i];
+    y[i] = dm::canonical(op == 0 ? dm::exp(v) : op == 1 ? dm::log(v) : dm::rsqrt(v));
+  }
+}
+
+unsigned GridFor(int64_t items) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(items, int64_t{current_sm_count()} * 32)));
+}
+
+// Runs CALL with kSteps (the register-held steps of a one-segment span of n elements) a constant.
+#define JAXDET_WITH_STEPS(n, CALL) \
+  if ((n) <= 1 * kStep) {          \
+    constexpr int kSteps = 1;      \
+    CALL;                          \
+  } else if ((n) <= 2 * kStep) {   \
+    constexpr int kSteps = 2;      \
+    CALL;                          \
+  } else if ((n) <= 4 * kStep) {   \
+    constexpr int kSteps = 4;      \
+    CALL;                          \
+  } else {                         \
+    constexpr int kSteps = 8;      \
+    CALL;                          \
+  }
+
+template <typename S>
+void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats, float* ws, int64_t rows,
+                      int64_t n, int32_t mode) {
+  using Bits = typename S::Bits;
+  const auto* xp = static_cast<const Bits*>(x);
+  auto* yp = static_cast<Bits*>(y);
+  const int64_t segments = sm::segment_count(n);
+  if (segments == 1) {
+    JAXDET_WITH_STEPS(
+        n, (SoftmaxFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, yp, stats, rows, n, mode)));
+    return;
+  }
+  auto* pairs = reinterpret_cast<float2*>(ws);
+  SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
+  RowStatsKernel<<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(pairs, stats, rows, segments);
+  SoftmaxOutKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, yp, rows, n, mode);
+}
+
+template <typename S>
+void LaunchSoftmaxBwd(cudaStream_t stream, const void* x, const float* stats, const void* g, void* dx, float* ws,
+                      int64_t rows, int64_t n, int32_t mode) {
+  using Bits = typename S::Bits;
+  const auto* xp = static_cast<const Bits*>(x);
+  const auto* gp = static_cast<const Bits*>(g);
+  auto* dp = static_cast<Bits*>(dx);
+  const int64_t segments = sm::segment_count(n);
+  if (segments == 1) {
+    JAXDET_WITH_STEPS(n, (SoftmaxBwdFusedKernel<S, kSteps>
+                          <<<GridFor(rows), kLanes, 0, stream>>>(xp, stats, gp, dp, rows, n, mode)));
+    return;
+  }
+  SegmentBwdSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, gp, ws, rows, n, mode);
+  SegmentBwdOutKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, gp, ws, dp, rows, n, mode);
+}
+
+template <typename S>
+void LaunchXentFwd(cudaStream_t stream, const void* x, const int32_t* labels, float* out, float* stats, float* ws,
+                   int64_t rows, int64_t n, bool log_prob) {
+  using Bits = typename S::Bits;
+  const auto* xp = static_cast<const Bits*>(x);
+  const int64_t segments = sm::segment_count(n);
+  if (segments == 1) {
+    JAXDET_WITH_STEPS(n, (XentFusedKernel<S, kSteps>
+                          <<<GridFor(rows), kLanes, 0, stream>>>(xp, labels, out, stats, rows, n, log_prob)));
+    return;
+  }
+  auto* pairs = reinterpret_cast<float2*>(ws);
+  SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
+  XentOutKernel<S>
+      <<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(xp, labels, pairs, out, stats, rows, n, log_prob);
+}
+
+template <typename S>
+void LaunchXentBwd(cudaStream_t stream, const void* x, const int32_t* labels, const float* stats, const float* g,
+                   void* dx, int64_t rows, int64_t n) {
+  using Bits = typename S::Bits;
+  const auto* xp = static_cast<const Bits*>(x);
+  auto* dp = static_cast<Bits*>(dx);
+  const int64_t items = rows * sm::segment_count(n);
+  JAXDET_WITH_STEPS(
+      std::min<int64_t>(n, sm::kSegment),
+      (XentBwdKernel<S, kSteps><<<GridFor(items), kLanes, 0, stream>>>(xp, labels, stats, g, dp, rows, n)));
+}
+
+#define JAXDET_DISPATCH(dtype, op, CALL)                                                                       \
+  switch (dtype) {                                                                                             \
+    case ffi::F32: {                                                                                           \
+      using S = F32Storage;                                                                                    \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    case ffi::BF16: {                                                                                          \
+      using S = BF16Storage;                                                                                   \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    case ffi::F16: {                                                                                           \
+      using S = F16Storage;                                                                                    \
+      CALL;                                                                                                    \
+      break;                                                                                                   \
+    }                                                                                                          \
+    default: return ffi::Error::InvalidArgument(std::string(op) + ": x must be float32, bfloat16 or float16"); \
+  }
+
+ffi::Error RowsOf(const ffi::AnyBuffer& x, int64_t& rows, int64_t& n, const char* op) {
+  const auto d = x.dimensions();
+  if (d.size() != 2) return ffi::Error::InvalidArgument(std::string(op) + ": x must be [R, n]");
+  rows = d[0];
+  n = d[1];
+  return ffi::Error::Success();
+}
+
+// The workspace must hold `per_segment` floats for every (row, segment) when rows have several.
+ffi::Error CheckWorkspace(const ffi::Buffer<ffi::F32>& ws, int64_t rows, int64_t n, int64_t per_segment,
+                          const char* op) {
+  const int64_t segments = sm::segment_count(n);
+  if (segments > 1 && static_cast<int64_t>(ws.element_count()) < rows * segments * per_segment) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": workspace too small");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error SoftmaxFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::Buffer<ffi::F32>> stats, ffi::Result<ffi::Buffer<ffi::F32>> ws,
+                          int32_t mode) {
+  constexpr const char* kOp = "jaxdet_softmax_fwd";
+  int64_t rows, n;
+  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  if (auto err = CheckWorkspace(*ws, rows, n, 2, kOp); !err.success()) return err;
+  JAXDET_DISPATCH(x.element_type(), kOp,
+                  LaunchSoftmaxFwd<S>(stream, x.untyped_data(), y->untyped_data(), stats->typed_data(),
+                                      ws->typed_data(), rows, n, mode));
+  return last_launch_error(kOp);
+}
+
+ffi::Error SoftmaxBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::AnyBuffer g,
+                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> ws, int32_t mode) {
+  constexpr const char* kOp = "jaxdet_softmax_bwd";
+  int64_t rows, n;
+  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (g.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  if (auto err = CheckWorkspace(*ws, rows, n, 1, kOp); !err.success()) return err;
+  JAXDET_DISPATCH(x.element_type(), kOp,
+                  LaunchSoftmaxBwd<S>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
+                                      dx->untyped_data(), ws->typed_data(), rows, n, mode));
+  return last_launch_error(kOp);
+}
+
+ffi::Error XentFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels,
+                       ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> stats,
+                       ffi::Result<ffi::Buffer<ffi::F32>> ws, bool log_prob) {
+  constexpr const char* kOp = "jaxdet_xent_fwd";
+  int64_t rows, n;
+  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (static_cast<int64_t>(labels.element_count()) != rows) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": labels must be int32[R]");
+  }
+  if (rows == 0) return ffi::Error::Success();
+  if (n == 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": logits must have at least one class");
+  if (auto err = CheckWorkspace(*ws, rows, n, 2, kOp); !err.success()) return err;
+  JAXDET_DISPATCH(x.element_type(), kOp,
+                  LaunchXentFwd<S>(stream, x.untyped_data(), labels.typed_data(), out->typed_data(),
+                                   stats->typed_data(), ws->typed_data(), rows, n, log_prob));
+  return last_launch_error(kOp);
+}
+
+ffi::Error XentBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels,
+                       ffi::Buffer<ffi::F32> stats, ffi::Buffer<ffi::F32> g, ffi::Result<ffi::AnyBuffer> dx) {
+  constexpr const char* kOp = "jaxdet_xent_bwd";
+  int64_t rows, n;
+  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  JAXDET_DISPATCH(x.element_type(), kOp,
+                  LaunchXentBwd<S>(stream, x.untyped_data(), labels.typed_data(), stats.typed_data(),
+                                   g.typed_data(), dx->untyped_data(), rows, n));
+  return last_launch_error(kOp);
+}
+
+ffi::Error DetMathCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                       int32_t op) {
+  const int64_t count = static_cast<int64_t>(x.element_count());
+  if (count == 0) return ffi::Error::Success();
+  DetMathKernel<<<GridFor((count + kLanes - 1) / kLanes), kLanes, 0, stream>>>(x.typed_data(), y->typed_data(),
+                                                                               count, op);
+  return last_launch_error("jaxdet_det_math");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_fwd_cuda, SoftmaxFwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_bwd_cuda, SoftmaxBwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_fwd_cuda, XentFwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("log_prob"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_bwd_cuda, XentBwdCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_det_math_cuda, DetMathCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("op"));
+
+}  // namespace jaxdet

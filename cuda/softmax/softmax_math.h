@@ -1,0 +1,75 @@
+// The row statistics and per-element formulas of softmax, log_softmax and cross-entropy, compiled
+// for host and device (docs/softmax.md states them; jaxdet/_row_reference.py re-implements them).
+//
+// A row of n elements is cut into segments of kSegment elements (the last may be short; a row of
+// at most kSegment elements is one segment). Per segment: m = max (order-free, detmath::max) and
+// s = the canonical span sum (det_math.h) of e^(x - m) (s = 0 when m = -inf). The segments' (m, s)
+// pairs are combined by the canonical padded tree (detmath::tree_fold) with detmath::merge, giving
+// the row's (M, S). Sums in the backward (of g * p, or of g) use the same segments and tree, with
+// plain addition. Everything is float32, rounded after every operation.
+#pragma once
+
+#include <cstdint>
+
+#include "common/det_math.h"
+
+namespace jaxdet {
+namespace softmax {
+
+namespace dm = ::jaxdet::detmath;
+
+constexpr int64_t kSegment = 8192;                      // elements per segment
+constexpr int kSegmentSteps = kSegment / dm::kStep;     // span steps of a whole segment (8)
+
+enum Mode : int32_t {
+  kSoftmax = 0,
+  kLogSoftmax = 1,
+};
+
+JAXDET_HD int64_t segment_count(int64_t n) { return n <= kSegment ? 1 : (n + kSegment - 1) / kSegment; }
+JAXDET_HD int64_t segment_length(int64_t n, int64_t seg) {
+  const int64_t rest = n - seg * kSegment;
+  return rest < kSegment ? rest : kSegment;
+}
+
+// p = e^(x - M) / S: softmax's output before storage rounding, and the probabilities every
+// backward uses.
+JAXDET_HD float prob(float x, float M, float S) { return dm::div(dm::exp(dm::sub(x, M)), S); }
+
+// log_softmax = (x - M) - ln S.
+JAXDET_HD float log_prob(float x, float M, float log_s) { return dm::sub(dm::sub(x, M), log_s); }
+
+// Cross-entropy of the label's logit: ln S - (x_label - M), which is -log_prob bit for bit
+// (round-to-nearest-even is symmetric). An out-of-range label gives NaN.
+JAXDET_HD float cross_entropy(float x_label, float M, float log_s, bool valid) {
+  return valid ? dm::canonical(dm::sub(log_s, dm::sub(x_label, M))) : dm::nan();
+}
+JAXDET_HD float label_log_prob(float x_label, float M, float log_s, bool valid) {
+  return valid ? dm::canonical(log_prob(x_label, M, log_s)) : dm::nan();
+}
+
+// The backward's row reduction term: g * p (softmax) or g (log_softmax).
+JAXDET_HD float bwd_term(float g, float p, int32_t mode) { return mode == kSoftmax ? dm::mul(g, p) : g; }
+
+// dx = p * (g - sum(g * p)) (softmax) or g - p * sum(g) (log_softmax).
+JAXDET_HD float bwd(float g, float p, float total, int32_t mode) {
+  return mode == kSoftmax ? dm::mul(p, dm::sub(g, total)) : dm::sub(g, dm::mul(p, total));
+}
+
+// Cross-entropy gradient: g * (p - [i == label]). An out-of-range label: +0 where g == 0 (a masked
+// token), NaN otherwise.
+JAXDET_HD float xent_bwd(float g, float p, bool is_label, bool valid) {
+  if (!valid) return g == 0.0f ? 0.0f : dm::nan();
+  return dm::mul(g, is_label ? dm::sub(p, 1.0f) : p);
+}
+
+// The (m, s) of one segment from its max m and its lane sum (already reduced).
+JAXDET_HD dm::MaxSum segment_stats(float m, float lane_sum) {
+  return dm::MaxSum{m, m == dm::neg_inf() ? 0.0f : lane_sum};
+}
+
+// The term a segment's sum folds for element x: e^(x - m) (0 for a segment whose max is -inf).
+JAXDET_HD float exp_term(float x, float m) { return m == dm::neg_inf() ? 0.0f : dm::exp(dm::sub(x, m)); }
+
+}  // namespace softmax
+}  // namespace jaxdet

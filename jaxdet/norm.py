@@ -1,0 +1,377 @@
+"""Batch-invariant RMSNorm and LayerNorm, bitwise equal on CPU and GPU.
+
+The contracts (docs/norm.md, proven by tests/test_norm.py):
+
+* Row invariance, forward and backward: a row's output and input gradient depend only on that row,
+  the parameters (and, backward, that row's cotangent); every row is reduced over its features in
+  the canonical span order (cuda/common/det_math.h), whatever the number of rows.
+* CPU == GPU bitwise: the same float32 operations in the same order on both backends.
+* Parameter gradients: dscale = sum over tokens of g * xhat and dbias = sum of g, by the canonical
+  balanced tree over tokens (jaxdet.parallel.tree_sum's tree, one token per leaf), so a device that
+  holds an aligned power-of-two block of tokens holds a subtree.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdet import _ffi, _rows
+
+__all__ = ["rms_norm", "layer_norm", "GRAD_BLOCK_TOKENS"]
+
+# Tokens per partial that the parameter-gradient kernels write (an aligned subtree of the tree over
+# tokens; cuda/norm/norm_math.h kGradBlock). The upper levels of the tree combine the partials.
+GRAD_BLOCK_TOKENS = 32
+
+_F32 = np.dtype(jnp.float32)
+
+
+# ---- Primitive 1: jaxdet_norm_fwd. x [G, R, n], w f32 [1 or G, n], b f32 [1 or G, n] or [0]
+# -> y [G, R, n] (x's dtype), stats f32 [G, R, 2] = (mean, rstd). ----
+
+
+def _fwd_abstract_eval(x, w, b, *, eps, center):
+    return (_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:2] + (2,), _F32))
+
+
+def _fold_groups(args, dims, row_args):
+    """Brings the vmapped axis to the front and folds it into G. `row_args[i]` says whether
+    argument i is shaped like x ([G, R, ...]); the others are parameters [Gp, n] (Gp in {1, G}),
+    kept shared when unbatched with Gp == 1 (or empty), else broadcast to [B * G, n]."""
+    size = _rows.batch_size(args, dims)
+    moved = [_rows.moved_to_front(a, d, size) if is_row else a for a, d, is_row in zip(args, dims, row_args)]
+    G = next(a.shape[1] for a, is_row in zip(moved, row_args) if is_row)
+    out = []
+    for a, d, is_row in zip(moved, dims, row_args):
+        if not is_row and (a.size == 0 or (_ffi.not_mapped(d) and a.shape[0] == 1)):
+            out.append(a)
+            continue
+        full = a if is_row else jnp.broadcast_to(_rows.moved_to_front(a, d, size), (size, G) + a.shape[-1:])
+        out.append(full.reshape((size * full.shape[1],) + full.shape[2:]))
+    return size, out
+
+
+def _unfold(x, size):
+    return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+
+
+def _fwd_batch(args, dims, *, eps, center):
+    size, (x, w, b) = _fold_groups(args, dims, (True, False, False))
+    y, stats = norm_fwd_p.bind(x, w, b, eps=eps, center=center)
+    return (_unfold(y, size), _unfold(stats, size)), (0, 0)
+
+
+norm_fwd_p = _ffi.define_primitive(
+    "jaxdet_norm_fwd",
+    _fwd_abstract_eval,
+    attributes=lambda eps, center: dict(eps=np.float32(eps), center=bool(center)),
+    batching_rule=_fwd_batch,
+    multiple_results=True,
+)
+
+
+# ---- Primitive 2: jaxdet_norm_bwd. x, w, stats, g -> dx [G, R, n]. ----
+
+
+def _bwd_abstract_eval(x, w, stats, g, *, center):
+    return _rows.shaped(x.shape, x.dtype)
+
+
+def _bwd_batch(args, dims, *, center):
+    size, (x, w, stats, g) = _fold_groups(args, dims, (True, False, True, True))
+    return _unfold(norm_bwd_p.bind(x, w, stats, g, center=center), size), 0
+
+
+norm_bwd_p = _ffi.define_primitive(
+    "jaxdet_norm_bwd",
+    _bwd_abstract_eval,
+    attributes=lambda center: dict(center=bool(center)),
+    batching_rule=_bwd_batch,
+)
+
+
+# ---- Primitive 3: jaxdet_norm_param_grad. x [G, T, n], stats [G, T, 2], g [G, T, n] -> dscale
+# f32 [G, n], dbias f32 [G, n] ([G, 0] without a bias): per group, the canonical tree over its T
+# tokens; then the CUDA kernels' workspaces for the partials between the levels of that tree
+# (aligned runs of GRAD_BLOCK_TOKENS tokens, then of as many partials, ...). ----
+
+
+def _grad_workspace_rows(tokens):
+    """Rows of partials between the levels of the tree (norm_math.h grad_workspace_rows)."""
+    rows, count = 0, -(-tokens // GRAD_BLOCK_TOKENS)
+    while count > 1:
+        rows += count
+        count = -(-count // GRAD_BLOCK_TOKENS)
+    return rows
+
+
+def _pg_abstract_eval(x, stats, g, *, has_bias):
+    G, T, n = x.shape
+    ws = _grad_workspace_rows(T)
+    return (
+        _rows.shaped((G, n), _F32),
+        _rows.shaped((G, n if has_bias else 0), _F32),
+        _rows.shaped((G, ws, n), _F32),
+        _rows.shaped((G, ws if has_bias else 0, n), _F32),
+    )
+
+
+def _pg_batch(args, dims, *, has_bias):
+    size, flat = _fold_groups(args, dims, (True, True, True))
+    outs = norm_param_grad_p.bind(*flat, has_bias=has_bias)
+    return [_unfold(o, size) for o in outs], [0, 0, 0, 0]
+
+
+norm_param_grad_p = _ffi.define_primitive(
+    "jaxdet_norm_param_grad",
+    _pg_abstract_eval,
+    attributes=lambda has_bias: {},
+    batching_rule=_pg_batch,
+    multiple_results=True,
+)
+
+
+# ---- Composite primitives on the rows as the user shaped them, x [*R, n] (every leading dimension a
+# row dimension), so that under sharded jit a split of any row dimension stays on its device with no
+# collective (each device flattens its own shard); the features n are never split (a row's reduction
+# must see the whole row: a split n is all-gathered). ----
+
+
+def _row_factors(x_shape):
+    return tuple(f"r{i}" for i in range(len(x_shape) - 1))
+
+
+def _as_groups(x):
+    return x.reshape(1, -1, x.shape[-1])
+
+
+def _rows_fwd_abstract_eval(x, w, b, *, eps, center, has_bias):
+    return (_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:-1] + (2,), _F32))
+
+
+def _rows_fwd_local(params, axes, shapes):
+    def run(x, w, b):
+        bias = b.reshape(1, -1) if params["has_bias"] else jnp.zeros((0,), _F32)
+        y, stats = norm_fwd_p.bind(_as_groups(x), w.reshape(1, -1), bias, eps=params["eps"], center=params["center"])
+        return y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))
+
+    return run
+
+
+def _rows_fwd_factors(params, shapes):
+    rows = _row_factors(shapes[0])
+    return [rows + ("n",), ("n",), ("n",)], [rows + ("n",), rows + ("two",)]
+
+
+def _param_batched(args, dims, which):
+    return any(not _ffi.not_mapped(dims[i]) for i in which)
+
+
+def _rows_fwd_batch(args, dims, *, eps, center, has_bias):
+    (x, w, b), (xd, wd, bd) = args, dims
+    if not _param_batched(args, dims, (1, 2)):  # the vmapped axis is one more row dimension
+        return norm_rows_fwd_p.bind(jnp.moveaxis(x, xd, 0), w, b, eps=eps, center=center, has_bias=has_bias), (0, 0)
+    # Per-example parameters: one group per example (the kernels' [G, R, n] layout).
+    size = _rows.batch_size(args, dims)
+    x = _rows.moved_to_front(x, xd, size)
+    w, b = _rows.moved_to_front(w, wd, size), _rows.moved_to_front(b, bd, size)
+    y, stats = norm_fwd_p.bind(
+        x.reshape(size, -1, x.shape[-1]), w, b if has_bias else jnp.zeros((0,), _F32), eps=eps, center=center
+    )
+    return (y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))), (0, 0)
+
+
+norm_rows_fwd_p = _ffi.define_composite(
+    "jaxdet_norm_rows_fwd",
+    _rows_fwd_abstract_eval,
+    _ffi.Partitioning(_rows_fwd_factors, replicated=frozenset({"n", "two"}), local=_rows_fwd_local),
+    batching_rule=_rows_fwd_batch,
+    multiple_results=True,
+)
+
+
+def _rows_bwd_abstract_eval(x, w, stats, g, *, center):
+    return _rows.shaped(x.shape, x.dtype)
+
+
+def _rows_bwd_local(params, axes, shapes):
+    def run(x, w, stats, g):
+        dx = norm_bwd_p.bind(
+            _as_groups(x), w.reshape(1, -1), stats.reshape(1, -1, 2), _as_groups(g), center=params["center"]
+        )
+        return dx.reshape(x.shape)
+
+    return run
+
+
+def _rows_bwd_factors(params, shapes):
+    rows = _row_factors(shapes[0])
+    return [rows + ("n",), ("n",), rows + ("two",), rows + ("n",)], [rows + ("n",)]
+
+
+def _rows_bwd_batch(args, dims, *, center):
+    (x, w, stats, g), (xd, wd, sd, gd) = args, dims
+    size = _rows.batch_size(args, dims)
+    x, stats, g = (_rows.moved_to_front(a, d, size) for a, d in ((x, xd), (stats, sd), (g, gd)))
+    if _ffi.not_mapped(wd):
+        return norm_rows_bwd_p.bind(x, w, stats, g, center=center), 0
+    w = jnp.moveaxis(w, wd, 0)
+    grouped = lambda a: a.reshape(size, -1, a.shape[-1])
+    dx = norm_bwd_p.bind(grouped(x), w, grouped(stats), grouped(g), center=center)
+    return dx.reshape(x.shape), 0
+
+
+norm_rows_bwd_p = _ffi.define_composite(
+    "jaxdet_norm_rows_bwd",
+    _rows_bwd_abstract_eval,
+    _ffi.Partitioning(_rows_bwd_factors, replicated=frozenset({"n", "two"}), local=_rows_bwd_local),
+    batching_rule=_rows_bwd_batch,
+)
+
+
+# ---- The parameter gradients as one composite: tokens x [T, n], stats [T, 2], g [T, n] -> dscale
+# [n] (and dbias [n]) in float32, the canonical tree over tokens. With the tokens split over devices
+# each device reduces its own tokens (a subtree when it holds a power-of-two count, which is when the
+# split is allowed) and the devices' roots are combined by the top levels of the same tree
+# (tree_psum: data movement, no psum); the features may be split with no collective. ----
+
+
+def _grads_abstract_eval(x, stats, g, *, has_bias):
+    return [_rows.shaped(x.shape[-1:], _F32)] * (2 if has_bias else 1)
+
+
+def _grads_of(x3, stats3, g3, has_bias):
+    """Per group [G, n]: the canonical tree over the group's tokens."""
+    dw, db, _, _ = norm_param_grad_p.bind(x3, stats3, g3, has_bias=has_bias)
+    return [dw] + ([db] if has_bias else [])
+
+
+def _grads_local(params, axes, shapes):
+    tokens = axes.get("t", ())
+
+    def run(x, stats, g):
+        out = [o[0] for o in _grads_of(x[None], stats[None], g[None], params["has_bias"])]
+        return [_ffi.tree_psum_untyped(o, tokens) for o in out] if tokens else out
+
+    return run
+
+
+def _grads_factors(params, shapes):
+    return [("t", "n"), ("t", "two"), ("t", "n")], [("n",)] * (2 if params["has_bias"] else 1)
+
+
+def _tokens_line_up(factor, size, parts):
+    # A device's tokens form a subtree of the tree over tokens only if it holds a power-of-two
+    # count of them; other splits would change the bits, so those tokens are all-gathered instead.
+    if factor != "t":
+        return True
+    per_device = size // parts
+    return per_device & (per_device - 1) == 0
+
+
+def _grads_batch(args, dims, *, has_bias):
+    size = _rows.batch_size(args, dims)
+    x, stats, g = (_rows.moved_to_front(a, d, size) for a, d in zip(args, dims))
+    return _grads_of(x, stats, g, has_bias), [0] * (2 if has_bias else 1)
+
+
+norm_grads_p = _ffi.define_composite(
+    "jaxdet_norm_param_grads",
+    _grads_abstract_eval,
+    _ffi.Partitioning(
+        _grads_factors,
+        replicated=frozenset({"two"}),
+        reduced=frozenset({"t"}),
+        local=_grads_local,
+        can_split=_tokens_line_up,
+    ),
+    batching_rule=_grads_batch,
+    multiple_results=True,
+)
+
+
+# ---- The differentiable core: x [..., n], w and b float32 [n]. ----
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm(x, w, b, eps, center, has_bias):
+    return norm_rows_fwd_p.bind(x, w, b, eps=eps, center=center, has_bias=has_bias)[0]
+
+
+def _norm_fwd(x, w, b, eps, center, has_bias):
+    y, stats = norm_rows_fwd_p.bind(x, w, b, eps=eps, center=center, has_bias=has_bias)
+    return y, (x, w, b, stats)
+
+
+def _norm_bwd(eps, center, has_bias, res, g):
+    x, w, b, stats = res
+    # Under shard_map, a parameter invariant over axes the activations vary over gets the
+    # canonical-tree sum of the devices' gradients (match_varying: tree_psum, never psum).
+    dx = _ffi.match_varying(norm_rows_bwd_p.bind(x, w, stats, g, center=center), _ffi.varying_axes(x))
+    n = x.shape[-1]
+    grads = norm_grads_p.bind(x.reshape(-1, n), stats.reshape(-1, 2), g.reshape(-1, n), has_bias=has_bias)
+    dw = _ffi.match_varying(grads[0], _ffi.varying_axes(w))
+    db = _ffi.match_varying(grads[1] if has_bias else jnp.zeros_like(b), _ffi.varying_axes(b))
+    return dx, dw, db
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+def _check_param(p, name, n):
+    p = _rows.check_float_array(p, name)
+    if p.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) (the last dimension of x), got {tuple(p.shape)}")
+    return p
+
+
+def _apply(x, scale, bias, eps, center):
+    x = _rows.check_float_array(x, "x")
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension (the features are its last axis), got a scalar")
+    n = x.shape[-1]
+    scale = _check_param(scale, "scale", n) if scale is not None else None
+    bias = _check_param(bias, "bias", n) if bias is not None else None
+    eps = _rows.check_eps(eps)
+    if x.size == 0:
+        return _ffi.match_varying(jnp.zeros(x.shape, x.dtype), _ffi.varying_axes(x))
+    # Parameters enter the kernels as float32 (exact widening); their gradients come back as
+    # float32 tree sums and are rounded once to the parameter dtype by the astype's transpose.
+    w = jnp.ones((n,), _F32) if scale is None else scale.astype(_F32)
+    b = jnp.zeros((n,), _F32) if bias is None else bias.astype(_F32)
+    return _norm(x, w, b, eps, center, bias is not None)
+
+
+def rms_norm(x, scale, eps: float = 1e-6):
+    """RMSNorm over the last axis: ``y = x * rstd * scale``, ``rstd = 1 / sqrt(mean(x^2) + eps)``.
+
+    Args:
+      x: ``[..., n]`` float32, bfloat16 or float16 (every leading index is a token).
+      scale: ``[n]`` float32, bfloat16 or float16, or None (no scale: ones).
+      eps: a static Python float >= 0, added to the mean square in float32.
+
+    Returns ``y`` with x's shape and dtype. Statistics and arithmetic are float32 (x and scale
+    widened exactly), each operation rounded once, in the order of docs/norm.md; y is rounded once
+    to x's dtype. A row's bits depend only on that row and ``scale``, and equal on CPU and GPU.
+    Reverse-mode differentiable (``jax.custom_vjp``): dx is row-invariant too; dscale is the
+    canonical tree over tokens of ``g * xhat`` in float32, rounded once to scale's dtype.
+    """
+    return _apply(x, scale, None, eps, center=False)
+
+
+def layer_norm(x, scale, bias, eps: float = 1e-6):
+    """LayerNorm over the last axis: ``y = (x - mean) * rstd * scale + bias``,
+    ``rstd = 1 / sqrt(mean((x - mean)^2) + eps)`` (two-pass variance).
+
+    Args:
+      x: ``[..., n]`` float32, bfloat16 or float16.
+      scale, bias: ``[n]`` float32, bfloat16 or float16, or None (no scale / no bias).
+      eps: a static Python float >= 0.
+
+    The same contracts as :func:`rms_norm`; dbias is the canonical tree over tokens of ``g``.
+    """
+    return _apply(x, scale, bias, eps, center=True)

@@ -1,0 +1,441 @@
+"""Batch-invariant softmax, log_softmax and cross-entropy with integer labels, bitwise equal on CPU
+and GPU.
+
+The contracts (docs/softmax.md, proven by tests/test_softmax.py):
+
+* Row invariance, forward and backward: a row's outputs (and input gradient) depend only on that
+  row (and its cotangent, its label); every row is reduced in the canonical order of segments,
+  lanes and trees (cuda/softmax/softmax_math.h), whatever the number of rows.
+* CPU == GPU bitwise: the same float32 operations in the same order on both backends, with exp and
+  log from one header compiled for both (cuda/common/det_math.h).
+* ``label_log_probs(x, labels) == -softmax_cross_entropy_with_integer_labels(x, labels)`` and
+  ``== take_along_axis(log_softmax(x), labels)`` (float32 x), bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdet import _ffi, _rows
+
+__all__ = [
+    "softmax",
+    "log_softmax",
+    "softmax_cross_entropy_with_integer_labels",
+    "softmax_cross_entropy",
+    "label_log_probs",
+    "SEGMENT",
+]
+
+# Elements per segment of a row (cuda/softmax/softmax_math.h kSegment): rows longer than this are
+# reduced segment by segment and the segments combined by the canonical tree.
+SEGMENT = 8192
+
+_F32 = np.dtype(jnp.float32)
+_I32 = np.dtype(jnp.int32)
+_MODES = {"softmax": 0, "log_softmax": 1}
+
+
+def _segments(n):
+    return 1 if n <= SEGMENT else -(-n // SEGMENT)
+
+
+def _workspace_segments(n):
+    # The CUDA kernels keep per-segment partials there when a row has several segments.
+    s = _segments(n)
+    return s if s > 1 else 0
+
+
+def _fold_rows(args, dims):
+    """Moves the vmapped axis to the front (broadcasting unmapped arguments) and folds it into the
+    rows: every argument's leading axis is the row axis."""
+    size = _rows.batch_size(args, dims)
+    flat = []
+    for a, d in zip(args, dims):
+        moved = _rows.moved_to_front(a, d, size)
+        flat.append(moved.reshape((size * moved.shape[1],) + moved.shape[2:]))
+    return size, flat
+
+
+def _unfold(x, size):
+    return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+
+
+# ---- jaxdet_softmax_fwd: x [R, n] -> y [R, n], stats f32 [R, 2] = (M, S), workspace. ----
+
+
+def _sfwd_abstract_eval(x, *, mode):
+    R, n = x.shape
+    return (
+        _rows.shaped(x.shape, x.dtype),
+        _rows.shaped((R, 2), _F32),
+        _rows.shaped((R, _workspace_segments(n), 2), _F32),
+    )
+
+
+def _sfwd_batch(args, dims, *, mode):
+    size, (x,) = _fold_rows(args, dims)
+    outs = softmax_fwd_p.bind(x, mode=mode)
+    return [_unfold(o, size) for o in outs], [0, 0, 0]
+
+
+softmax_fwd_p = _ffi.define_primitive(
+    "jaxdet_softmax_fwd",
+    _sfwd_abstract_eval,
+    attributes=lambda mode: dict(mode=np.int32(mode)),
+    batching_rule=_sfwd_batch,
+    multiple_results=True,
+)
+
+
+# ---- jaxdet_softmax_bwd: x, stats, g -> dx [R, n], workspace. ----
+
+
+def _sbwd_abstract_eval(x, stats, g, *, mode):
+    R, n = x.shape
+    return (_rows.shaped(x.shape, x.dtype), _rows.shaped((R, _workspace_segments(n)), _F32))
+
+
+def _sbwd_batch(args, dims, *, mode):
+    size, flat = _fold_rows(args, dims)
+    outs = softmax_bwd_p.bind(*flat, mode=mode)
+    return [_unfold(o, size) for o in outs], [0, 0]
+
+
+softmax_bwd_p = _ffi.define_primitive(
+    "jaxdet_softmax_bwd",
+    _sbwd_abstract_eval,
+    attributes=lambda mode: dict(mode=np.int32(mode)),
+    batching_rule=_sbwd_batch,
+    multiple_results=True,
+)
+
+
+# ---- jaxdet_xent_fwd: logits [R, n], labels int32 [R] -> out f32 [R], stats, workspace. ----
+
+
+def _xfwd_abstract_eval(x, labels, *, log_prob):
+    R, n = x.shape
+    return (_rows.shaped((R,), _F32), _rows.shaped((R, 2), _F32), _rows.shaped((R, _workspace_segments(n), 2), _F32))
+
+
+def _xfwd_batch(args, dims, *, log_prob):
+    size, flat = _fold_rows(args, dims)
+    outs = xent_fwd_p.bind(*flat, log_prob=log_prob)
+    return [_unfold(o, size) for o in outs], [0, 0, 0]
+
+
+xent_fwd_p = _ffi.define_primitive(
+    "jaxdet_xent_fwd",
+    _xfwd_abstract_eval,
+    attributes=lambda log_prob: dict(log_prob=bool(log_prob)),
+    batching_rule=_xfwd_batch,
+    multiple_results=True,
+)
+
+
+# ---- jaxdet_xent_bwd: logits, labels, stats, g f32 [R] -> dlogits [R, n]. ----
+
+
+def _xbwd_abstract_eval(x, labels, stats, g):
+    return _rows.shaped(x.shape, x.dtype)
+
+
+def _xbwd_batch(args, dims):
+    size, flat = _fold_rows(args, dims)
+    return _unfold(xent_bwd_p.bind(*flat), size), 0
+
+
+xent_bwd_p = _ffi.define_primitive(
+    "jaxdet_xent_bwd", _xbwd_abstract_eval, attributes=lambda: {}, batching_rule=_xbwd_batch
+)
+
+
+# ---- jaxdet_det_math: the shared exp / log / rsqrt elementwise on float32 (tests and report). ----
+
+_MATH_OPS = {"exp": 0, "log": 1, "rsqrt": 2}
+
+det_math_p = _ffi.define_primitive(
+    "jaxdet_det_math",
+    lambda x, *, op: _rows.shaped(x.shape, _F32),
+    attributes=lambda op: dict(op=np.int32(op)),
+    batching_rule=lambda args, dims, *, op: (det_math_p.bind(args[0], op=op), dims[0]),
+)
+
+
+def det_math(x, op: str):
+    """det_math.h's ``exp``, ``log`` or ``rsqrt`` of a float32 array, on x's device: the functions
+    every softmax kernel uses (the same bits on CPU and GPU)."""
+    if op not in _MATH_OPS:
+        raise ValueError(f"op must be one of {sorted(_MATH_OPS)}, got {op!r}")
+    x = jnp.asarray(x)
+    if np.dtype(x.dtype) != _F32:
+        raise TypeError(f"x must be float32, got {np.dtype(x.dtype).name}")
+    return det_math_p.bind(x, op=_MATH_OPS[op])
+
+
+# ---- Composite primitives on the rows as the user shaped them, x [*R, n] (every leading dimension a
+# row dimension), so that under sharded jit a split of any row dimension stays on its device with no
+# collective; the class axis n is never split (a split one is all-gathered). ----
+
+
+def _flat(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def _row_factors(shape, trailing):
+    return tuple(f"r{i}" for i in range(len(shape) - trailing))
+
+
+def _fold_into_rows(prim, args, dims, params, nout):
+    """A vmapped axis is one more leading row dimension: move it to the front everywhere."""
+    size = _rows.batch_size(args, dims)
+    out = prim.bind(*[_rows.moved_to_front(a, d, size) for a, d in zip(args, dims)], **params)
+    return out, ([0] * nout if prim.multiple_results else 0)
+
+
+def _composite(name, abstract_eval, factors, local, nout):
+    prim = None
+
+    def batch(args, dims, **params):
+        return _fold_into_rows(prim, args, dims, params, nout)
+
+    prim = _ffi.define_composite(
+        name,
+        abstract_eval,
+        _ffi.Partitioning(factors, replicated=frozenset({"n", "two"}), local=local),
+        batching_rule=batch,
+        multiple_results=nout > 1,
+    )
+    return prim
+
+
+def _sm_local(params, axes, shapes):
+    def run(x):
+        y, stats, _ = softmax_fwd_p.bind(_flat(x), mode=params["mode"])
+        return [y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))]
+
+    return run
+
+
+softmax_rows_p = _composite(
+    "jaxdet_softmax_rows",
+    lambda x, *, mode: [_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:-1] + (2,), _F32)],
+    lambda params, shapes: (
+        [_row_factors(shapes[0], 1) + ("n",)],
+        [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1) + ("two",)],
+    ),
+    _sm_local,
+    2,
+)
+
+
+def _sm_bwd_local(params, axes, shapes):
+    def run(x, stats, g):
+        return softmax_bwd_p.bind(_flat(x), stats.reshape(-1, 2), _flat(g), mode=params["mode"])[0].reshape(x.shape)
+
+    return run
+
+
+softmax_rows_bwd_p = _composite(
+    "jaxdet_softmax_rows_bwd",
+    lambda x, stats, g, *, mode: _rows.shaped(x.shape, x.dtype),
+    lambda params, shapes: (
+        [
+            _row_factors(shapes[0], 1) + ("n",),
+            _row_factors(shapes[0], 1) + ("two",),
+            _row_factors(shapes[0], 1) + ("n",),
+        ],
+        [_row_factors(shapes[0], 1) + ("n",)],
+    ),
+    _sm_bwd_local,
+    1,
+)
+
+
+def _xent_local(params, axes, shapes):
+    def run(x, labels):
+        out, stats, _ = xent_fwd_p.bind(_flat(x), labels.reshape(-1), log_prob=params["log_prob"])
+        return [out.reshape(labels.shape), stats.reshape(labels.shape + (2,))]
+
+    return run
+
+
+xent_rows_p = _composite(
+    "jaxdet_xent_rows",
+    lambda x, labels, *, log_prob: [_rows.shaped(labels.shape, _F32), _rows.shaped(labels.shape + (2,), _F32)],
+    lambda params, shapes: (
+        [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1)],
+        [_row_factors(shapes[0], 1), _row_factors(shapes[0], 1) + ("two",)],
+    ),
+    _xent_local,
+    2,
+)
+
+
+def _xent_bwd_local(params, axes, shapes):
+    def run(x, labels, stats, g):
+        return xent_bwd_p.bind(_flat(x), labels.reshape(-1), stats.reshape(-1, 2), g.reshape(-1)).reshape(x.shape)
+
+    return run
+
+
+xent_rows_bwd_p = _composite(
+    "jaxdet_xent_rows_bwd",
+    lambda x, labels, stats, g: _rows.shaped(x.shape, x.dtype),
+    lambda params, shapes: (
+        [
+            _row_factors(shapes[0], 1) + ("n",),
+            _row_factors(shapes[0], 1),
+            _row_factors(shapes[0], 1) + ("two",),
+            _row_factors(shapes[0], 1),
+        ],
+        [_row_factors(shapes[0], 1) + ("n",)],
+    ),
+    _xent_bwd_local,
+    1,
+)
+
+
+# ---- Differentiable cores on x [..., n] (the class axis last). ----
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _softmax_rows(x, mode):
+    return softmax_rows_p.bind(x, mode=mode)[0]
+
+
+def _softmax_rows_fwd(x, mode):
+    y, stats = softmax_rows_p.bind(x, mode=mode)
+    return y, (x, stats)
+
+
+def _softmax_rows_bwd(mode, res, g):
+    x, stats = res
+    # The probabilities are recomputed from x and the row statistics in float32 (never from a
+    # bfloat16/float16 output), exactly as the forward computed them.
+    return (_ffi.match_varying(softmax_rows_bwd_p.bind(x, stats, g, mode=mode), _ffi.varying_axes(x)),)
+
+
+_softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _xent_rows(x, labels, log_prob):
+    return xent_rows_p.bind(x, labels, log_prob=log_prob)[0]
+
+
+def _xent_rows_fwd(x, labels, log_prob):
+    out, stats = xent_rows_p.bind(x, labels, log_prob=log_prob)
+    return out, (x, labels, stats)
+
+
+def _xent_rows_bwd(log_prob, res, g):
+    x, labels, stats = res
+    # d(log p_label) = -d(loss): negating the cotangent is exact.
+    dx = xent_rows_bwd_p.bind(x, labels, stats, -g if log_prob else g)
+    return _ffi.match_varying(dx, _ffi.varying_axes(x)), np.zeros(labels.shape, jax.dtypes.float0)
+
+
+_xent_rows.defvjp(_xent_rows_fwd, _xent_rows_bwd)
+
+
+# ---- Public functions. ----
+
+
+def _rows_of(x, axis, name):
+    x = _rows.check_float_array(x, name)
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have at least one dimension, got a scalar")
+    axis = _rows.check_axis(axis, x.ndim)
+    moved = jnp.moveaxis(x, axis, -1) if axis != x.ndim - 1 else x
+    return moved, axis
+
+
+def _softmax_like(x, axis, mode):
+    moved, axis = _rows_of(x, axis, "x")
+    if moved.size == 0:
+        return _ffi.match_varying(jnp.zeros(x.shape, x.dtype), _ffi.varying_axes(x))
+    y = _softmax_rows(moved, _MODES[mode])
+    return jnp.moveaxis(y, -1, axis) if axis != x.ndim - 1 else y
+
+
+def softmax(x, axis: int = -1):
+    """``exp(x - max) / sum(exp(x - max))`` along ``axis``, batch-invariant and CPU == GPU bitwise.
+
+    x: float32, bfloat16 or float16. The statistics and arithmetic are float32, in the order of
+    docs/softmax.md; the result is rounded once to x's dtype. Reverse-mode differentiable: the
+    backward recomputes the float32 probabilities and reduces ``g * p`` in the same canonical order.
+    A non-last ``axis`` costs a transpose.
+    """
+    return _softmax_like(x, axis, "softmax")
+
+
+def log_softmax(x, axis: int = -1):
+    """``(x - max) - log(sum(exp(x - max)))`` along ``axis``; see :func:`softmax`."""
+    return _softmax_like(x, axis, "log_softmax")
+
+
+def _labels_int32(labels, n, expected_shape):
+    if not (hasattr(labels, "dtype") and hasattr(labels, "shape")):
+        raise TypeError(f"labels must be an integer array, got {type(labels).__name__}")
+    dtype = np.dtype(labels.dtype)
+    if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+        raise TypeError(
+            f"labels must be integer class indices (int32 or another integer dtype), got {dtype.name}; "
+            "probability or one-hot labels are not supported (optax.softmax_cross_entropy takes those)"
+        )
+    if tuple(labels.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"labels must have the logits' shape without the class axis, {tuple(expected_shape)}, "
+            f"got {tuple(labels.shape)}"
+        )
+    labels = jnp.asarray(labels)
+    if dtype.itemsize > 4 or dtype == np.uint32:
+        # Wider labels are narrowed without letting an out-of-range value wrap into range.
+        labels = jnp.where((labels < 0) | (labels >= n), -1, labels)
+    return labels.astype(_I32)
+
+
+def _xent(logits, labels, axis, log_prob):
+    moved, _ = _rows_of(logits, axis, "logits")
+    n = moved.shape[-1]
+    if n == 0:
+        raise ValueError("logits must have at least one class (the class axis has size 0)")
+    labels = _labels_int32(labels, n, moved.shape[:-1])
+    if moved.size == 0:
+        return _ffi.match_varying(jnp.zeros(labels.shape, _F32), _ffi.varying_union(moved, labels))
+    return _xent_rows(moved, labels, log_prob)
+
+
+def softmax_cross_entropy_with_integer_labels(logits, labels, axis: int = -1):
+    """Per-token cross-entropy ``logsumexp(logits) - logits[label]`` (optax's name and argument order).
+
+    Args:
+      logits: ``[..., n]`` float32, bfloat16 or float16 (the class axis is ``axis``).
+      labels: integer class indices with the logits' shape minus the class axis.
+
+    Returns float32 losses of labels' shape, computed as ``log(S) - (x_label - M)`` with the row's
+    statistics (M, S) of docs/softmax.md (the same as log_softmax's). A label outside
+    ``[0, n)`` gives a NaN loss (no clamping); its logits gradient is NaN, or zero where the loss's
+    cotangent is zero (a masked token). Reverse-mode differentiable in ``logits``: the gradient is
+    ``g * (softmax(logits) - one_hot(label))``, elementwise, with the softmax recomputed in float32.
+    """
+    return _xent(logits, labels, axis, log_prob=False)
+
+
+def softmax_cross_entropy(logits, labels, axis: int = -1):
+    """Cross-entropy with **integer** labels: the same as
+    :func:`softmax_cross_entropy_with_integer_labels` (probability labels raise a TypeError)."""
+    return _xent(logits, labels, axis, log_prob=False)
+
+
+def label_log_probs(logits, labels, axis: int = -1):
+    """Per-token log-probabilities of the labels, ``(x_label - M) - log(S)``: bitwise
+    ``-softmax_cross_entropy_with_integer_labels(logits, labels)`` and, for float32 logits,
+    ``take_along_axis(log_softmax(logits), labels)``. NaN for an out-of-range label."""
+    return _xent(logits, labels, axis, log_prob=True)

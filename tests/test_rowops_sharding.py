@@ -1,0 +1,158 @@
+"""Norms, softmax and cross-entropy on many devices (docs/norm.md and docs/softmax.md, "Many devices"),
+on 8 simulated CPU devices.
+
+XLA's CPU device count is fixed when the backend starts, so when this process has fewer than 8
+devices the file runs itself once in a child pytest with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and each test reports its outcome there.
+"""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bitwise import assert_bitwise
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from multidevice import IN_CHILD, NDEV, collectives, on_devices  # noqa: F401
+
+import jaxdet
+
+NO_SUM = ("all-reduce", "reduce-scatter")
+
+
+def mesh(n=NDEV, names=("data",), shape=None):
+    shape = shape or (n,)
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=jax.devices()[:n])
+
+
+def rand(shape, dtype=jnp.float32, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
+
+
+def put(x, m, spec):
+    return jax.device_put(x, NamedSharding(m, spec))
+
+
+NORMS = {
+    "rms": lambda x, w, b: jaxdet.rms_norm(x, w),
+    "layer": lambda x, w, b: jaxdet.layer_norm(x, w, b),
+}
+
+
+def _norm_loss(kind):
+    # A fixed cotangent per token (cos of a token-local value), summed: the gradient's token terms
+    # do not depend on how the batch is split.
+    return lambda w, b, x: jnp.sum(jnp.sin(NORMS[kind](x, w, b).astype(jnp.float32)))
+
+
+# ---- shard_map (check_vma=True) ----------------------------------------------------------------
+
+
+@on_devices
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_norm_param_grads_in_shard_map_are_device_count_invariant(kind, dtype):
+    # 64 tokens: every device holds a power-of-two count (64 / D), so its tokens are a subtree of the
+    # tree over tokens; plain jax.grad inside shard_map gives the single-device bits.
+    x = rand((16, 4, 48), dtype, seed=1)
+    w, b = rand((48,), jnp.float32, seed=2) + 1.0, rand((48,), jnp.float32, seed=3)
+    loss = _norm_loss(kind)
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    reference = jax.jit(grads)(w, b, x)
+    for d in (1, 2, 4, 8):
+        m = mesh(d)
+        f = jax.jit(jax.shard_map(grads, mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P("data"))))
+        dw, db, dx = f(w, b, x)
+        assert_bitwise(dw, reference[0], f"dscale, {d} devices")
+        assert_bitwise(db, reference[1], f"dbias, {d} devices")
+        assert_bitwise(dx, reference[2], f"dx, {d} devices")
+        if d > 1:
+            found = collectives(
+                jax.shard_map(grads, mesh=m, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P("data"))), w, b, x
+            )
+            assert not set(found) & set(NO_SUM), found
+
+
+@on_devices
+@pytest.mark.parametrize("mode", ["softmax", "log_softmax", "cross_entropy", "label_log_probs"])
+def test_softmax_family_in_shard_map(mode):
+    m = mesh()
+    x = rand((16, 3, 300), seed=4) * 3
+    labels = jnp.asarray(np.random.default_rng(5).integers(0, 300, (16, 3)), jnp.int32)
+    fns = {
+        "softmax": lambda x, lab: jaxdet.softmax(x),
+        "log_softmax": lambda x, lab: jaxdet.log_softmax(x),
+        "cross_entropy": jaxdet.softmax_cross_entropy_with_integer_labels,
+        "label_log_probs": jaxdet.label_log_probs,
+    }
+    f = fns[mode]
+    loss = lambda x, lab: jnp.sum(jnp.sin(f(x, lab)))
+    want_out, want_dx = f(x, labels), jax.grad(loss)(x, labels)
+    out = jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data")))(x, labels)
+    dx = jax.jit(jax.shard_map(jax.grad(loss), mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data")))(x, labels)
+    assert_bitwise(out, want_out)
+    assert_bitwise(dx, want_dx)
+    # Outputs are typed as varying: an invariant out_specs is refused, as for jnp.
+    with pytest.raises(Exception, match="vary|varying|vma"):
+        jax.shard_map(f, mesh=m, in_specs=(P("data"), P("data")), out_specs=P())(x, labels)
+
+
+# ---- sharded jit (custom_partitioning) -----------------------------------------------------------
+
+
+@on_devices
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+def test_row_ops_sharded_jit_run_per_shard(shardy):
+    saved = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        m = mesh(names=("x", "y"), shape=(2, 4))
+        x = rand((8, 16, 256), seed=6) * 2
+        w, b = rand((256,), seed=7) + 1.0, rand((256,), seed=8)
+        labels = jnp.asarray(np.random.default_rng(9).integers(0, 256, (8, 16)), jnp.int32)
+        ops = {
+            "rms_norm": lambda x, lab: jaxdet.rms_norm(x, w),
+            "layer_norm": lambda x, lab: jaxdet.layer_norm(x, w, b),
+            "softmax": lambda x, lab: jaxdet.softmax(x),
+            "log_softmax": lambda x, lab: jaxdet.log_softmax(x),
+            "cross_entropy": jaxdet.softmax_cross_entropy_with_integer_labels,
+        }
+        for spec in (P("x"), P(("x", "y")), P(None, "y"), P("x", "y")):  # any row dimensions
+            xs, ls = put(x, m, spec), put(labels, m, spec)
+            for name, f in ops.items():
+                out = jax.jit(f)(xs, ls)
+                assert_bitwise(out, f(x, labels), f"{name} {spec}")
+                assert tuple(out.sharding.spec)[: len(spec)] == tuple(spec), (name, spec, out.sharding.spec)
+                assert collectives(f, xs, ls) == {}, (name, spec)
+                dx = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x, ls)))))(xs)
+                assert_bitwise(dx, jax.grad(lambda x: jnp.sum(jnp.sin(f(x, labels))))(x), f"d{name} {spec}")
+        # A split feature / class axis is all-gathered (never summed): the bits stay the same.
+        xs = put(x, m, P(None, None, "y"))
+        for name, f in ops.items():
+            assert_bitwise(jax.jit(f)(xs, labels), f(x, labels), f"{name} split features")
+            assert not set(collectives(f, xs, labels)) & set(NO_SUM), name
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", saved)
+
+
+@on_devices
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_param_grads_sharded_jit(kind):
+    loss = _norm_loss(kind)
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    w, b = rand((40,), seed=10) + 1.0, rand((40,), seed=11)
+    for tokens, aligned in ((64, True), (48, False)):
+        x = rand((tokens, 40), seed=12)
+        reference = grads(w, b, x)
+        for d in (2, 4, 8):
+            m = mesh(d)
+            wd, bd, xd = put(w, m, P()), put(b, m, P()), put(x, m, P("data"))
+            got = jax.jit(grads)(wd, bd, xd)
+            for a, e, name in zip(got, reference, ("dscale", "dbias", "dx")):
+                assert_bitwise(a, e, f"{name}, {tokens} tokens on {d} devices")
+            assert got[2].sharding.spec == P("data")
+            found = collectives(grads, wd, bd, xd)
+            assert not set(found) & set(NO_SUM), found
+            if not aligned:  # 6 tokens per device at D = 8 are not a subtree: gathered, not reduced
+                assert "all-gather" in found or d < 8, found
