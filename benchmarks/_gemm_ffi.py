@@ -45,7 +45,8 @@ def wgrad_init(a, dc, chunk_tokens, out_dtype):
     L, T, K = a.shape
     # the result and workspace shapes the primitive declares (jaxdet/matmul.py)
     out_shape, ws_shape = importlib.import_module("jaxdet.matmul")._wgrad_init_shapes(
-        L, T, K, dc.shape[2], chunk_tokens, out_dtype)
+        L, T, K, dc.shape[2], chunk_tokens, out_dtype
+    )
     out, _ = jax.ffi.ffi_call(
         "jaxdet_gemm_wgrad_init",
         (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct(ws_shape, jnp.float32)),

@@ -68,14 +68,9 @@ def main():
         )
         t_psum, t_tree = timeit_pair(f_psum, f_tree, [(x,)], args.reps, args.inner)
         a, b = f_psum(x), f_tree(x)
-        same_devices = (
-            len({np.asarray(s.data).tobytes() for s in b.addressable_shards}) == 1
-        )
+        same_devices = len({np.asarray(s.data).tobytes() for s in b.addressable_shards}) == 1
         differ = int(
-            jnp.sum(
-                jax.lax.bitcast_convert_type(a, jnp.uint32)
-                != jax.lax.bitcast_convert_type(b, jnp.uint32)
-            )
+            jnp.sum(jax.lax.bitcast_convert_type(a, jnp.uint32) != jax.lax.bitcast_convert_type(b, jnp.uint32))
         )
         rows.append((mb, t_psum, t_tree, differ, n, same_devices))
         del x, a, b
@@ -90,9 +85,7 @@ def main():
         "|---|---|---|---|---|---|",
     ]
     for mb, tp, tt, differ, n, same in rows:
-        lines.append(
-            f"| {mb:g} | {tp:.3f} | {tt:.3f} | {tt / tp:.2f}x | {differ}/{n} | {same} |"
-        )
+        lines.append(f"| {mb:g} | {tp:.3f} | {tt:.3f} | {tt / tp:.2f}x | {differ}/{n} | {same} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -42,8 +42,20 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxdet  # noqa: E402
 
-GPT2_BLOCK = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,), (768, 3072), (3072,),
-              (3072, 768), (768,)]
+GPT2_BLOCK = [
+    (768,),
+    (768,),
+    (768, 2304),
+    (2304,),
+    (768, 768),
+    (768,),
+    (768,),
+    (768,),
+    (768, 3072),
+    (3072,),
+    (3072, 768),
+    (768,),
+]
 GPT2_SHAPES = [(50257, 768), (1024, 768)] + GPT2_BLOCK * 12 + [(768,), (768,)]
 
 
@@ -156,8 +168,12 @@ def copy_bandwidth(device, reps):
 
 def progress(row):
     name, _, _, _, mode, t_jd, t_ox, floor_ms, *_ = row
-    print(f"[{time.strftime('%H:%M:%S')}] {name}, {mode}: jaxdet {t_jd:.3f} ms, optax {t_ox:.3f} ms, "
-          f"floor {floor_ms:.3f} ms", file=sys.stderr, flush=True)
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {name}, {mode}: jaxdet {t_jd:.3f} ms, optax {t_ox:.3f} ms, "
+        f"floor {floor_ms:.3f} ms",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def bench(args):
@@ -177,8 +193,10 @@ def bench(args):
         "optax": {"donated": jax.jit(ox, donate_argnums=0), "kept": jax.jit(ox)},
     }
     down = 1 if device.platform == "gpu" else 64  # --allow-cpu smoke test: smaller trees
-    trees = {"GPT-2-small (148 f32 leaves, 124.4M values)": gpt2_tree(device, down),
-             "1000 leaves, mixed sizes, f32/bf16/f16": mixed_tree(device, scale_down=down)}
+    trees = {
+        "GPT-2-small (148 f32 leaves, 124.4M values)": gpt2_tree(device, down),
+        "1000 leaves, mixed sizes, f32/bf16/f16": mixed_tree(device, scale_down=down),
+    }
 
     rows = []
     refs = {}
@@ -192,15 +210,17 @@ def bench(args):
         err = float(max_abs_diff(c_jd, c_ox))
         t_jd = time_per_clip(loop_clips["jaxdet"], lambda: copy_of(tree), args.loop, max(3, args.reps // 3))
         t_ox = time_per_clip(loop_clips["optax"], lambda: copy_of(tree), args.loop, max(3, args.reps // 3))
-        rows.append((name, len(tree), n_values, nbytes, "in-jit loop", t_jd, t_ox, floor_ms,
-                     float(norm), err))
+        rows.append((name, len(tree), n_values, nbytes, "in-jit loop", t_jd, t_ox, floor_ms, float(norm), err))
         progress(rows[-1])
         # What any jitted per-call function of this tree pays: the host's dispatch of its leaves
         # plus one read and one write of each (2/3 of the clip floor's traffic).
         scale = jax.jit(lambda t: jax.tree.map(lambda x: x * 1.5, t), donate_argnums=0)
         refs[name] = time_calls(scale, lambda: copy_of(tree), args.calls, args.reps)
-        print(f"[{time.strftime('%H:%M:%S')}] {name}, per-call reference x * 1.5: {refs[name]:.3f} ms",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {name}, per-call reference x * 1.5: {refs[name]:.3f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
         for mode in ("donated", "kept"):
             make = (lambda: copy_of(tree)) if mode == "donated" else (lambda: tree)
             t_jd = time_calls(lambda t: fns["jaxdet"][mode](t), make, args.calls, args.reps)
@@ -211,37 +231,48 @@ def bench(args):
     dev = f"{device.device_kind} ({device.platform})"
     bw_mib = 1024 if device.platform == "gpu" else 64
     print(f"\n### Global-norm clipping: jaxdet vs optax, {dev}, jax {jax.__version__}, optax {optax.__version__}\n")
-    print(f"Copy bandwidth (`x * 1.5`, {bw_mib} MiB f32, read + write): {bw / 1e12:.2f} TB/s. "
-          f"Median of {args.reps} runs of {args.calls} back-to-back jitted calls; max_norm={max_norm} (always clips).\n")
+    print(
+        f"Copy bandwidth (`x * 1.5`, {bw_mib} MiB f32, read + write): {bw / 1e12:.2f} TB/s. "
+        f"Median of {args.reps} runs of {args.calls} back-to-back jitted calls; max_norm={max_norm} (always clips).\n"
+    )
     print("| tree | leaves | MB | inputs | jaxdet ms | optax ms | optax / jaxdet | 3-pass floor ms | jaxdet / floor |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, leaves, n_values, nbytes, mode, t_jd, t_ox, floor_ms, norm, err in rows:
-        print(f"| {name} | {leaves} | {nbytes / 1e6:.0f} | {mode} | {t_jd:.3f} | {t_ox:.3f} | {t_ox / t_jd:.2f}x | "
-              f"{floor_ms:.3f} | {t_jd / floor_ms:.2f}x |")
+    for name, leaves, _n_values, nbytes, mode, t_jd, t_ox, floor_ms, _norm, _err in rows:
+        print(
+            f"| {name} | {leaves} | {nbytes / 1e6:.0f} | {mode} | {t_jd:.3f} | {t_ox:.3f} | {t_ox / t_jd:.2f}x | "
+            f"{floor_ms:.3f} | {t_jd / floor_ms:.2f}x |"
+        )
     print()
     for name, *_, norm, err in rows[::3]:
         print(f"- {name}: norm {norm:.6g}; max |jaxdet - optax| over clipped values {err:.3g}")
-    print(f"- in-jit loop: time per clip inside a jitted fori_loop, (loop of {3 * args.loop} - loop of "
-          f"{args.loop}) / {2 * args.loop}: device time without the host's per-call dispatch of the tree "
-          "(which the difference cancels); the targets are judged on these rows.")
+    print(
+        f"- in-jit loop: time per clip inside a jitted fori_loop, (loop of {3 * args.loop} - loop of "
+        f"{args.loop}) / {2 * args.loop}: device time without the host's per-call dispatch of the tree "
+        "(which the difference cancels); the targets are judged on these rows."
+    )
     for name, ms in refs.items():
-        print(f"- {name}: a jitted donated `x * 1.5` of every leaf (dispatch plus one read and one write) "
-              f"takes {ms:.3f} ms per call: the per-call rows cannot go below the host's dispatch of the leaves.")
-    print("- donated: fresh donated copy per call (as inside a train step); kept: non-donated argument "
-          "(XLA copies the tree first to honour jaxdet's in-place aliasing).")
+        print(
+            f"- {name}: a jitted donated `x * 1.5` of every leaf (dispatch plus one read and one write) "
+            f"takes {ms:.3f} ms per call: the per-call rows cannot go below the host's dispatch of the leaves."
+        )
+    print(
+        "- donated: fresh donated copy per call (as inside a train step); kept: non-donated argument "
+        "(XLA copies the tree first to honour jaxdet's in-place aliasing)."
+    )
 
 
 def trace(args):
     """Profiler view of the in-jit loops (device busy vs span, kernels, host events)."""
-    import optax
 
     from trace_summary import traced
 
     device = jax.devices()[0]
     down = 1 if device.platform == "gpu" else 64
     loops = {impl: loop_fn(clip, args.loop) for impl, clip in loop_bodies().items()}
-    for name, make in (("GPT-2-small", lambda: gpt2_tree(device, down)),
-                       ("1000 leaves mixed", lambda: mixed_tree(device, scale_down=down))):
+    for name, make in (
+        ("GPT-2-small", lambda: gpt2_tree(device, down)),
+        ("1000 leaves mixed", lambda: mixed_tree(device, scale_down=down)),
+    ):
         for impl, fn in loops.items():
             tree = make()
             # the loop donates its argument: hand each of the two calls its own copy
@@ -255,11 +286,15 @@ def sanitize():
     leaves (several launches), identity / multiply / zero modes, global_norm."""
     rng = np.random.default_rng(0)
     dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
-    small = [jnp.asarray(rng.standard_normal(n).astype(np.float32)).astype(dtypes[i % 3])
-             for i, n in enumerate([0, 1, 3, 4095, 4096, 4097, 3 * 4096 + 5, 20000])]
+    small = [
+        jnp.asarray(rng.standard_normal(n).astype(np.float32)).astype(dtypes[i % 3])
+        for i, n in enumerate([0, 1, 3, 4095, 4096, 4097, 3 * 4096 + 5, 20000])
+    ]
     small.append(jnp.float32(2.0))
-    many = [jnp.asarray(rng.standard_normal(int(n)).astype(np.float32)).astype(dtypes[i % 3])
-            for i, n in enumerate(rng.integers(0, 300, 1100))]
+    many = [
+        jnp.asarray(rng.standard_normal(int(n)).astype(np.float32)).astype(dtypes[i % 3])
+        for i, n in enumerate(rng.integers(0, 300, 1100))
+    ]
     bad = small + [jnp.asarray(np.array([1.0, np.inf], np.float32))]
     runs = [
         ("clip multiply", small, 0.5, "propagate"),

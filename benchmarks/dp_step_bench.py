@@ -69,14 +69,10 @@ def main():
     d = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
-    params = jax.device_put(
-        fp.init_params(args.features, args.hidden, args.outputs, dtype=dtype), rep
-    )
+    params = jax.device_put(fp.init_params(args.features, args.hidden, args.outputs, dtype=dtype), rep)
     opt_state = jax.device_put(fp._optimizer().init(params), rep)
     batch = fp._global_batch(
-        fp.make_batches(
-            1, d * args.tokens_per_device, args.features, args.outputs, dtype=dtype
-        )[0],
+        fp.make_batches(1, d * args.tokens_per_device, args.features, args.outputs, dtype=dtype)[0],
         shard,
     )
     key = np.asarray(jaxdet.random.key(0))

@@ -44,8 +44,12 @@ def jax_random_dropout(x, key):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sanitize", action="store_true", help="small shapes, run each kernel once")
-    parser.add_argument("--shape", type=lambda s: tuple(int(v) for v in s.split("x")), default=(64, 4096, 1024),
-                        help="e.g. 64x4096x1024 (the default, 256Mi elements)")
+    parser.add_argument(
+        "--shape",
+        type=lambda s: tuple(int(v) for v in s.split("x")),
+        default=(64, 4096, 1024),
+        help="e.g. 64x4096x1024 (the default, 256Mi elements)",
+    )
     args = parser.parse_args()
     shape = (3, 257, 33) if args.sanitize else args.shape
     dtype = jnp.bfloat16
@@ -60,13 +64,22 @@ def main() -> None:
     ref_bwd = jax.jit(lambda x, k, g: jax.vjp(lambda x: jax_random_dropout(x, k), x)[1](g)[0])
     copy_like = jax.jit(lambda x: x * jnp.asarray(1.5, dtype))
     if args.sanitize:
-        for name, fn, a in [("fwd", fwd, (x, key)), ("bwd", bwd, (x, key, g)),
-                            ("offset", jax.jit(lambda x, k: jaxdet.dropout(x, k, RATE, offset=3)), (x[1:], key)),
-                            ("bcast", jax.jit(lambda x, k: jaxdet.dropout(x, k, RATE, broadcast_dims=(1,))), (x, key)),
-                            ("vmap", jax.jit(jax.vmap(lambda x, k: jaxdet.dropout(x, k, RATE))),
-                             (x, jaxdet.random.split(key, shape[0]))),
-                            ("philox", jax.jit(jaxdet.random.philox4x32_10),
-                             (jnp.arange(4 * 1001, dtype=jnp.uint32).reshape(1001, 4), key))]:
+        for name, fn, a in [
+            ("fwd", fwd, (x, key)),
+            ("bwd", bwd, (x, key, g)),
+            ("offset", jax.jit(lambda x, k: jaxdet.dropout(x, k, RATE, offset=3)), (x[1:], key)),
+            ("bcast", jax.jit(lambda x, k: jaxdet.dropout(x, k, RATE, broadcast_dims=(1,))), (x, key)),
+            (
+                "vmap",
+                jax.jit(jax.vmap(lambda x, k: jaxdet.dropout(x, k, RATE))),
+                (x, jaxdet.random.split(key, shape[0])),
+            ),
+            (
+                "philox",
+                jax.jit(jaxdet.random.philox4x32_10),
+                (jnp.arange(4 * 1001, dtype=jnp.uint32).reshape(1001, 4), key),
+            ),
+        ]:
             jax.block_until_ready(fn(*a))
             print(f"ran {name}")
         return
@@ -81,8 +94,10 @@ def main() -> None:
     ]
     ceiling = nbytes / rows[0][1]
     device = jax.devices()[0]
-    print(f"device: {device.device_kind} | jax {jax.__version__} | {x.size / 2**20:.0f}Mi {np.dtype(dtype).name} "
-          f"elements, rate {RATE} | median of 20 x 10 calls")
+    print(
+        f"device: {device.device_kind} | jax {jax.__version__} | {x.size / 2**20:.0f}Mi {np.dtype(dtype).name} "
+        f"elements, rate {RATE} | median of 20 x 10 calls"
+    )
     print()
     print("| op | time (ms) | GB/s (read + write) | % of copy-like bandwidth |")
     print("|---|---:|---:|---:|")

@@ -66,7 +66,7 @@ def check_accuracy():
     for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
         for ta in (False, True):
             for tb in (False, True):
-                for out_f32 in ((False, True) if dt != jnp.float32 else (False,)):
+                for out_f32 in (False, True) if dt != jnp.float32 else (False,):
                     for L, Lb, M, K, N in ((2, 2, 200, 264, 136), (3, 1, 72, 1032, 520), (1, 1, 1, 64, 4104)):
                         key, k1, k2 = jax.random.split(key, 3)
                         a = rand(k1, (L, K, M) if ta else (L, M, K), dt)
@@ -80,8 +80,12 @@ def check_accuracy():
                         tol = 1e-5 if (out_f32 or dt == jnp.float32) else TOL[dt]
                         e = relerr(out, ref)
                         ok = out.dtype == odt and out.shape == (L, M, N) and e < tol
-                        report(f"accuracy {NAMES[dt]} ta={int(ta)} tb={int(tb)} out={'f32' if out_f32 else NAMES[dt]} "
-                               f"L={L} Lb={Lb} M={M} K={K} N={N}", ok, f"relerr={e:.2e} tol={tol:.0e}")
+                        report(
+                            f"accuracy {NAMES[dt]} ta={int(ta)} tb={int(tb)} out={'f32' if out_f32 else NAMES[dt]} "
+                            f"L={L} Lb={Lb} M={M} K={K} N={N}",
+                            ok,
+                            f"relerr={e:.2e} tol={tol:.0e}",
+                        )
 
 
 def check_tf32_absent():
@@ -101,9 +105,14 @@ def row_bits(x):
 
 def check_row_invariance():
     ms = (1, 2, 3, 17, 128, 1000, 4096) if not QUICK else (1, 3, 128, 4096)
-    cases = [(jnp.bfloat16, 4096, 4096, False), (jnp.bfloat16, 4096, 4096, True), (jnp.float16, 1024, 2048, False),
-             (jnp.float32, 1024, 512, False), (jnp.bfloat16, 1024, 512, False, "f32out"),
-             (jnp.bfloat16, 1032, 1000, False, "tadim")]
+    cases = [
+        (jnp.bfloat16, 4096, 4096, False),
+        (jnp.bfloat16, 4096, 4096, True),
+        (jnp.float16, 1024, 2048, False),
+        (jnp.float32, 1024, 512, False),
+        (jnp.bfloat16, 1024, 512, False, "f32out"),
+        (jnp.bfloat16, 1032, 1000, False, "tadim"),
+    ]
     key = jax.random.PRNGKey(3)
     for case in cases:
         dt, K, N, tb = case[:4]
@@ -118,7 +127,7 @@ def check_row_invariance():
             row = lambda a: f(a.T, b)  # noqa: E731  (a stored [K, M]: its contiguous dim is M)
         else:
             row = lambda a: f(a, b)  # noqa: E731
-        ref = row_bits(row(big[:8 if ta else 1])[0])
+        ref = row_bits(row(big[: 8 if ta else 1])[0])
         diffs = {}
         for m in ms:
             if ta and m % 8:
@@ -139,8 +148,10 @@ def check_row_invariance():
         if dt == jnp.bfloat16 and K == 4096 and not tb:
             j1 = jnp.dot(big[:1], b)[0]
             j2 = jnp.dot(big[:4096], b)[0]
-            print(f"[{TAG}] INFO jnp.dot row-0 bits changed M=1 vs M=4096 (bf16 K=N=4096): "
-                  f"{int(np.sum(row_bits(j1) != row_bits(j2)))}/{N}; jaxdet: {diffs.get('M=4096')}")
+            print(
+                f"[{TAG}] INFO jnp.dot row-0 bits changed M=1 vs M=4096 (bf16 K=N=4096): "
+                f"{int(np.sum(row_bits(j1) != row_bits(j2)))}/{N}; jaxdet: {diffs.get('M=4096')}"
+            )
 
 
 def hopper_kernels():
@@ -168,7 +179,7 @@ def check_wgrad():
             seq = acc0
             g = jax.jit(lambda acc, a, dc: wgrad(acc, a, dc, 1 << 30))
             for t0 in range(0, T, chunk):
-                seq = g(seq, a[:, t0:t0 + chunk], dc[:, t0:t0 + chunk])
+                seq = g(seq, a[:, t0 : t0 + chunk], dc[:, t0 : t0 + chunk])
             same_seq = bool(np.array_equal(row_bits(out), row_bits(seq)))
             # Trailing zero tokens inside the last chunk change nothing.
             pad = (-T) % chunk if (-T) % chunk else 0
@@ -181,8 +192,11 @@ def check_wgrad():
                 same_pad = True
             again = bool(np.array_equal(row_bits(out), row_bits(f(acc0, a, dc))))
             ok = e < 1e-5 and same_seq and (same_pad or not expect_pad) and again
-            report(f"wgrad {NAMES[dt]} L={L} T={T} K={K} N={N} chunk={chunk}", ok,
-                   f"relerr={e:.2e} ==chunk-by-chunk:{same_seq} trailing-zero-pad:{same_pad} run-to-run:{again}")
+            report(
+                f"wgrad {NAMES[dt]} L={L} T={T} K={K} N={N} chunk={chunk}",
+                ok,
+                f"relerr={e:.2e} ==chunk-by-chunk:{same_seq} trailing-zero-pad:{same_pad} run-to-run:{again}",
+            )
     # Donated accumulator under jit (the aliasing XLA sets up).
     acc0 = jnp.ones((1, 64, 64), jnp.float32)
     a = rand(key, (1, 16, 64), jnp.bfloat16)
@@ -211,8 +225,11 @@ def check_wgrad_init():
             half = jax.jit(lambda a, dc: wgrad_init(a, dc, 128, dt))(a, dc)
             same_f32 = bool(np.array_equal(np.asarray(f32), np.asarray(zero_acc)))
             same_cast = bool(np.array_equal(row_bits(half), row_bits(f32.astype(dt))))
-            report(f"wgrad_init {NAMES[dt]} T={T} chunk=128", same_f32 and same_cast,
-                   f"f32==zero-acc sequence:{same_f32} half==f32.astype:{same_cast}")
+            report(
+                f"wgrad_init {NAMES[dt]} T={T} chunk=128",
+                same_f32 and same_cast,
+                f"f32==zero-acc sequence:{same_f32} half==f32.astype:{same_cast}",
+            )
 
 
 def check_edges():
@@ -224,7 +241,9 @@ def check_edges():
     out = jax.jit(lambda a, b: gemm(a, b))(rand(key, (1, 0, 16), jnp.bfloat16), rand(key, (1, 16, 8), jnp.bfloat16))
     report("M=0", out.shape == (1, 0, 8))
     try:
-        jax.jit(lambda a, b: gemm(a, b))(rand(key, (1, 4, 12), jnp.bfloat16), rand(key, (1, 12, 8), jnp.bfloat16)).block_until_ready()
+        jax.jit(lambda a, b: gemm(a, b))(
+            rand(key, (1, 4, 12), jnp.bfloat16), rand(key, (1, 12, 8), jnp.bfloat16)
+        ).block_until_ready()
         report("K=12 bf16 rejected with a clear error", False, "no error raised")
     except Exception as e:  # noqa: BLE001
         msg = str(e)

@@ -34,7 +34,7 @@ def check_wgrad(dt, kdim, seed):
     r = wgrad(acc, a, dc, 128)
     ref = f64(acc) + np.einsum("ltk,ltn->lkn", f64(a), f64(dc))
     worst = np.linalg.norm(f64(r) - ref) / np.linalg.norm(ref)
-    for out_dt in ((dt, jnp.float32) if dt != jnp.float32 else (dt,)):
+    for out_dt in (dt, jnp.float32) if dt != jnp.float32 else (dt,):
         for T in (100, 300):
             r = wgrad_init(a[:, :T], dc[:, :T], 128, out_dt)
             ref = np.einsum("ltk,ltn->lkn", f64(a[:, :T]), f64(dc[:, :T]))
@@ -50,7 +50,7 @@ for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
     cases = [(ta, tb, 136) for ta in (False, True) for tb in (False, True)]
     cases += [(False, False, 24), (False, True, 24)]
     for ta, tb, M in cases:
-        for out in ((dt, jnp.float32) if dt != jnp.float32 else (dt,)):
+        for out in (dt, jnp.float32) if dt != jnp.float32 else (dt,):
             L, Lb, K, N = 2, 1, 200, 264
             key, k1, k2 = jax.random.split(key, 3)
             a = jax.random.normal(k1, (L, K, M) if ta else (L, M, K)).astype(dt)

@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import jaxdet  # noqa: E402
 from _gemm_ffi import gemm, wgrad  # noqa: E402
+
+import jaxdet  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 MS = [1, 16, 128, 1024, 4096, 16384]
@@ -48,9 +49,13 @@ def parse():
     p.add_argument("--inner", type=int, default=5)
     p.add_argument("--raw", action="store_true")
     p.add_argument("--out", default="")
-    p.add_argument("--chunk-tokens", type=int, default=0,
-                   help="measure dB with this WGRAD_CHUNK_TOKENS instead of the library's (an experiment: "
-                        "it changes dB's bits and its micro-batch granularity)")
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        help="measure dB with this WGRAD_CHUNK_TOKENS instead of the library's (an experiment: "
+        "it changes dB's bits and its micro-batch granularity)",
+    )
     return p.parse_args()
 
 
@@ -95,7 +100,7 @@ def timeit_pair(fn_ref, fn_det, argsets, reps, inner):
         jax.block_until_ready(out)
     times = ([], [])
     for rep in range(reps):
-        for j in ((0, 1) if rep % 2 == 0 else (1, 0)):
+        for j in (0, 1) if rep % 2 == 0 else (1, 0):
             fn = fns[j]
             t0 = time.perf_counter()
             for i in range(inner):
@@ -117,10 +122,12 @@ def main():
     chunk_tokens = importlib.import_module("jaxdet.matmul").WGRAD_CHUNK_TOKENS if use_api else 2048
     dt = jnp.bfloat16
     dev = jax.devices()[0]
-    head = (f"# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\ndevice: {dev.device_kind}; jax {jax.__version__}; "
-            f"{datetime.date.today()}; jaxdet via {'jaxdet.matmul' if use_api else 'raw FFI targets'}; "
-            f"dB chunk_tokens {chunk_tokens}; "
-            f"median of {args.reps} x {args.inner} back-to-back calls, jnp and jaxdet repetitions alternating\n")
+    head = (
+        f"# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\ndevice: {dev.device_kind}; jax {jax.__version__}; "
+        f"{datetime.date.today()}; jaxdet via {'jaxdet.matmul' if use_api else 'raw FFI targets'}; "
+        f"dB chunk_tokens {chunk_tokens}; "
+        f"median of {args.reps} x {args.inner} back-to-back calls, jnp and jaxdet repetitions alternating\n"
+    )
     print(head, flush=True)
     rows = []
     key = jax.random.PRNGKey(0)
@@ -150,8 +157,10 @@ def main():
         key, ka = jax.random.split(key)
         a4 = jax.random.normal(ka, (4096, K), jnp.float32).astype(dt)
         u = lambda x: np.asarray(x).view(np.uint16)  # noqa: E731
-        bits[(K, N)] = (int(np.sum(u(fwd_ref(a4[:1], b)[0]) != u(fwd_ref(a4, b)[0]))),
-                        int(np.sum(u(fwd_det(a4[:1], b)[0]) != u(fwd_det(a4, b)[0]))))
+        bits[(K, N)] = (
+            int(np.sum(u(fwd_ref(a4[:1], b)[0]) != u(fwd_ref(a4, b)[0]))),
+            int(np.sum(u(fwd_det(a4[:1], b)[0]) != u(fwd_det(a4, b)[0]))),
+        )
         del a4
         for M in ms:
             key, ka, kc = jax.random.split(key, 3)
@@ -166,26 +175,38 @@ def main():
                     t_ref, t_det = timeit_pair(fwd_ref, fwd_det, ab, args.reps, args.inner)
                 elif op == "dA":
                     t_ref, t_det = timeit_pair(da_ref, da_det, sets, args.reps, args.inner)
+                elif use_api:
+                    t_ref, t_det = timeit_pair(db_ref, db_det, sets, args.reps, args.inner)
                 else:
-                    if use_api:
-                        t_ref, t_det = timeit_pair(db_ref, db_det, sets, args.reps, args.inner)
-                    else:
-                        t_ref = timeit(db_ref, sets, args.reps, args.inner)
-                        acc = jnp.zeros((K, N), jnp.float32)
-                        t_det = timeit(db_det_chain, [(acc, s[0], s[2]) for s in sets], args.reps, args.inner, chain=True)
+                    t_ref = timeit(db_ref, sets, args.reps, args.inner)
+                    acc = jnp.zeros((K, N), jnp.float32)
+                    t_det = timeit(db_det_chain, [(acc, s[0], s[2]) for s in sets], args.reps, args.inner, chain=True)
                 r = (op, K, N, M, t_ref, t_det, t_ref / t_det, flops / t_ref / 1e9, flops / t_det / 1e9)
                 rows.append(r)
-                print(f"{op:3s} K={K:6d} N={N:6d} M={M:6d}  jnp {t_ref:9.4f} ms ({r[7]:6.0f} TF/s)  "
-                      f"jaxdet {t_det:9.4f} ms ({r[8]:6.0f} TF/s)  ratio {r[6]:.3f}", flush=True)
+                print(
+                    f"{op:3s} K={K:6d} N={N:6d} M={M:6d}  jnp {t_ref:9.4f} ms ({r[7]:6.0f} TF/s)  "
+                    f"jaxdet {t_det:9.4f} ms ({r[8]:6.0f} TF/s)  ratio {r[6]:.3f}",
+                    flush=True,
+                )
             del sets, a, dc
         del bs, b
 
-    lines = [head, "| op | K | N | M | jnp.dot ms | jaxdet ms | throughput ratio (jnp time / jaxdet time) | jnp TFLOP/s | jaxdet TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        head,
+        "| op | K | N | M | jnp.dot ms | jaxdet ms | throughput ratio (jnp time / jaxdet time) | jnp TFLOP/s | jaxdet TFLOP/s |",  # noqa: E501
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.4f} | {r[5]:.4f} | {r[6]:.3f} | {r[7]:.0f} | {r[8]:.0f} |")
-    lines += ["", "Row 0 bits (elements of row 0 whose bits differ between M=1 and M=4096), forward:", "",
-              "| K | N | jnp.dot | jaxdet |", "|---|---|---|---|"]
+        lines.append(
+            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.4f} | {r[5]:.4f} | {r[6]:.3f} | {r[7]:.0f} | {r[8]:.0f} |"
+        )
+    lines += [
+        "",
+        "Row 0 bits (elements of row 0 whose bits differ between M=1 and M=4096), forward:",
+        "",
+        "| K | N | jnp.dot | jaxdet |",
+        "|---|---|---|---|",
+    ]
     for (K, N), (bj, bd) in bits.items():
         lines.append(f"| {K} | {N} | {bj}/{N} | {bd}/{N} |")
     text = "\n".join(lines) + "\n"

@@ -51,8 +51,12 @@ def main():
     rng = np.random.default_rng(0)
     dot = jax.jit(lambda a, b: jnp.dot(a, b))
     det = jax.jit(jaxdet.matmul)
-    print(f"jax {jax.__version__}, jaxdet CPU GEMM variant: {_native.cpu_gemm_isa()}, {len(jax.devices('cpu'))} CPU device(s)")
-    print(f"{'dtype':>8} {'M':>6} {'K':>6} {'N':>6} | {'jnp.dot ms':>10} {'GFLOP/s':>8} | {'jaxdet ms':>10} {'GFLOP/s':>8} | {'ratio':>6}")
+    print(
+        f"jax {jax.__version__}, jaxdet CPU GEMM variant: {_native.cpu_gemm_isa()}, {len(jax.devices('cpu'))} CPU device(s)"  # noqa: E501
+    )
+    print(
+        f"{'dtype':>8} {'M':>6} {'K':>6} {'N':>6} | {'jnp.dot ms':>10} {'GFLOP/s':>8} | {'jaxdet ms':>10} {'GFLOP/s':>8} | {'ratio':>6}"  # noqa: E501
+    )
     shapes = SHAPES[:1] if args.quick else SHAPES
     dtypes = [jnp.float32] if args.quick else [jnp.float32, jnp.bfloat16]
     for dtype in dtypes:

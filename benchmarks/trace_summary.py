@@ -46,15 +46,18 @@ def _table(es, top):
     for e in es:
         agg[e["name"]][0] += 1
         agg[e["name"]][1] += e["dur"]
-    return [f"    {dur / 1e3:9.3f} ms  {n:6d} x  {name[:110]}"
-            for name, (n, dur) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]]
+    return [
+        f"    {dur / 1e3:9.3f} ms  {n:6d} x  {name[:110]}"
+        for name, (n, dur) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]
+    ]
 
 
 def summarize(log_dir, top=12):
     ev = _events(log_dir)
     procs = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    threads = {
+        (e["pid"], e.get("tid")): e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     lines = []
     by_line = collections.defaultdict(list)
     for e in ev:
@@ -70,9 +73,11 @@ def summarize(log_dir, top=12):
                 ivals = [(e["ts"], e["ts"] + e["dur"]) for e in es]
                 start, stop = min(s for s, _ in ivals), max(e for _, e in ivals)
                 busy = _union(ivals)
-                lines.append(f"{pname} / {threads.get((pid, tid), tid)}: {len(es)} events, span "
-                             f"{(stop - start) / 1e3:.3f} ms, busy {busy / 1e3:.3f} ms "
-                             f"({100 * busy / max(stop - start, 1e-9):.0f}%)")
+                lines.append(
+                    f"{pname} / {threads.get((pid, tid), tid)}: {len(es)} events, span "
+                    f"{(stop - start) / 1e3:.3f} ms, busy {busy / 1e3:.3f} ms "
+                    f"({100 * busy / max(stop - start, 1e-9):.0f}%)"
+                )
                 lines += _table(es, top)
         else:
             es = [e for (p, _), line in by_line.items() if p == pid for e in line]

@@ -25,11 +25,19 @@ from jaxdet import _switches  # noqa: E402
 
 _switches.validate_testing_env()  # a mistyped JAXDET_TESTING is an error, never silently ignored
 
-from jaxdet import random
+from jaxdet import (  # noqa: E402
+    export,
+    optax,  # noqa: E402 (imports optax lazily)
+    parallel,
+    random,
+    testing,
+)
 from jaxdet._ffi import WITH_CUDA, CudaNotBuiltError
+from jaxdet.attention import attention
+from jaxdet.audit import audit  # noqa: E402
+from jaxdet.clip import clip_by_global_norm, global_norm
 from jaxdet.dropout import dropout
 from jaxdet.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
-from jaxdet.clip import clip_by_global_norm, global_norm
 from jaxdet.norm import layer_norm, rms_norm
 from jaxdet.softmax import (
     label_log_probs,
@@ -38,10 +46,6 @@ from jaxdet.softmax import (
     softmax_cross_entropy,
     softmax_cross_entropy_with_integer_labels,
 )
-from jaxdet.attention import attention
-from jaxdet import optax  # noqa: E402 (imports optax lazily)
-from jaxdet import export, parallel, testing  # noqa: E402
-from jaxdet.audit import audit  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

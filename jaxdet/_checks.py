@@ -22,9 +22,7 @@ def check_philox_key(key, name: str = "key"):
     """Return `key` as a uint32[2] array, or raise naming `name` and how to make a Philox key."""
     dtype = getattr(key, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        raise TypeError(
-            f"{name} is a jax.random key ({dtype}); jaxdet uses its own uint32[2] Philox keys: {KEY_HELP}."
-        )
+        raise TypeError(f"{name} is a jax.random key ({dtype}); jaxdet uses its own uint32[2] Philox keys: {KEY_HELP}.")
     if dtype is None or not hasattr(key, "shape"):
         raise TypeError(f"{name} must be a uint32[2] Philox key array, got {type(key).__name__}; {KEY_HELP}.")
     if np.dtype(dtype) != np.uint32 or tuple(key.shape) != (2,):
@@ -36,7 +34,9 @@ def check_philox_key(key, name: str = "key"):
 
 def check_static_int(value, name: str, *, minimum: int | None = None) -> int:
     if is_traced(value):
-        raise TypeError(f"{name} must be a static Python int (it decides the compiled kernel's attributes), got a traced value")
+        raise TypeError(
+            f"{name} must be a static Python int (it decides the compiled kernel's attributes), got a traced value"
+        )
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
     value = int(value)

@@ -47,6 +47,7 @@ def _f32(shape=()):
 
 # ---- Fused primitives: the whole pipeline in one native call ------------------------------------
 
+
 def _scratch_aval(leaves):
     # Chunk slots, then the clip decision (scale, mode): device memory the kernels hand on.
     return _f32((num_chunks([x.shape for x in leaves]) + 2,))
@@ -63,6 +64,7 @@ def _clip_abstract_eval(max_norm, *leaves, nonfinite):
 
 # vmap: the staged path, one norm and one decision per example. The scratch result is internal
 # (the public functions drop it): a batched placeholder of its shape stands in for it.
+
 
 def _global_norm_batch(args, dims):
     leaves = _to_leading(args, dims)
@@ -102,6 +104,7 @@ clip_p = _ffi.define_primitive(
 # ---- Staged primitives ------------------------------------------------------------------------
 # Every leaf's first `batch_dims` dims are the example dims (the same for all leaves); each example
 # is clipped as if it were alone (cuda/clip/clip_ffi.h).
+
 
 def _batch_shape(leaves, batch_dims):
     shapes = {tuple(x.shape[:batch_dims]) for x in leaves}
@@ -197,10 +200,10 @@ apply_p = _ffi.define_primitive(
 )
 
 
-
 # Inside shard_map each handed-on or clipped leaf varies where its own leaf does (and, for apply,
 # where the decision does), not over the union of all the call's leaves: a replicated leaf clipped
 # next to sharded ones stays replicated. (The define_primitive default is the union of all inputs.)
+
 
 def _typed(aval, vma):
     return _ffi._with_varying(aval, frozenset(vma))
@@ -224,6 +227,7 @@ apply_p.def_abstract_eval(_apply_varying)
 
 # ---- Batching helpers ---------------------------------------------------------------------------
 
+
 def _batch_size(args, dims):
     for x, d in zip(args, dims):
         if not _ffi.not_mapped(d):
@@ -244,6 +248,7 @@ def _to_leading(args, dims):
 
 
 # ---- One-device compositions --------------------------------------------------------------------
+
 
 def _groups(leaves):
     return [leaves[i : i + MAX_ALIASED_LEAVES] for i in range(0, len(leaves), MAX_ALIASED_LEAVES)]

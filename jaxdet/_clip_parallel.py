@@ -43,6 +43,7 @@ def axis_names(axis_name) -> tuple:
 
 # ---- The plan: which device holds which chunk -----------------------------------------------------
 
+
 def is_aligned(local_shape, blocks: int) -> bool:
     """A leaf cut into `blocks` leading-dim blocks of `local_shape` keeps whole chunks per block."""
     return blocks == 1 or (len(local_shape) >= 1 and math.prod(local_shape) % K.CHUNK_SIZE == 0)
@@ -94,6 +95,7 @@ def global_slots(leaves, leaf_axes, axis_order, axis_sizes, *, invariant: bool, 
 
 # ---- shard_map: axis_name= ----------------------------------------------------------------------
 
+
 def _shard_map_plan(leaves, paths, names, fn):
     sizes = {a: lax.axis_size(a) for a in names}
     part_leaves, leaf_axes = [], []
@@ -140,6 +142,7 @@ def shard_map_clip(leaves, paths, max_norm, nonfinite: int, axis_name):
 
 
 # ---- Sharded jit: custom_partitioning -----------------------------------------------------------
+
 
 def _leaf_axes_of(shape, sharding, mesh):
     """The mesh axes an aligned leaf's leading dim is sharded over, or None to replicate it."""
@@ -196,8 +199,9 @@ def _clip_partition(nonfinite, mesh, arg_shapes, result_shape):
     leaf_axes, leaf_shardings = _leaf_plan(mesh, arg_shapes[1:])
 
     def lower_fn(max_norm, *leaves):
-        slots, leaves = global_slots(leaves, leaf_axes, mesh.axis_names, dict(mesh.shape), invariant=False,
-                                     hand_on=True)
+        slots, leaves = global_slots(
+            leaves, leaf_axes, mesh.axis_names, dict(mesh.shape), invariant=False, hand_on=True
+        )
         norm, ctrl = K.finalize_p.bind(slots, max_norm, nonfinite=nonfinite)
         return (norm, *K.apply_leaves(ctrl, leaves))
 
@@ -252,6 +256,7 @@ _partitioned_clip.def_partition(_clip_partition, infer_sharding_from_operands=_c
 # one-device body; under a sharded jit XLA's partitioner calls the plan above. They are
 # primitives (not bare custom_partitioning calls) so that vmap, which has no rule for
 # custom_partitioning, gets theirs: the staged kernels with one decision per example.
+
 
 def _define(name, abstract_eval, lower, batch_rule):
     prim = jex_core.Primitive(name)

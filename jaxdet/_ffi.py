@@ -72,6 +72,7 @@ def _missing_cuda_lowering(target: str):
 
 # ---- Varying manual axes (jax.shard_map with check_vma=True). ----
 
+
 def varying_axes(x) -> frozenset:
     """The mesh axes a value (or an abstract value) varies over inside ``jax.shard_map``."""
     aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
@@ -151,6 +152,7 @@ def varying_union(*xs) -> frozenset:
 
 
 # ---- Partitioning under sharded jit (custom_partitioning). ----
+
 
 @dataclasses.dataclass(frozen=True)
 class Partitioning:
@@ -269,8 +271,7 @@ def _register_partitioned_lowering(prim, local, part: Partitioning, multiple_res
             need_replication_factors=tuple(f for f in order if f in part.replicated),
         )
 
-    cp.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                     sharding_rule=sharding_rule)
+    cp.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands, sharding_rule=sharding_rule)
 
     def lowering(*args, **params):
         return cp(tuple(sorted(params.items())), *args)
@@ -301,6 +302,7 @@ def tree_psum_untyped(x, axes: tuple):
 
 # ---- Defining primitives. ----
 
+
 def _new_primitive(name, abstract_eval, multiple_results, partitioning=None):
     prim = jex_core.Primitive(name)
     prim.multiple_results = multiple_results
@@ -315,8 +317,16 @@ def _new_primitive(name, abstract_eval, multiple_results, partitioning=None):
     return prim
 
 
-def define_primitive(target: str, abstract_eval, attributes, batching_rule=None, *, multiple_results=False,
-                     operand_output_aliases=None, partitioning: Partitioning | None = None):
+def define_primitive(
+    target: str,
+    abstract_eval,
+    attributes,
+    batching_rule=None,
+    *,
+    multiple_results=False,
+    operand_output_aliases=None,
+    partitioning: Partitioning | None = None,
+):
     """A primitive named `target` that lowers to the FFI target of that name on cpu and cuda.
 
     `attributes(**params)` maps the primitive's parameters to the FFI call's attributes.
@@ -348,8 +358,9 @@ def define_primitive(target: str, abstract_eval, attributes, batching_rule=None,
     return prim
 
 
-def define_composite(name: str, abstract_eval, partitioning: Partitioning, batching_rule=None, *,
-                     multiple_results=False):
+def define_composite(
+    name: str, abstract_eval, partitioning: Partitioning, batching_rule=None, *, multiple_results=False
+):
     """A primitive computed by ``partitioning.local`` from other primitives, so that it can carry
     its own batching and partitioning rules."""
     prim = _new_primitive(name, abstract_eval, multiple_results, partitioning)

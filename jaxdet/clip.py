@@ -42,6 +42,7 @@ _LEAF_FORM = "a float32, bfloat16 or float16 array"
 
 # ---- Argument checks --------------------------------------------------------------------------
 
+
 def _check_leaves(tree, fn: str):
     """The leaves as arrays, with their paths; errors name the leaf and the expected form."""
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -112,6 +113,7 @@ def _any_varying(values) -> bool:
 
 
 # ---- Public API -------------------------------------------------------------------------------
+
 
 def global_norm(tree, *, axis_name=None) -> jax.Array:
     """The global L2 norm of a pytree of float32 / bfloat16 / float16 arrays, as a float32 scalar.

@@ -42,6 +42,7 @@ def keep_scale(rate: float) -> np.float32:
 # ---- The primitive: x[*G, *S], keys uint32[*G, 2], offsets uint32[*G, 2] (the (lo32, hi32) words of
 # each group's 64-bit offset); group g uses keys[g] and offsets[g] and indexes its own slice. ----
 
+
 def _dropout_abstract_eval(x, keys, offsets, **params):
     return jax.core.ShapedArray(x.shape, x.dtype)
 
@@ -136,8 +137,9 @@ def _dropout_local(params, axes, shapes):
         if len(runs) <= 1 and all(st == 1 for _, st in runs):
             return dropout_p.shard.bind(x, keys, offsets, mask_strides=(), **attrs)
         sizes = tuple(n for n, _ in runs)
-        out = dropout_p.shard.bind(x.reshape(x.shape[:groups] + sizes), keys, offsets,
-                                   mask_strides=tuple(st for _, st in runs), **attrs)
+        out = dropout_p.shard.bind(
+            x.reshape(x.shape[:groups] + sizes), keys, offsets, mask_strides=tuple(st for _, st in runs), **attrs
+        )
         return out.reshape(x.shape)
 
     return run
@@ -196,7 +198,9 @@ def _offset_words(offset):
     if is_traced(offset) or isinstance(offset, jax.Array):
         value = jnp.asarray(offset)
         if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.integer) or value.dtype == jnp.bool_:
-            raise TypeError(f"offset must be a Python int or an integer scalar array, got {value.dtype}{list(value.shape)}")
+            raise TypeError(
+                f"offset must be a Python int or an integer scalar array, got {value.dtype}{list(value.shape)}"
+            )
         lo = value.astype(jnp.uint32)
         if jnp.iinfo(value.dtype).bits == 64:
             hi = (value >> 32).astype(jnp.uint32)
@@ -272,8 +276,11 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
     x = jnp.asarray(x)
     if x.size == 0:
         return x
-    params = (("broadcast_dims", tuple(sorted(normalized))), ("drop_threshold", drop_threshold(rate)),
-              ("scale", float(keep_scale(rate))))
+    params = (
+        ("broadcast_dims", tuple(sorted(normalized))),
+        ("drop_threshold", drop_threshold(rate)),
+        ("scale", float(keep_scale(rate))),
+    )
     return _dropout(x, key, offsets, params, _ffi.varying_axes(x))
 
 

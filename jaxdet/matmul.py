@@ -47,6 +47,7 @@ _F32 = np.dtype(jnp.float32)
 # ---- Primitive 1: jaxdet_gemm. a [L, M, K] (or [L, K, M] with transpose_a), b [Lb, K, N] (or
 # [Lb, N, K] with transpose_b), Lb in {1, L}; out [L, M, N] of dtype out_dtype. ----
 
+
 def _gemm_dims(a_shape, b_shape, transpose_a, transpose_b):
     L = a_shape[0]
     M, K = (a_shape[2], a_shape[1]) if transpose_a else (a_shape[1], a_shape[2])
@@ -109,6 +110,7 @@ gemm_p = _ffi.define_primitive(
 # ---- Primitive 2: jaxdet_gemm_wgrad. acc f32 [L, K, N] (aliased to the result), a [L, T, K],
 # dc [L, T, N]: for each chunk of chunk_tokens tokens in order, acc = acc + a[chunk]^T . dc[chunk]. ----
 
+
 def _wgrad_abstract_eval(acc, a, dc, *, chunk_tokens):
     return jax.core.ShapedArray(acc.shape, acc.dtype)
 
@@ -145,6 +147,7 @@ wgrad_p = _ffi.define_primitive(
 # dB is the float32 result cast once (RNE); on the GPU the earlier chunks accumulate in the float32
 # workspace and the last chunk's epilogue adds and casts, so no float32 dB is written and cast
 # afterwards. The workspace is [L, K, N] only when a half dB spans several chunks, else [L, 0, 0]. ----
+
 
 def _wgrad_init_shapes(L, T, K, N, chunk_tokens, out_dtype):
     needs_workspace = np.dtype(out_dtype) != _F32 and T > chunk_tokens
@@ -265,6 +268,7 @@ def _wgrad(acc3, a3, dc3, out_dtype=_F32):
 # (the batch, the sequence, the rows) stays local; flattening before the primitive would make a
 # split of an inner dimension non-contiguous and force the partitioner to move data. ----
 
+
 def _rows_abstract_eval(a, b, *, transpose_b, out_dtype):
     return jax.core.ShapedArray(a.shape[:-1] + (b.shape[0] if transpose_b else b.shape[1],), out_dtype)
 
@@ -312,6 +316,7 @@ rows_gemm_p = _ffi.define_composite(
 # same tree, so the bits are those of the unsplit call when every device holds 2^j whole chunks
 # (`_tokens_line_up`). The other dimensions are split per device with no collective. ----
 
+
 def _weight_grad_abstract_eval(a, dc, *, out_dtype):
     return jax.core.ShapedArray((a.shape[0], a.shape[2], dc.shape[2]), out_dtype)
 
@@ -352,14 +357,16 @@ def _tokens_line_up(factor, size, parts):
 weight_grad_p = _ffi.define_composite(
     "jaxdet_weight_grad",
     _weight_grad_abstract_eval,
-    _ffi.Partitioning(_weight_grad_factors, reduced=frozenset({"t"}), local=_weight_grad_local,
-                      can_split=_tokens_line_up),
+    _ffi.Partitioning(
+        _weight_grad_factors, reduced=frozenset({"t"}), local=_weight_grad_local, can_split=_tokens_line_up
+    ),
     batching_rule=_weight_grad_batch,
 )
 
 
 # ---- The differentiable 3-D products. Each backward calls these custom_vjp functions again (the
 # products are bilinear), so derivatives of any order work in reverse mode. ----
+
 
 def _cotangent(compute, dtype, primal, others):
     """A cotangent with its primal's dtype and varying axes: `compute(out_dtype)` runs the product;
@@ -487,6 +494,7 @@ _matmul_rows_nt.defvjp(_matmul_rows_nt_fwd, _matmul_rows_nt_bwd)
 
 # ---- Checks shared by the public functions. ----
 
+
 def _check_array(x, name):
     if not (hasattr(x, "dtype") and hasattr(x, "shape")):
         raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
@@ -511,11 +519,9 @@ def _out_dtype(dtype, preferred_element_type):
         pref = np.dtype(preferred_element_type)
     except TypeError:
         raise TypeError(f"preferred_element_type must be a dtype or None, got {preferred_element_type!r}") from None
-    if pref == dtype or pref == _F32:
+    if pref in (dtype, _F32):
         return pref
-    raise TypeError(
-        f"preferred_element_type must be None, the input dtype ({dtype.name}) or float32, got {pref.name}"
-    )
+    raise TypeError(f"preferred_element_type must be None, the input dtype ({dtype.name}) or float32, got {pref.name}")
 
 
 def matmul(a, b, *, preferred_element_type=None):
@@ -543,19 +549,17 @@ def matmul(a, b, *, preferred_element_type=None):
     out_dtype = _out_dtype(a_dtype, preferred_element_type)
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     if len(a_shape) < 2 or len(b_shape) < 2:
-        raise ValueError(f"a and b must have rank >= 2 (a[..., M, K], b[..., K, N]), got a{list(a_shape)} b{list(b_shape)}")
+        raise ValueError(
+            f"a and b must have rank >= 2 (a[..., M, K], b[..., K, N]), got a{list(a_shape)} b{list(b_shape)}"
+        )
     M, K = a_shape[-2:]
     Kb, N = b_shape[-2:]
     if K != Kb:
-        raise ValueError(
-            f"matmul contraction mismatch: a{list(a_shape)} has K={K} but b{list(b_shape)} has K={Kb}"
-        )
+        raise ValueError(f"matmul contraction mismatch: a{list(a_shape)} has K={K} but b{list(b_shape)} has K={Kb}")
     try:
         batch = tuple(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
     except ValueError:
-        raise ValueError(
-            f"batch dimensions of a{list(a_shape)} and b{list(b_shape)} do not broadcast"
-        ) from None
+        raise ValueError(f"batch dimensions of a{list(a_shape)} and b{list(b_shape)} do not broadcast") from None
     out_shape = batch + (M, N)
     a = jnp.asarray(a)
     b = jnp.asarray(b)
@@ -607,7 +611,9 @@ def matmul_weight_grad(a, dc, acc=None):
         if not (hasattr(acc, "dtype") and hasattr(acc, "shape")) or np.dtype(acc.dtype) != _F32:
             raise TypeError(f"acc must be a float32 array, got {getattr(acc, 'dtype', type(acc).__name__)}")
         if tuple(acc.shape) != (K, N):
-            raise ValueError(f"acc must have shape [K, N] = {[K, N]} for a{list(a_shape)} dc{list(dc_shape)}, got {list(acc.shape)}")
+            raise ValueError(
+                f"acc must have shape [K, N] = {[K, N]} for a{list(a_shape)} dc{list(dc_shape)}, got {list(acc.shape)}"
+            )
         acc = jnp.asarray(acc)
     T = math.prod(a_shape[:-1])
     if T == 0 or K == 0 or N == 0:

@@ -49,10 +49,7 @@ def tree_sum(xs):
     # Level by level, pairing neighbours and carrying an odd last one up unchanged, is the padded
     # tree: the carried node's sibling is absent.
     while len(xs) > 1:
-        xs = [
-            _add(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i]
-            for i in range(0, len(xs), 2)
-        ]
+        xs = [_add(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
     return xs[0]
 
 
@@ -71,9 +68,7 @@ def _tree_rows(p):
 def _axis_names(axis_name, what="axis_name"):
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"{what} must be a mesh axis name (str) or a non-empty tuple of them, got {axis_name!r}"
-        )
+        raise TypeError(f"{what} must be a mesh axis name (str) or a non-empty tuple of them, got {axis_name!r}")
     return names
 
 
@@ -95,9 +90,7 @@ def _varying(x, names):
 
 def _as_summand(x, names):
     x = jnp.asarray(x)
-    if not (
-        jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)
-    ):
+    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
         raise TypeError(f"tree_psum sums float (or integer) arrays, got {x.dtype}")
     # Like psum: a value not varying over an axis counts once per device of it.
     return _varying(x, names)
@@ -106,9 +99,7 @@ def _as_summand(x, names):
 def _tree_psum_flat(flat, axis, size):
     n = flat.shape[0]
     if n == 0:
-        return jnp.zeros(
-            (0,), flat.dtype
-        )  # nothing to move (a fresh constant is invariant)
+        return jnp.zeros((0,), flat.dtype)  # nothing to move (a fresh constant is invariant)
     chunk = -(-n // size)
     if chunk * size != n:
         flat = jnp.pad(flat, (0, chunk * size - n))
@@ -152,9 +143,7 @@ def tree_psum(x, axis_name):
     out = [None] * len(leaves)
     for members in groups.values():
         flats = [leaves[i].reshape(-1) for i in members]
-        summed = _tree_psum_flat(
-            jnp.concatenate(flats) if len(flats) > 1 else flats[0], axis, size
-        )
+        summed = _tree_psum_flat(jnp.concatenate(flats) if len(flats) > 1 else flats[0], axis, size)
         start = 0
         for i in members:
             out[i] = summed[start : start + leaves[i].size].reshape(leaves[i].shape)
@@ -169,9 +158,7 @@ def _mesh_axis_size(mesh, names):
     shape = dict(mesh.shape)
     for n in names:
         if n not in shape:
-            raise ValueError(
-                f"axis_name {n!r} is not an axis of the mesh (axes: {tuple(shape)})"
-            )
+            raise ValueError(f"axis_name {n!r} is not an axis of the mesh (axes: {tuple(shape)})")
     return math.prod(shape[n] for n in names)
 
 
@@ -233,9 +220,7 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
         raise TypeError(f"leaves must be an int, got {type(leaves).__name__}")
     _check_power_of_two(leaves, "leaves")
     if leaves < size:
-        raise ValueError(
-            f"leaves must be at least the size of mesh axis {axis_name!r} ({size}), got {leaves}"
-        )
+        raise ValueError(f"leaves must be at least the size of mesh axis {axis_name!r} ({size}), got {leaves}")
     per_device = leaves // size
     levels = per_device.bit_length() - 1
     spec_axis = names if len(names) > 1 else names[0]
@@ -250,9 +235,7 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
 
         def leaf(index):
             offset = (index - first) * leaf_batch_size
-            leaf_batch = jax.tree.map(
-                lambda x: lax.dynamic_slice_in_dim(x, offset, leaf_batch_size, 0), batch
-            )
+            leaf_batch = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, offset, leaf_batch_size, 0), batch)
             out, grads = grad_fn(params_v, leaf_batch, index, *args)
             loss, aux = out if has_aux else (out, None)
             summed = (
@@ -265,36 +248,25 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
         init = None
         if levels:
             shapes = jax.eval_shape(lambda: leaf(first)[0])
-            init = jax.tree.map(
-                lambda t: _varying(jnp.zeros(t.shape, t.dtype), names), shapes
-            )
+            init = jax.tree.map(lambda t: _varying(jnp.zeros(t.shape, t.dtype), names), shapes)
         (loss, grads), aux = _local_tree(leaf, levels, first, init)
         loss, grads = tree_psum((loss, grads), names)
         grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
         if has_aux:
             aux = jax.tree.map(
-                lambda x: lax.all_gather(
-                    _varying(x, names), spec_axis, axis=0, tiled=True, to="invarying"
-                ),
+                lambda x: lax.all_gather(_varying(x, names), spec_axis, axis=0, tiled=True, to="invarying"),
                 aux,
             )
             return (loss, aux), grads
         return loss, grads
 
     def run(params, batch, *args):
-        sizes = {
-            x.shape[0] if getattr(x, "ndim", 0) else None
-            for x in jax.tree.leaves(batch)
-        }
+        sizes = {x.shape[0] if getattr(x, "ndim", 0) else None for x in jax.tree.leaves(batch)}
         if len(sizes) != 1 or None in sizes:
-            raise ValueError(
-                f"every array of batch needs the same leading (batch) dim, got {sorted(map(str, sizes))}"
-            )
+            raise ValueError(f"every array of batch needs the same leading (batch) dim, got {sorted(map(str, sizes))}")
         (batch_size,) = sizes
         if batch_size % leaves:
-            raise ValueError(
-                f"the batch's leading dim ({batch_size}) must be a multiple of leaves ({leaves})"
-            )
+            raise ValueError(f"the batch's leading dim ({batch_size}) must be a multiple of leaves ({leaves})")
         in_specs = (P(), P(spec_axis), *(P() for _ in args))
         f = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())
         return f(params, batch, *args)

@@ -34,6 +34,7 @@ __all__ = ["key", "fold_in", "split", "from_jax_key", "philox4x32_10", "FOLD_TAG
 
 # ---- The primitive: counters uint32[*G, *S, 4], keys uint32[*G, 2] (one key per group). ----
 
+
 def _philox_abstract_eval(counters, keys):
     return jax.core.ShapedArray(counters.shape, counters.dtype)
 
@@ -87,6 +88,7 @@ def philox4x32_10(counter, key):
 
 # ---- Keys. ----
 
+
 def _split64(value, name: str):
     """(lo32, hi32) of an integer taken modulo 2^64, as uint32 scalars; traced ints allowed."""
     if is_traced(value) or isinstance(value, jax.Array):
@@ -134,9 +136,7 @@ def split(key, num: int = 2) -> jax.Array:
     if num == 0:
         return jnp.zeros((0, 2), jnp.uint32)
     index = jnp.arange(num, dtype=jnp.uint32)
-    counters = jnp.stack(
-        [index, jnp.zeros_like(index), jnp.full_like(index, FOLD_TAG), jnp.zeros_like(index)], axis=-1
-    )
+    counters = jnp.stack([index, jnp.zeros_like(index), jnp.full_like(index, FOLD_TAG), jnp.zeros_like(index)], axis=-1)
     return philox_p.bind(counters, key)[:, :2]
 
 

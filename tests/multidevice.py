@@ -31,7 +31,12 @@ def _child_outcomes(path):
         report = os.path.join(tmp, "report.xml")
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", path],
-            cwd=tmp, env=env, capture_output=True, text=True, timeout=3600, check=False,
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            check=False,
         )
         if not os.path.exists(report):
             raise RuntimeError(f"the {NDEV}-device child pytest did not run:\n{proc.stdout}\n{proc.stderr}")

@@ -28,13 +28,7 @@ COLLECTIVES = (
 
 def collectives_in(compiled_text):
     """The collective ops named in a compiled HLO module (start/done pairs count as the op)."""
-    return sorted(
-        set(
-            re.findall(
-                r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", compiled_text
-            )
-        )
-    )
+    return sorted(set(re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", compiled_text)))
 
 
 def _summands(seed, count, shape, dtype):
@@ -42,9 +36,7 @@ def _summands(seed, count, shape, dtype):
 
     rng = np.random.default_rng(seed)
     # A wide dynamic range, so that the order of the additions shows in the bits.
-    x = rng.standard_normal((count,) + shape) * np.exp(
-        rng.uniform(-12, 12, (count,) + shape)
-    )
+    x = rng.standard_normal((count,) + shape) * np.exp(rng.uniform(-12, 12, (count,) + shape))
     return x.astype(np.float32).astype(dtype)
 
 
@@ -59,16 +51,10 @@ def run_collectives(out_dir):
     arrays, facts = {}, {}
 
     def mesh(shape, names):
-        return jax.sharding.Mesh(
-            np.array(devices[: int(np.prod(shape))]).reshape(shape), names
-        )
+        return jax.sharding.Mesh(np.array(devices[: int(np.prod(shape))]).reshape(shape), names)
 
     def same_on_devices(out):
-        shards = [
-            np.asarray(s.data)
-            for x in jax.tree.leaves(out)
-            for s in x.addressable_shards
-        ]
+        shards = [np.asarray(s.data) for x in jax.tree.leaves(out) for s in x.addressable_shards]
         per_leaf = len(jax.tree.leaves(out))
         first = shards[:per_leaf]
         return all(
@@ -95,11 +81,7 @@ def run_collectives(out_dir):
             def f(xl, per=per):
                 return jp.tree_psum(jp.tree_sum([xl[i] for i in range(per)]), "d")
 
-            out = jax.jit(
-                jax.shard_map(
-                    f, mesh=mesh((d,), ("d",)), in_specs=P("d"), out_specs=P()
-                )
-            )(x)
+            out = jax.jit(jax.shard_map(f, mesh=mesh((d,), ("d",)), in_specs=P("d"), out_specs=P()))(x)
             arrays[f"{name}_D{d}"] = np.asarray(out)
             facts[f"{name}_D{d}_same_on_devices"] = same_on_devices(out)
 
@@ -114,14 +96,10 @@ def run_collectives(out_dir):
 
     def pytree_sum(t):
         per = jax.tree.leaves(t)[0].shape[0]
-        return jp.tree_psum(
-            jp.tree_sum([jax.tree.map(lambda v, i=i: v[i], t) for i in range(per)]), "d"
-        )
+        return jp.tree_psum(jp.tree_sum([jax.tree.map(lambda v, i=i: v[i], t) for i in range(per)]), "d")
 
     for d in (1, 8):
-        f = jax.shard_map(
-            pytree_sum, mesh=mesh((d,), ("d",)), in_specs=P("d"), out_specs=P()
-        )
+        f = jax.shard_map(pytree_sum, mesh=mesh((d,), ("d",)), in_specs=P("d"), out_specs=P())
         out = jax.jit(f)(tree_in)
         for k, v in out.items():
             arrays[f"pytree_{k}_D{d}"] = np.asarray(v)
@@ -147,9 +125,7 @@ def run_collectives(out_dir):
             out_specs=P("a"),
         )
     )(x)
-    arrays["minor_b"] = np.asarray(
-        out
-    )  # [2, ...]: row a is the tree over summands a*4 .. a*4+3
+    arrays["minor_b"] = np.asarray(out)  # [2, ...]: row a is the tree over summands a*4 .. a*4+3
     # A value not varying over the axis counts once per device (as with psum).
     out = jax.jit(
         jax.shard_map(
@@ -170,9 +146,7 @@ def run_collectives(out_dir):
             out_specs=P(),
         )
     )
-    facts["hlo_tree_psum"] = collectives_in(
-        f.lower(jnp.ones((8, 1000), jnp.float32)).compile().as_text()
-    )
+    facts["hlo_tree_psum"] = collectives_in(f.lower(jnp.ones((8, 1000), jnp.float32)).compile().as_text())
     f = jax.jit(
         jax.shard_map(
             lambda xl: jax.lax.psum(xl, "d"),
@@ -181,9 +155,7 @@ def run_collectives(out_dir):
             out_specs=P(),
         )
     )
-    facts["hlo_psum"] = collectives_in(
-        f.lower(jnp.ones((8, 1000), jnp.float32)).compile().as_text()
-    )
+    facts["hlo_psum"] = collectives_in(f.lower(jnp.ones((8, 1000), jnp.float32)).compile().as_text())
 
     # Errors, raised while tracing.
     def error_of(fn):
@@ -195,33 +167,25 @@ def run_collectives(out_dir):
 
     m3 = mesh((3,), ("d",))
     facts["error_axis_size_3"] = error_of(
-        lambda: jax.jit(
-            jax.shard_map(
-                lambda v: jp.tree_psum(v, "d"), mesh=m3, in_specs=P("d"), out_specs=P()
-            )
-        )(jnp.ones((3, 2)))
+        lambda: jax.jit(jax.shard_map(lambda v: jp.tree_psum(v, "d"), mesh=m3, in_specs=P("d"), out_specs=P()))(
+            jnp.ones((3, 2))
+        )
     )
 
     def loss(p, b, i):
         return jnp.sum(b * p)
 
     m8 = mesh((8,), ("d",))
-    facts["error_leaves_below_devices"] = error_of(
-        lambda: jp.value_and_grad(loss, mesh=m8, axis_name="d", leaves=4)
-    )
+    facts["error_leaves_below_devices"] = error_of(lambda: jp.value_and_grad(loss, mesh=m8, axis_name="d", leaves=4))
     facts["error_leaves_not_power_of_two"] = error_of(
         lambda: jp.value_and_grad(loss, mesh=m8, axis_name="d", leaves=12)
     )
     facts["error_devices_not_power_of_two"] = error_of(
         lambda: jp.value_and_grad(loss, mesh=m3, axis_name="d", leaves=8)
     )
-    facts["error_unknown_axis"] = error_of(
-        lambda: jp.value_and_grad(loss, mesh=m8, axis_name="x", leaves=8)
-    )
+    facts["error_unknown_axis"] = error_of(lambda: jp.value_and_grad(loss, mesh=m8, axis_name="x", leaves=8))
     facts["error_batch_not_multiple"] = error_of(
-        lambda: jp.value_and_grad(loss, mesh=m8, axis_name="d", leaves=8)(
-            jnp.ones(()), jnp.ones((60,))
-        )
+        lambda: jp.value_and_grad(loss, mesh=m8, axis_name="d", leaves=8)(jnp.ones(()), jnp.ones((60,)))
     )
     facts["error_tuple_axis_type"] = error_of(lambda: jp.tree_psum(jnp.ones(()), 3))
 
@@ -242,14 +206,9 @@ def run_collectives(out_dir):
         )
 
     # .npz has no bfloat16: such arrays travel as their uint16 bits (the loader views them back).
-    facts["bfloat16_keys"] = [
-        k for k, v in arrays.items() if np.asarray(v).dtype == jnp.bfloat16
-    ]
+    facts["bfloat16_keys"] = [k for k, v in arrays.items() if np.asarray(v).dtype == jnp.bfloat16]
     arrays = {
-        k: np.asarray(v).view(np.uint16)
-        if k in facts["bfloat16_keys"]
-        else np.asarray(v)
-        for k, v in arrays.items()
+        k: np.asarray(v).view(np.uint16) if k in facts["bfloat16_keys"] else np.asarray(v) for k, v in arrays.items()
     }
     np.savez(os.path.join(out_dir, "collectives.npz"), **arrays)
     with open(os.path.join(out_dir, "collectives.json"), "w") as fh:
@@ -324,11 +283,7 @@ if __name__ == "__main__":
     if mode == "collectives":
         run_collectives(args[0])
     elif mode == "train":
-        print(
-            json.dumps(
-                run_train(int(args[0]), [int(a) for a in args[1:]] or [1, 2, 4, 8])
-            )
-        )
+        print(json.dumps(run_train(int(args[0]), [int(a) for a in args[1:]] or [1, 2, 4, 8])))
     elif mode == "multi":
         print(json.dumps(run_multi(*map(int, args))))
     elif mode == "gpu":

@@ -20,18 +20,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from bitwise import assert_bitwise, bits
 
 import jaxdet
 from jaxdet import _clip_kernels as _kernels
 from jaxdet import _clip_reference as ref
 from jaxdet.contracts import clip as contracts
-from bitwise import assert_bitwise, bits
 
 BF16 = jnp.bfloat16
 F16 = jnp.float16
 MAX_ALIASED_LEAVES = _kernels.MAX_ALIASED_LEAVES
-
-
 
 
 def assert_tree_bits_equal(a, b):
@@ -53,6 +51,7 @@ def f64_norm(tree):
 
 
 # ---- norm accuracy and canonical order -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_norm_within_1e6_of_float64_reference(seed):
@@ -137,6 +136,7 @@ def test_clipped_norm_is_max_norm():
 
 # ---- edge cases --------------------------------------------------------------------------------
 
+
 def test_scale_one_leaves_bits_identical_including_nan_payloads_and_negative_zero():
     payload_nan = np.uint32(0x7FA12345).view(np.float32)  # a signalling NaN with a payload
     x = np.array([1.5, -0.0, 0.0, 1e-40, -2.0, 3.0], np.float32)
@@ -206,6 +206,7 @@ def test_zero_d_leaves():
 
 # ---- non-finite policy ---------------------------------------------------------------------------
 
+
 def test_nonfinite_propagate_inf_is_optax_like():
     x = jnp.asarray(np.array([1.0, np.inf, -3.0], np.float32))
     (c,), norm = jaxdet.clip_by_global_norm([x], 1.0)
@@ -244,6 +245,7 @@ def test_nonfinite_skip_zeroes_the_update(bad, max_norm):
 
 
 # ---- bad input -----------------------------------------------------------------------------------
+
 
 def test_bad_inputs_raise_clear_errors():
     good = {"w": jnp.ones((3,))}
@@ -310,6 +312,7 @@ def test_traced_nan_max_norm_makes_every_leaf_nan():
 
 # ---- compiled-step properties --------------------------------------------------------------------
 
+
 def test_one_native_call_with_aliased_outputs():
     ok, detail = contracts.check_one_call_aliased(mixed_tree(1))
     assert ok, detail
@@ -325,13 +328,13 @@ def test_clip_inside_jit_needs_no_copy_of_intermediate_gradients():
 
     p = {"a": jnp.ones((5000,)), "b": jnp.ones((7,), BF16)}
     hlo = jax.jit(step).lower(p).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):]
+    entry = hlo[hlo.index("\nENTRY") :]
     entry = entry[: entry.index("\n}")]
     assert "output_to_operand_aliasing" in entry
     assert " copy(" not in entry and "copy-start" not in entry
     # Donated gradients are clipped in place too.
     hlo = jax.jit(lambda g: jaxdet.clip_by_global_norm(g, 1e-3), donate_argnums=0).lower(p).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):]
+    entry = hlo[hlo.index("\nENTRY") :]
     entry = entry[: entry.index("\n}")]
     assert " copy(" not in entry and "copy-start" not in entry
 
@@ -339,8 +342,10 @@ def test_clip_inside_jit_needs_no_copy_of_intermediate_gradients():
 def _many_leaves(n, seed=0):
     rng = np.random.default_rng(seed)
     sizes = rng.integers(0, 3 * 4096, n)
-    return [jnp.asarray(rng.standard_normal(int(k)).astype(np.float32)).astype((jnp.float32, BF16, F16)[i % 3])
-            for i, k in enumerate(sizes)]
+    return [
+        jnp.asarray(rng.standard_normal(int(k)).astype(np.float32)).astype((jnp.float32, BF16, F16)[i % 3])
+        for i, k in enumerate(sizes)
+    ]
 
 
 @pytest.mark.parametrize("max_norm", [1.0, 1e9])
@@ -389,7 +394,7 @@ def test_clipping_in_a_donated_step_needs_no_gradient_sized_buffer(n):
     grads = n * size * 4
     assert compiled.memory_analysis().temp_size_in_bytes <= grads + 64 * 1024
     entry = compiled.as_text()
-    entry = entry[entry.index("\nENTRY"):]
+    entry = entry[entry.index("\nENTRY") :]
     assert " copy(" not in entry and "copy-start" not in entry
 
 
@@ -417,6 +422,7 @@ def test_ten_thousand_leaves_compile_and_run_in_bounded_time():
 
 # ---- vmap: per-example clipping -----------------------------------------------------------------
 
+
 def _per_example_tree(batch, seed=0):
     rng = np.random.default_rng(seed)
 
@@ -443,9 +449,9 @@ def test_vmap_clips_each_example_bitwise_as_alone(policy):
     batch = 6
     tree = _per_example_tree(batch)
     tree["w"] = tree["w"].at[4, 0, 0].set(np.inf)  # one example with a non-finite norm
-    clipped, norms = jax.jit(
-        jax.vmap(lambda t: jaxdet.clip_by_global_norm(t, 2.0, nonfinite=policy), in_axes=IN_AXES)
-    )(tree)
+    clipped, norms = jax.jit(jax.vmap(lambda t: jaxdet.clip_by_global_norm(t, 2.0, nonfinite=policy), in_axes=IN_AXES))(
+        tree
+    )
     norms_only = jax.vmap(jaxdet.global_norm, in_axes=IN_AXES)(tree)
     for i in range(batch):
         c, n = jaxdet.clip_by_global_norm(_example(tree, i), 2.0, nonfinite=policy)
@@ -533,6 +539,7 @@ def test_jitted_train_step_under_transfer_guard_disallow():
 
 # ---- optax drop-in -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("max_norm", [0.05, 1.0, 1e6])
 def test_optax_drop_in_matches_optax(max_norm):
     optax = pytest.importorskip("optax")
@@ -581,6 +588,7 @@ def test_optax_drop_in_state_and_skip():
 
 # ---- GPU: CPU == GPU bitwise ----------------------------------------------------------------------
 
+
 def _on(tree, device):
     return jax.device_put(tree, device)
 
@@ -588,8 +596,10 @@ def _on(tree, device):
 def _gpu_trees():
     rng = np.random.default_rng(123)
     payload_nan = np.uint32(0x7FA12345).view(np.float32)
-    many = [jnp.asarray(rng.standard_normal(int(n)).astype(np.float32)).astype(dt)
-            for n, dt in zip(rng.integers(0, 20000, 1100), [jnp.float32, BF16, F16] * 400)]
+    many = [
+        jnp.asarray(rng.standard_normal(int(n)).astype(np.float32)).astype(dt)
+        for n, dt in zip(rng.integers(0, 20000, 1100), [jnp.float32, BF16, F16] * 400)
+    ]
     sub = np.concatenate([np.full((5000,), 3e-39, np.float32), np.full((10,), 1e-20, np.float32)])
     return [
         ("mixed", mixed_tree(0, scale=3.0), 1.0),
@@ -624,7 +634,9 @@ def test_staged_targets_cpu_equals_gpu_bitwise(cpu, gpu, policy):
         n_gpu, c_gpu = staged(_on(leaves, gpu))
         assert_bitwise(n_cpu, n_gpu, name)
         assert_tree_bits_equal(c_cpu, c_gpu)
-        fused, fused_norm = jaxdet.clip_by_global_norm(_on(leaves[:MAX_ALIASED_LEAVES], gpu), max_norm, nonfinite=policy)
+        fused, fused_norm = jaxdet.clip_by_global_norm(
+            _on(leaves[:MAX_ALIASED_LEAVES], gpu), max_norm, nonfinite=policy
+        )
         n_part, c_part = staged(_on(leaves[:MAX_ALIASED_LEAVES], gpu))
         assert_bitwise(n_part, fused_norm, name)
         assert_tree_bits_equal(c_part, fused)

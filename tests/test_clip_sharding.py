@@ -82,6 +82,7 @@ def collectives(hlo: str):
 
 # ---- shard_map: axis_name= ----------------------------------------------------------------------
 
+
 @on_8_devices
 @pytest.mark.parametrize("policy", ["propagate", "skip"])
 def test_shard_map_axis_name_gives_the_unsharded_bits(policy):
@@ -120,7 +121,10 @@ def test_shard_map_types_replicated_leaves_counted_once_and_one_axis():
     specs = {"w": P("x"), "b": P()}
     want, want_norm = jaxdet.clip_by_global_norm(sub, 0.5)
     f = jax.shard_map(
-        lambda t: jaxdet.clip_by_global_norm(t, 0.5, axis_name="x"), mesh=mesh, in_specs=(specs,), out_specs=(specs, P())
+        lambda t: jaxdet.clip_by_global_norm(t, 0.5, axis_name="x"),
+        mesh=mesh,
+        in_specs=(specs,),
+        out_specs=(specs, P()),
     )
     clipped, norm = jax.jit(f)(sub)
     assert_bitwise(norm, want_norm)
@@ -131,10 +135,14 @@ def test_shard_map_types_replicated_leaves_counted_once_and_one_axis():
 def test_shard_map_collectives_are_one_gather_of_the_slots():
     mesh = mesh_xy()
     tree = aligned_tree(2)
-    f = jax.jit(jax.shard_map(
-        lambda t: jaxdet.clip_by_global_norm(t, 1.0, axis_name=("x", "y")),
-        mesh=mesh, in_specs=(ALIGNED_SPECS,), out_specs=(ALIGNED_SPECS, P()),
-    ))
+    f = jax.jit(
+        jax.shard_map(
+            lambda t: jaxdet.clip_by_global_norm(t, 1.0, axis_name=("x", "y")),
+            mesh=mesh,
+            in_specs=(ALIGNED_SPECS,),
+            out_specs=(ALIGNED_SPECS, P()),
+        )
+    )
     found = collectives(f.lower(tree).compile().as_text())
     local_chunks = 3 + 1 + 2 + 1 + 1  # w, emb, h, b, s on one device
     assert found == [("all-gather", NDEV * local_chunks)], found
@@ -147,7 +155,9 @@ def test_shard_map_bad_input_errors():
     with pytest.raises(ValueError, match="max_norm varies over"):
         jax.shard_map(
             lambda t, m: jaxdet.clip_by_global_norm(t, m[0], axis_name="x"),
-            mesh=mesh, in_specs=({"w": P("x")}, P("x")), out_specs=({"w": P("x")}, P()),
+            mesh=mesh,
+            in_specs=({"w": P("x")}, P("x")),
+            out_specs=({"w": P("x")}, P()),
         )(tree, jnp.ones((4,)))
     with pytest.raises(ValueError, match=r"leaf \['s'\] is a 0-d array that varies"):
         jax.shard_map(
@@ -185,9 +195,9 @@ def test_shard_map_fsdp_train_steps_in_scan_match_one_device():
     tx_one = optax.chain(jaxdet.optax.clip_by_global_norm(0.5), optax.sgd(0.1))
     (want_p, _), want_norms = jax.jit(lambda p: steps(tx_one, p))(params)
     tx_sharded = optax.chain(jaxdet.optax.clip_by_global_norm(0.5, axis_name="x"), optax.sgd(0.1))
-    (got_p, _), got_norms = jax.jit(jax.shard_map(
-        lambda p: steps(tx_sharded, p), mesh=mesh, in_specs=(specs,), out_specs=((specs, P()), P())
-    ))(params)
+    (got_p, _), got_norms = jax.jit(
+        jax.shard_map(lambda p: steps(tx_sharded, p), mesh=mesh, in_specs=(specs,), out_specs=((specs, P()), P()))
+    )(params)
     assert float(want_norms[0]) > 0.5  # the steps do clip
     assert_bitwise(got_norms, want_norms)
     assert_tree_bits(got_p, want_p)
@@ -216,14 +226,15 @@ def test_shard_map_per_example_clipping_with_vmap_and_tree_psum():
         clipped, norms = per_example_clipped(lax.pcast(w, ("data",), to="varying"), x)
         return clipped, norms, parallel.tree_psum(jnp.sum(clipped, axis=0), "data")
 
-    got, norms, _summed = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data"), P())
-    ))(w, x)
+    got, norms, _summed = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data"), P()))
+    )(w, x)
     assert_bitwise(norms, want_norms)
     assert_bitwise(got, want)
 
 
 # ---- sharded jit: custom_partitioning -------------------------------------------------------------
+
 
 def _put(tree, specs, mesh):
     return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
@@ -246,7 +257,10 @@ def test_sharded_jit_runs_per_shard_with_the_unsharded_bits(policy):
         assert_bitwise(jax.jit(jaxdet.global_norm)(sharded), want_norm)
         # Only the slots move: one all-gather of one float per chunk (8 chunks on each device),
         # nothing leaf-sized, no all-reduce.
-        for hlo in (f.lower(sharded).compile().as_text(), jax.jit(jaxdet.global_norm).lower(sharded).compile().as_text()):
+        for hlo in (
+            f.lower(sharded).compile().as_text(),
+            jax.jit(jaxdet.global_norm).lower(sharded).compile().as_text(),
+        ):
             assert collectives(hlo) == [("all-gather", NDEV * 8)]
 
 
@@ -322,4 +336,4 @@ def test_sharded_clipping_in_a_donated_step_needs_no_gradient_sized_buffer():
         compiled = f.lower(params).compile()
         assert compiled.memory_analysis().temp_size_in_bytes <= n * size * 4 // NDEV + 64 * 1024
         entry = compiled.as_text()
-        assert not re.search(r"\bcopy\(", entry[entry.index("\nENTRY"):])
+        assert not re.search(r"\bcopy\(", entry[entry.index("\nENTRY") :])

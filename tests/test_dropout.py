@@ -5,14 +5,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from bitwise import bits
 from jax.test_util import check_grads
+from philox_reference import keep_mask
 
 import jaxdet
 from jaxdet import random as jr
-from jaxdet.dropout import drop_threshold, keep_scale
-from bitwise import bits
-from philox_reference import keep_mask
 from jaxdet.contracts import dropout as contracts
+from jaxdet.dropout import drop_threshold, keep_scale
 
 BITS = {np.dtype(np.float32): np.uint32, np.dtype(ml_dtypes.bfloat16): np.uint16, np.dtype(np.float16): np.uint16}
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -74,8 +74,12 @@ def test_jit_equals_eager_and_repeats():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_identity_when_nothing_is_dropped(dtype):
     x = random_x((4, 9), dtype).at[0, 0].set(jnp.nan)
-    for out in (jaxdet.dropout(x, jr.key(0), 0.0), jaxdet.dropout(x, jr.key(0), 0.7, deterministic=True),
-                jaxdet.dropout(x, None, 0.5, deterministic=True), jaxdet.dropout(x, None, 0.0)):
+    for out in (
+        jaxdet.dropout(x, jr.key(0), 0.0),
+        jaxdet.dropout(x, jr.key(0), 0.7, deterministic=True),
+        jaxdet.dropout(x, None, 0.5, deterministic=True),
+        jaxdet.dropout(x, None, 0.0),
+    ):
         np.testing.assert_array_equal(bits(out), bits(x))
 
 
@@ -147,7 +151,8 @@ def test_broadcast_dims_share_one_mask_indexed_in_the_reduced_shape():
     for dtype in DTYPES:
         y = random_x((1, 300), dtype, seed=5)
         np.testing.assert_array_equal(
-            bits(jaxdet.dropout(y, key, 0.4, broadcast_dims=(0,))), bits(jaxdet.dropout(y, key, 0.4)))
+            bits(jaxdet.dropout(y, key, 0.4, broadcast_dims=(0,))), bits(jaxdet.dropout(y, key, 0.4))
+        )
 
 
 def test_gradient_is_the_same_mask_and_keeps_no_residual_but_the_key():
@@ -223,6 +228,7 @@ def test_keep_rate_and_mean_statistics(rate):
 
 # ---- GPU: the same bits as the CPU (run with `pytest -m gpu`). ----
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_bits_equal_cpu_bits(cpu, gpu, dtype):
@@ -235,7 +241,8 @@ def test_gpu_bits_equal_cpu_bits(cpu, gpu, dtype):
         with np.errstate(over="ignore"):
             x.ravel()[: contracts.SPECIALS.size] = contracts.SPECIALS[: x.size].astype(x.dtype)
         got = jax.jit(lambda x, k, offset=offset: jaxdet.dropout(x, k, 0.3, offset=offset))(
-            jax.device_put(x, gpu), jax.device_put(key, gpu))
+            jax.device_put(x, gpu), jax.device_put(key, gpu)
+        )
         np.testing.assert_array_equal(bits(got), bits(reference(x, key, 0.3, offset)))
 
 
@@ -266,6 +273,7 @@ def test_gpu_more_than_2_31_elements_index_with_64_bits(gpu):
 
 # ---- Traced offsets (the offset is an operand of the kernel, not an attribute). ----
 
+
 def test_traced_offset_gives_the_static_masks():
     x = random_x((6, 333), jnp.bfloat16, seed=30)
     key = jr.key(41)
@@ -279,8 +287,9 @@ def test_traced_offset_gives_the_static_masks():
             got = traced(x, key, jnp.asarray(offset, jnp.int64))
             np.testing.assert_array_equal(bits(got), bits(reference(x, key, 0.3, offset)))
     # A concrete device array is taken as an operand too.
-    np.testing.assert_array_equal(bits(jaxdet.dropout(x, key, 0.3, offset=jnp.int32(9))),
-                                  bits(jaxdet.dropout(x, key, 0.3, offset=9)))
+    np.testing.assert_array_equal(
+        bits(jaxdet.dropout(x, key, 0.3, offset=jnp.int32(9))), bits(jaxdet.dropout(x, key, 0.3, offset=9))
+    )
 
 
 def test_scanned_micro_batches_draw_the_whole_batch_mask():
@@ -296,8 +305,11 @@ def test_scanned_micro_batches_draw_the_whole_batch_mask():
     _, out = jax.lax.scan(step, 0, (x, jnp.arange(8, dtype=jnp.int32)))
     np.testing.assert_array_equal(bits(out), bits(jaxdet.dropout(x, key, 0.25)))
     # The backward regenerates each micro-batch's mask from its traced offset.
-    grads = jax.grad(lambda x: jax.lax.scan(lambda c, a: (c + jnp.sum(step(0, a)[1] ** 2), None), 0.0,
-                                            (x, jnp.arange(8, dtype=jnp.int32)))[0])(x)
+    grads = jax.grad(
+        lambda x: jax.lax.scan(
+            lambda c, a: (c + jnp.sum(step(0, a)[1] ** 2), None), 0.0, (x, jnp.arange(8, dtype=jnp.int32))
+        )[0]
+    )(x)
     whole = jax.grad(lambda x: jnp.sum(jaxdet.dropout(x, key, 0.25) ** 2))(x)
     np.testing.assert_array_equal(bits(grads), bits(whole))
 
@@ -328,6 +340,7 @@ def test_bad_traced_offsets_raise():
 
 
 # ---- The CPU kernel runs on XLA's intra-op thread pool: the bits cannot depend on the split. ----
+
 
 def test_multithreaded_cpu_kernel_matches_the_reference():
     # Many 2^16-element work items, groups straddling item boundaries (vmap gives each example its

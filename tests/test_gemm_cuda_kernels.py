@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-CHECK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                     "gemm_kernels_check.py")
+CHECK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gemm_kernels_check.py")
 
 
 @pytest.mark.gpu

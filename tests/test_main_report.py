@@ -36,8 +36,13 @@ def test_report_help_explains_itself_without_running_checks(tmp_path):
 
 
 def test_python_m_jaxdet_runs_the_report_from_any_directory(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "jaxdet", "report", "-k", "philox"], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdet", "report", "-k", "philox"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS  philox: known-answer vectors" in proc.stdout
 
@@ -45,7 +50,8 @@ def test_python_m_jaxdet_runs_the_report_from_any_directory(tmp_path):
 def test_python_m_jaxdet_in_the_source_root_says_why_it_cannot_run():
     if not (REPO / "CMakeLists.txt").exists():
         pytest.skip("not a source checkout")
-    proc = subprocess.run([sys.executable, "-m", "jaxdet", "--version"], capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdet", "--version"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert proc.returncode != 0
     assert "source folder" in proc.stderr and "jaxdet report" in proc.stderr, proc.stderr

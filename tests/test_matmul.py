@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_bitwise
 from jax.test_util import check_grads
 
 import jaxdet
-from bitwise import assert_bitwise
 from jaxdet import _native
 from jaxdet.contracts import matmul as contracts
 from jaxdet.matmul import gemm_p, wgrad_p
@@ -25,8 +25,6 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
 # K, N: not multiples of any register/cache tile, and K above the CPU K block (256).
 K, N = 600, 70
-
-
 
 
 rand = contracts.rand
@@ -41,6 +39,7 @@ _da, _db = contracts._da, contracts._db
 
 
 # ---- CPU tests ----
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_row_invariance_forward(dtype):
@@ -122,6 +121,7 @@ def test_cpu_variants_agree(tmp_path):
 
 # ---- The primitives' interface (shared with the CUDA kernels) ----
 
+
 def test_gemm_primitive_transposed_operands_read_in_place():
     a = rand((2, 50, 300), jnp.float32, 21)
     b = rand((2, 300, 40), jnp.float32, 22)
@@ -133,7 +133,9 @@ def test_gemm_primitive_transposed_operands_read_in_place():
         assert_bitwise(out, ref)
     # Lb = 1 broadcasts b over L
     out = gemm_p.bind(a, b[:1], transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32))
-    assert_bitwise(out[1], gemm_p.bind(a[1:], b[:1], transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32))[0])
+    assert_bitwise(
+        out[1], gemm_p.bind(a[1:], b[:1], transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32))[0]
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -146,8 +148,13 @@ def test_wgrad_primitive_is_the_chunk_sequence(dtype):
     out = wgrad_p.bind(acc0, a, dc, chunk_tokens=chunk)
     ref = np.asarray(acc0)
     for lo in range(0, t, chunk):
-        part = gemm_p.bind(a[:, lo : lo + chunk], dc[:, lo : lo + chunk], transpose_a=True, transpose_b=False,
-                           out_dtype=np.dtype(np.float32))
+        part = gemm_p.bind(
+            a[:, lo : lo + chunk],
+            dc[:, lo : lo + chunk],
+            transpose_a=True,
+            transpose_b=False,
+            out_dtype=np.dtype(np.float32),
+        )
         ref = ref + np.asarray(part)  # one float32 add per element
     assert_bitwise(out, ref)
     # empty token range: acc unchanged
@@ -223,14 +230,21 @@ def test_gradients_match_jnp_dot():
 def test_half_gradients_have_input_dtypes():
     a = rand((5, 16), jnp.bfloat16, 35)
     b = rand((16, 8), jnp.bfloat16, 36)
-    da, db = jax.grad(lambda x, w: jnp.sum(jaxdet.matmul(x, w, preferred_element_type=jnp.float32)), argnums=(0, 1))(a, b)
+    da, db = jax.grad(lambda x, w: jnp.sum(jaxdet.matmul(x, w, preferred_element_type=jnp.float32)), argnums=(0, 1))(
+        a, b
+    )
     assert da.dtype == jnp.bfloat16 and db.dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize(
     "a_shape,b_shape,out_shape",
-    [((0, 8), (8, 4), (0, 4)), ((5, 8), (8, 0), (5, 0)), ((5, 0), (0, 4), (5, 4)), ((0, 5, 8), (8, 4), (0, 5, 4)),
-     ((2, 0, 8), (2, 8, 4), (2, 0, 4))],
+    [
+        ((0, 8), (8, 4), (0, 4)),
+        ((5, 8), (8, 0), (5, 0)),
+        ((5, 0), (0, 4), (5, 4)),
+        ((0, 5, 8), (8, 4), (0, 5, 4)),
+        ((2, 0, 8), (2, 8, 4), (2, 0, 4)),
+    ],
 )
 def test_zero_size_dims(a_shape, b_shape, out_shape):
     a = jnp.ones(a_shape, jnp.bfloat16)
@@ -252,7 +266,9 @@ def test_errors():
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         jaxdet.matmul(np.ones((4, 8), np.float64), np.ones((8, 3), np.float64))
     with pytest.raises(TypeError, match="preferred_element_type"):
-        jaxdet.matmul(jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.bfloat16), preferred_element_type=jnp.float16)
+        jaxdet.matmul(
+            jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.bfloat16), preferred_element_type=jnp.float16
+        )
     with pytest.raises(TypeError, match="preferred_element_type"):
         jaxdet.matmul(f32, jnp.ones((8, 3)), preferred_element_type=jnp.bfloat16)
     with pytest.raises(TypeError, match="array"):
@@ -279,6 +295,7 @@ def test_chunk_size_constant():
 
 
 # ---- GPU: the same invariance checks on the GPU device (`pytest -m gpu`) ----
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -316,6 +333,7 @@ def test_gpu_accuracy_vs_float64(dtype, pref, gpu):
 # ---- Higher derivatives: the backward is made of the same custom_vjp products (the product is
 # bilinear), so reverse-over-reverse works: gradient penalties, Hessian-vector products. ----
 
+
 def _f64(*xs):
     return [np.asarray(x, np.float64) for x in xs]
 
@@ -347,8 +365,9 @@ def test_grad_of_grad_matches_float64(batched_b):
     hvp = lambda mm, w, v: jax.grad(lambda w: jnp.vdot(jax.grad(lambda w: loss(mm, w))(w), v))(w)
     with jax.enable_x64(True):
         x64 = np.asarray(x, np.float64)
-        ref = jax.grad(lambda w: jnp.vdot(jax.grad(lambda w: jnp.sum(jnp.sin(jnp.matmul(x64, w))))(w),
-                                          np.asarray(v, np.float64)))(np.asarray(w, np.float64))
+        ref = jax.grad(
+            lambda w: jnp.vdot(jax.grad(lambda w: jnp.sum(jnp.sin(jnp.matmul(x64, w))))(w), np.asarray(v, np.float64))
+        )(np.asarray(w, np.float64))
     assert _rel(hvp(jaxdet.matmul, w, v), ref) < 1e-5
 
 
@@ -357,8 +376,15 @@ def test_check_grads_second_order():
     w = rand((16, 8), jnp.float32, 34)
     f = lambda x, w: jnp.sum(jaxdet.matmul(x, w) ** 2)  # quartic: central differences are exact enough
     check_grads(f, (x, w), order=2, modes=["rev"], eps=1e-2, atol=1e-2, rtol=1e-2)
-    check_grads(lambda x, w: jnp.sum(jaxdet.matmul(x, w, preferred_element_type=jnp.float32) ** 2),
-                (x, w[None].repeat(4, 0)), order=2, modes=["rev"], eps=1e-2, atol=1e-2, rtol=1e-2)
+    check_grads(
+        lambda x, w: jnp.sum(jaxdet.matmul(x, w, preferred_element_type=jnp.float32) ** 2),
+        (x, w[None].repeat(4, 0)),
+        order=2,
+        modes=["rev"],
+        eps=1e-2,
+        atol=1e-2,
+        rtol=1e-2,
+    )
 
 
 def test_second_derivatives_are_jaxdet_products_in_every_dtype():

@@ -61,6 +61,4 @@ def test_two_processes_equal_one_process_of_eight_devices():
     for r in outs:
         assert (r["devices"], r["local_devices"]) == (8, 4)
         assert r["same_on_devices"], f"process {r['process']}: its devices differ"
-        assert r["hashes"] == want, (
-            f"process {r['process']} differs from the single-process D=8 run"
-        )
+        assert r["hashes"] == want, f"process {r['process']} differs from the single-process D=8 run"

@@ -23,11 +23,13 @@ def test_notebook_executes(path, tmp_path, cpu_kernel_env):
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
-            assert not cell.get("outputs") and cell.get("execution_count") is None, \
+            assert not cell.get("outputs") and cell.get("execution_count") is None, (
                 f"{path.name} is committed with outputs; clear them"
+            )
     # Run from an empty directory so the installed jaxdet is imported (not a source checkout).
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "jaxdet" in text or "kept" in text

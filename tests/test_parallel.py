@@ -34,11 +34,7 @@ def run_worker(*args, env=None):
         check=False,
     )
     assert proc.returncode == 0, f"worker {args} failed:\n{proc.stderr[-4000:]}"
-    return (
-        json.loads(proc.stdout.strip().splitlines()[-1])
-        if proc.stdout.strip()
-        else None
-    )
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
 
 
 def reference_tree(xs):
@@ -46,10 +42,7 @@ def reference_tree(xs):
     first, an odd last node carried up unchanged (its sibling is absent); adds in the dtype."""
     xs = [np.asarray(x) for x in xs]
     while len(xs) > 1:
-        xs = [
-            xs[i] + xs[i + 1] if i + 1 < len(xs) else xs[i]
-            for i in range(0, len(xs), 2)
-        ]
+        xs = [xs[i] + xs[i + 1] if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
     return xs[0]
 
 
@@ -59,10 +52,7 @@ def collectives(tmp_path_factory):
     run_worker("collectives", out)
     facts = json.loads((out / "collectives.json").read_text())
     with np.load(out / "collectives.npz") as data:
-        arrays = {
-            k: v.view(ml_dtypes.bfloat16) if k in facts["bfloat16_keys"] else v
-            for k, v in data.items()
-        }
+        arrays = {k: v.view(ml_dtypes.bfloat16) if k in facts["bfloat16_keys"] else v for k, v in data.items()}
     return arrays, facts
 
 
@@ -76,15 +66,11 @@ def training():
 
 def test_tree_sum_is_the_padded_tree():
     rng = np.random.default_rng(0)
-    xs = [
-        np.float32(v) for v in rng.standard_normal(9) * np.exp(rng.uniform(-20, 20, 9))
-    ]
+    xs = [np.float32(v) for v in rng.standard_normal(9) * np.exp(rng.uniform(-20, 20, 9))]
     x = [jnp.float32(v) for v in xs]
     assert_bitwise(parallel.tree_sum(x[:3]), (x[0] + x[1]) + x[2])
     assert_bitwise(parallel.tree_sum(x[:5]), ((x[0] + x[1]) + (x[2] + x[3])) + x[4])
-    assert_bitwise(
-        parallel.tree_sum(x[:6]), ((x[0] + x[1]) + (x[2] + x[3])) + (x[4] + x[5])
-    )
+    assert_bitwise(parallel.tree_sum(x[:6]), ((x[0] + x[1]) + (x[2] + x[3])) + (x[4] + x[5]))
     assert_bitwise(
         parallel.tree_sum(x[:7]),
         ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + x[6]),
@@ -123,7 +109,7 @@ def test_tree_psum_is_the_tree_for_any_device_count(collectives, case):
     fold = x[0]
     for v in x[1:]:
         fold = fold + v
-    if case != "f32_small" and case != "f32_scalar":
+    if case not in {"f32_small", "f32_scalar"}:
         assert not np.array_equal(bits(fold), bits(want))
 
 
@@ -155,9 +141,7 @@ def test_tree_psum_of_an_invariant_value_counts_every_device(collectives):
 
 def test_tree_psum_moves_data_only(collectives):
     _, facts = collectives
-    assert facts["hlo_tree_psum"] == ["all-gather", "all-to-all"], facts[
-        "hlo_tree_psum"
-    ]
+    assert facts["hlo_tree_psum"] == ["all-gather", "all-to-all"], facts["hlo_tree_psum"]
     assert "all-reduce" in facts["hlo_psum"]  # the detector sees psum's all-reduce
 
 
@@ -183,9 +167,7 @@ def test_errors(collectives):
     }
     for name, (kind, text) in expected.items():
         assert facts[name] is not None, f"{name}: no error raised"
-        assert facts[name][0] == kind and text in facts[name][1], (
-            f"{name}: {facts[name]}"
-        )
+        assert facts[name][0] == kind and text in facts[name][1], f"{name}: {facts[name]}"
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
 
     def loss(p, b, i):
@@ -208,9 +190,7 @@ def test_value_and_grad_leaves_aux_and_index(collectives):
     for d in (1, 2, 8):
         assert_bitwise(arrays[f"vg_aux_index_D{d}"], np.arange(8, dtype=np.int32))
         for what in ("loss", "grad", "aux_sum"):
-            assert_bitwise(
-                arrays[f"vg_{what}_D{d}"], arrays[f"vg_{what}_D1"], f"{what} D={d}"
-            )
+            assert_bitwise(arrays[f"vg_{what}_D{d}"], arrays[f"vg_{what}_D1"], f"{what} D={d}")
     assert arrays["vg_aux_sum_D1"].shape == (8,)
 
 
@@ -226,10 +206,7 @@ def test_training_bits_do_not_depend_on_device_count(training):
     for d in (1, 2, 4, 8):
         assert training[f"tree{d}"]["hashes"] == ref, f"D={d}"
         assert training[f"tree{d}"]["same_on_devices"], f"D={d}: devices differ"
-    assert (
-        "all-reduce" not in training["hlo_tree"]
-        and "reduce-scatter" not in training["hlo_tree"]
-    )
+    assert "all-reduce" not in training["hlo_tree"] and "reduce-scatter" not in training["hlo_tree"]
 
 
 def test_psum_step_changes_bits_with_device_count(training):
@@ -264,9 +241,7 @@ def test_gpu_device_count_and_nccl_settings_change_no_bit():
         env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
         env.update(setting, NCCL_NVLS_ENABLE="0")
         r = run_worker("gpu", 5, env=env)
-        assert r["tree1"]["hashes"] == r["tree2"]["hashes"], (
-            f"D=1 vs D=2 under {setting}"
-        )
+        assert r["tree1"]["hashes"] == r["tree2"]["hashes"], f"D=1 vs D=2 under {setting}"
         assert r["tree2"]["same_on_devices"]
         results.append(r["tree2"]["hashes"])
     assert all(h == results[0] for h in results), "an NCCL setting changed the bits"

@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from philox_reference import philox4x32_10 as np_philox
 
 import jaxdet
 from jaxdet import random as jr
-from philox_reference import philox4x32_10 as np_philox
-
 from jaxdet.contracts import dropout as contracts
 
 

@@ -16,7 +16,7 @@ def test_readme_example_runs():
 
 def test_ci_runs_the_readme_commands_verbatim():
     commands = re.findall(r"^    (pip install .*)$", README, re.M)
-    assert commands == ['pip install . && jaxdet report', 'pip install ".[test]" && pytest'], commands
+    assert commands == ["pip install . && jaxdet report", 'pip install ".[test]" && pytest'], commands
     ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     for command in commands:
         assert command in ci_lines, f"CI does not run the README command {command!r}"

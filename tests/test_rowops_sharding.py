@@ -6,7 +6,6 @@ devices the file runs itself once in a child pytest with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and each test reports its outcome there.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -48,6 +48,7 @@ def partitioner(shardy):
 
 # ---- shard_map (check_vma=True): types, gradients, transformations. ----
 
+
 @on_devices
 def test_outputs_vary_like_their_inputs_under_shard_map():
     m = mesh()
@@ -73,9 +74,17 @@ def test_outputs_vary_like_their_inputs_under_shard_map():
 
     jax.shard_map(record, mesh=m, in_specs=(P("data"), P(), P()), out_specs=P("data"))(a, b, key)
     data = frozenset({"data"})
-    assert seen == {"matmul": data, "matmul_weight_grad": data, "dropout": data, "dropout_traced_offset": data,
-                    "fold_in": frozenset(), "fold_in_index": data, "split": frozenset(), "philox": frozenset(),
-                    "vmap_matmul": data}
+    assert seen == {
+        "matmul": data,
+        "matmul_weight_grad": data,
+        "dropout": data,
+        "dropout_traced_offset": data,
+        "fold_in": frozenset(),
+        "fold_in_index": data,
+        "split": frozenset(),
+        "philox": frozenset(),
+        "vmap_matmul": data,
+    }
     # A varying result cannot be returned as replicated (it used to return one shard's rows).
     with pytest.raises(ValueError, match="out_specs"):
         jax.shard_map(jaxdet.matmul, mesh=m, in_specs=(P("data"), P()), out_specs=P())(a, b)
@@ -107,9 +116,11 @@ def test_shard_map_data_parallel_gradients(variant):
 
     def local_loss(params, x, first):
         if variant == "scan":  # one example at a time, each with its own global offset
+
             def body(total, xi_i):
                 xi, i = xi_i
                 return total + _mlp_loss(params, xi[None], key, first + i), None
+
             total = jnp.float32(0)
             if isinstance(first, jax.core.Tracer):  # inside shard_map the carry varies, as the loss does
                 total = lax.pcast(total, "data", to="varying")
@@ -123,11 +134,12 @@ def test_shard_map_data_parallel_gradients(variant):
     grad = jax.grad(lambda p, x: local_loss(p, x, lax.axis_index("data") * per), argnums=(0, 1))
     if variant == "jit":
         grad = jax.jit(grad)
-    (dw1, dw2), dx = jax.shard_map(grad, mesh=m, in_specs=((P(), P()), P("data")),
-                                   out_specs=((P(), P()), P("data")))(params, x)
+    (dw1, dw2), dx = jax.shard_map(grad, mesh=m, in_specs=((P(), P()), P("data")), out_specs=((P(), P()), P("data")))(
+        params, x
+    )
     # dX is row-local: bitwise the device's own gradient; dW: the devices' local gradients
     # combined by the canonical tree (float32).
-    local = [jax.grad(local_loss, argnums=(0, 1))(params, x[d * per:(d + 1) * per], d * per) for d in range(NDEV)]
+    local = [jax.grad(local_loss, argnums=(0, 1))(params, x[d * per : (d + 1) * per], d * per) for d in range(NDEV)]
     assert_bitwise(dx, jnp.concatenate([g[1] for g in local]), "dx")
     expected = parallel.tree_sum([g[0] for g in local])
     if variant in ("scan", "vmap"):
@@ -137,8 +149,9 @@ def test_shard_map_data_parallel_gradients(variant):
         def step(d, i):
             return jax.grad(_mlp_loss)(params, x[d * per + i][None], key, d * per + i)
 
-        expected = jax.tree.map(lambda a, b: a + b, *[parallel.tree_sum([step(d, i) for d in range(NDEV)])
-                                                     for i in range(per)])
+        expected = jax.tree.map(
+            lambda a, b: a + b, *[parallel.tree_sum([step(d, i) for d in range(NDEV)]) for i in range(per)]
+        )
     assert_bitwise(dw1, expected[0], "dw1")
     assert_bitwise(dw2, expected[1], "dw2")
     if variant == "plain":  # and dX is the unsharded call's, row for row
@@ -168,9 +181,14 @@ def test_weight_gradient_is_device_count_invariant(dtype):
             assert "all-reduce" not in found and "reduce-scatter" not in found, found
         # matmul_weight_grad per device + tree_psum: the same bits (the micro-batch contract).
         dc = jnp.cos(jaxdet.matmul(x, w).astype(jnp.float32)).astype(dtype)
-        per_device = jax.jit(jax.shard_map(
-            lambda x, dc: parallel.tree_psum(jaxdet.matmul_weight_grad(x, dc), "data"),
-            mesh=m, in_specs=(P("data"), P("data")), out_specs=P()))
+        per_device = jax.jit(
+            jax.shard_map(
+                lambda x, dc: parallel.tree_psum(jaxdet.matmul_weight_grad(x, dc), "data"),
+                mesh=m,
+                in_specs=(P("data"), P("data")),
+                out_specs=P(),
+            )
+        )
         assert_bitwise(per_device(x, dc).astype(dtype), reference, f"matmul_weight_grad, {d} devices")
 
 
@@ -198,8 +216,9 @@ def test_shard_map_dropout_offset_idiom_and_invariant_inputs():
     f = lambda x: jaxdet.dropout(x, key, 0.3, offset=lax.axis_index("data") * x.size)
     out = jax.shard_map(f, mesh=m, in_specs=P("data"), out_specs=P("data"))(x)
     assert_bitwise(out, jaxdet.dropout(x, key, 0.3))
-    g = jax.shard_map(jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32) ** 2)), mesh=m,
-                      in_specs=P("data"), out_specs=P("data"))(x)
+    g = jax.shard_map(
+        jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32) ** 2)), mesh=m, in_specs=P("data"), out_specs=P("data")
+    )(x)
     assert_bitwise(g, jax.grad(lambda x: jnp.sum(jaxdet.dropout(x, key, 0.3).astype(jnp.float32) ** 2))(x))
     # An x invariant over the axis that its key varies over: its cotangent is the canonical tree
     # over the devices' masked cotangents (float32, cast once), typed invariant.
@@ -242,13 +261,15 @@ def test_partly_manual_shard_map():
     def loss(w, x):
         return jnp.sum(jaxdet.dropout(jaxdet.matmul(x, w), jr.key(0), 0.5) ** 2)
 
-    partly = jax.jit(jax.shard_map(jax.grad(loss), mesh=m, in_specs=(P(), P("data")), out_specs=P(),
-                                   axis_names={"data"}))
+    partly = jax.jit(
+        jax.shard_map(jax.grad(loss), mesh=m, in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})
+    )
     fully = jax.shard_map(jax.grad(loss), mesh=mesh(2), in_specs=(P(), P("data")), out_specs=P())
     assert_bitwise(partly(put(w, m, P(None, "model")), x), fully(w, x))
 
 
 # ---- Sharded jit: partitioning rules (custom_partitioning; Shardy and GSPMD). ----
+
 
 @on_devices
 @pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
@@ -257,12 +278,12 @@ def test_matmul_sharded_jit_runs_per_shard(shardy):
     a, b = rand((16, 8, 96), seed=13), rand((96, 40), seed=14)
     bb = rand((16, 96, 40), seed=15)
     cases = [
-        (a, b, P("x"), P(), P("x")),                      # data parallel: a's batch, b replicated
-        (a, b, P(("x", "y")), P(), P(("x", "y"))),         # over both mesh axes
-        (a, b, P(None, "y"), P(), P(None, "y")),           # rows of a
-        (a, b, P(), P(None, "y"), P(None, None, "y")),     # tensor parallel: b's columns
-        (a, b, P("x"), P(None, "y"), P("x", None, "y")),   # both
-        (a, bb, P("x"), P("x"), P("x")),                   # batched b, split with a's batch
+        (a, b, P("x"), P(), P("x")),  # data parallel: a's batch, b replicated
+        (a, b, P(("x", "y")), P(), P(("x", "y"))),  # over both mesh axes
+        (a, b, P(None, "y"), P(), P(None, "y")),  # rows of a
+        (a, b, P(), P(None, "y"), P(None, None, "y")),  # tensor parallel: b's columns
+        (a, b, P("x"), P(None, "y"), P("x", None, "y")),  # both
+        (a, bb, P("x"), P("x"), P("x")),  # batched b, split with a's batch
     ]
     with partitioner(shardy):
         for x, w, sx, sw, s_out in cases:
@@ -371,8 +392,11 @@ def test_explicit_sharding_types_follow_the_rules():
         for f, args, expected in [
             (jaxdet.matmul, (xs, ws), jaxdet.matmul(a, b)),
             (lambda x, k: jaxdet.dropout(x, k, 0.5), (xs, key), jaxdet.dropout(a, key, 0.5)),
-            (lambda x, k: jaxdet.dropout(x, k, 0.5, broadcast_dims=(1,)), (xs, key),
-             jaxdet.dropout(a, key, 0.5, broadcast_dims=(1,))),
+            (
+                lambda x, k: jaxdet.dropout(x, k, 0.5, broadcast_dims=(1,)),
+                (xs, key),
+                jaxdet.dropout(a, key, 0.5, broadcast_dims=(1,)),
+            ),
         ]:
             assert jax.typeof(jax.eval_shape(f, *args)).sharding.spec == P("data", None)
             assert_bitwise(jax.jit(f)(*args), expected)

@@ -69,8 +69,9 @@ def test_a_mistyped_switch_fails_at_import(tmp_path):
     import sys
 
     env = dict(__import__("os").environ, **{TESTING_ENV: "gemm=sm90"})
-    proc = subprocess.run([sys.executable, "-c", "import jaxdet"], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import jaxdet"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0 and "JAXDET_TESTING" in proc.stderr and "gemm=sm80" in proc.stderr, proc.stderr
 
 
@@ -79,7 +80,13 @@ def test_the_report_names_active_overrides(tmp_path):
     import sys
 
     env = dict(__import__("os").environ, **{TESTING_ENV: "cpu_gemm=generic"})
-    proc = subprocess.run([sys.executable, "-m", "jaxdet", "report", "-k", "philox"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdet", "report", "-k", "philox"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "testing overrides active (JAXDET_TESTING=cpu_gemm=generic)" in proc.stdout

@@ -62,10 +62,14 @@ def check_canonical_order(tree=None, max_norm=1.0):
     clipped, norm = jax.jit(lambda t: _clip.clip_by_global_norm(t, max_norm))(_on_default(tree))
     leaves = jax.tree.leaves(tree)
     want_leaves, want_norm = ref.clip_by_global_norm([np.asarray(x) for x in leaves], max_norm)
-    ok = (_same_bits(norm, want_norm) and _same_bits(_clip.global_norm(_on_default(tree)), want_norm)
-          and all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(clipped), want_leaves)))
+    ok = (
+        _same_bits(norm, want_norm)
+        and _same_bits(_clip.global_norm(_on_default(tree)), want_norm)
+        and all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(clipped), want_leaves))
+    )
     return ok, f"norm {float(norm):.9g} and {len(leaves)} clipped leaves vs the NumPy canonical order: " + (
-        "bitwise equal" if ok else "DIFFER")
+        "bitwise equal" if ok else "DIFFER"
+    )
 
 
 def check_cpu_equals_device(tree=None, max_norm=1.0, nonfinite="propagate", device=None):
@@ -99,10 +103,17 @@ def check_identity_and_edge_cases():
     c_one, _ = _clip.clip_by_global_norm(finite, 10.0)  # scale 1
     zeros = _on_default([jnp.zeros((5,))])
     c_zero, n_zero = _clip.clip_by_global_norm(zeros, 0.0)  # 0/0 must not be NaN
-    ok = (all(_same_bits(a, b) for a, b in zip(c_inf, tree)) and _same_bits(c_one[0], finite[0])
-          and float(n_zero) == 0.0 and _same_bits(c_zero[0], zeros[0]) and math.isnan(float(n_inf)))
-    return ok, ("scale 1 keeps bits (NaN payload, -0, subnormal); max_norm=0 with zero grads and "
-                "max_norm=inf with NaN grads give no new NaN") if ok else "edge case FAILED"
+    ok = (
+        all(_same_bits(a, b) for a, b in zip(c_inf, tree))
+        and _same_bits(c_one[0], finite[0])
+        and float(n_zero) == 0.0
+        and _same_bits(c_zero[0], zeros[0])
+        and math.isnan(float(n_inf))
+    )
+    return ok, (
+        "scale 1 keeps bits (NaN payload, -0, subnormal); max_norm=0 with zero grads and "
+        "max_norm=inf with NaN grads give no new NaN"
+    ) if ok else "edge case FAILED"
 
 
 def check_no_transfers_in_step():

@@ -15,7 +15,6 @@ from jaxdet.matmul import WGRAD_CHUNK_TOKENS
 from jaxdet.testing import assert_bitwise_equal, bits
 from jaxdet.testing import count_bit_differences as _count_diff
 
-
 # K, N: not multiples of any register/cache tile, and K above the CPU K block (256).
 K, N = 600, 70
 
@@ -156,7 +155,9 @@ def check_db_chunk_tree(dtype, k=20, n=12):
         # micro-batches of 2^j chunks (the last one shorter), combined by tree_sum
         for j in (0, 1, 2):
             mb = (1 << j) * c
-            parts = [jaxdet.matmul_weight_grad(a[lo : min(lo + mb, t)], g[lo : min(lo + mb, t)]) for lo in range(0, t, mb)]
+            parts = [
+                jaxdet.matmul_weight_grad(a[lo : min(lo + mb, t)], g[lo : min(lo + mb, t)]) for lo in range(0, t, mb)
+            ]
             assert_bitwise_equal(tree_sum(parts), f32)
         # zero rows appended, inside the last chunk and adding new chunks (up to the next power of two and past it)
         for pad in (5, c, (8 - chunks) * c + 3):
@@ -330,8 +331,10 @@ def report_checks():
         ("matmul forward row invariance bf16 (M=1 vs 512)", _row_check(jnp.bfloat16, "fwd")),
         ("matmul dA row invariance f32 (M=1 vs 512)", _row_check(jnp.float32, "da")),
         ("matmul dA row invariance bf16 (M=1 vs 512)", _row_check(jnp.bfloat16, "da")),
-        ("matmul rows: alone, chunked, padded, permuted, batched (bf16)",
-         _passes(check_row_invariance_forward, jnp.bfloat16)),
+        (
+            "matmul rows: alone, chunked, padded, permuted, batched (bf16)",
+            _passes(check_row_invariance_forward, jnp.bfloat16),
+        ),
         ("matmul rows around tile boundaries (bf16)", _passes(check_rows_around_warpgroup_boundaries, jnp.bfloat16)),
         ("matmul dB micro-batch accumulation bitwise", _db_microbatch),
         ("matmul dB unchanged by appended zero rows", _db_padding),

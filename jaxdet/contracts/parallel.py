@@ -38,17 +38,11 @@ LEAVES = 8
 
 
 def init_params(features=16, hidden=64, outputs=8, seed=0, dtype=np.float32):
-    rng = np.random.default_rng(
-        seed
-    )  # host arrays: every process of a multi-process run has them
+    rng = np.random.default_rng(seed)  # host arrays: every process of a multi-process run has them
     return {
-        "w1": (
-            rng.standard_normal((features, hidden), np.float32) / np.sqrt(features)
-        ).astype(dtype),
+        "w1": (rng.standard_normal((features, hidden), np.float32) / np.sqrt(features)).astype(dtype),
         "b1": np.zeros((hidden,), dtype),
-        "w2": (
-            rng.standard_normal((hidden, outputs), np.float32) / np.sqrt(hidden)
-        ).astype(dtype),
+        "w2": (rng.standard_normal((hidden, outputs), np.float32) / np.sqrt(hidden)).astype(dtype),
     }
 
 
@@ -107,13 +101,9 @@ def make_step(mesh, axis_name="d", leaves=LEAVES, control=False):
     opt = _optimizer()
 
     def step(params, opt_state, batch, key):
-        scale = (
-            1.0 / batch["x"].shape[0]
-        )  # the batch mean (exact scaling for a power-of-two batch)
+        scale = 1.0 / batch["x"].shape[0]  # the batch mean (exact scaling for a power-of-two batch)
         if control:
-            loss, grads = _psum_value_and_grad(mesh, axis_name, scale)(
-                params, batch, key
-            )
+            loss, grads = _psum_value_and_grad(mesh, axis_name, scale)(params, batch, key)
         else:
             vg = parallel.value_and_grad(
                 lambda p, b, i, k: leaf_loss(p, b, i, k, scale),
@@ -133,9 +123,7 @@ def make_step(mesh, axis_name="d", leaves=LEAVES, control=False):
 def _psum_value_and_grad(mesh, axis_name, scale):
     def local(params, batch, key):
         params = lax.pcast(params, axis_name, to="varying")
-        first = lax.axis_index(
-            axis_name
-        )  # this device's block, indexed like a leaf of its size
+        first = lax.axis_index(axis_name)  # this device's block, indexed like a leaf of its size
         loss, grads = jax.value_and_grad(leaf_loss)(params, batch, first, key, scale)
         loss, grads32 = lax.psum(
             (
@@ -146,9 +134,7 @@ def _psum_value_and_grad(mesh, axis_name, scale):
         )
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads32, params)
 
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(axis_name), P()), out_specs=P()
-    )
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axis_name), P()), out_specs=P())
 
 
 def train(mesh, batches, *, axis_name="d", leaves=LEAVES, control=False, seed=0):
@@ -163,9 +149,7 @@ def train(mesh, batches, *, axis_name="d", leaves=LEAVES, control=False, seed=0)
     hashes, same_on_devices = [], []
     for i, batch in enumerate(batches):
         batch = _global_batch(batch, sharded)
-        step_key = np.asarray(
-            jaxdet.random.fold_in(key, i)
-        )  # a host value, the same in every process
+        step_key = np.asarray(jaxdet.random.fold_in(key, i))  # a host value, the same in every process
         params, opt_state, _ = step(params, opt_state, batch, step_key)
         per_device = _device_hashes((params, opt_state))
         hashes.append(next(iter(per_device.values())))
@@ -184,9 +168,7 @@ def example_step_args(mesh, axis_name="d"):
 def _global_batch(batch, sharding):
     """A global array from the same host data in every process (each process places its rows)."""
     return jax.tree.map(
-        lambda x: jax.make_array_from_callback(
-            x.shape, sharding, lambda idx, x=x: x[idx]
-        ),
+        lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]),
         batch,
     )
 
@@ -214,14 +196,10 @@ def _run_comparison(steps):
 
 def subprocess_env(devices=8):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    ).strip()
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxdet.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 
 
