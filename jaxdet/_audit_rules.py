@@ -91,6 +91,7 @@ _SAFE = set(
     max min mul mulhi ne neg nextafter not or polygamma population_count pow real reduce_precision rem
     round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
     sub tan tanh xor zeta regularized_incomplete_beta random_gamma_grad _copysign copysign reciprocal
+    one_minus_square square_plus_one logistic_grad
     complex bitcast_convert_type iota broadcast_in_dim broadcast_to reshape transpose squeeze expand_dims
     rev slice dynamic_slice dynamic_update_slice concatenate pad gather select_and_gather_add split tile
     stack unstack stop_gradient optimization_barrier sharding_constraint reshard device_put mesh_cast
