@@ -27,6 +27,18 @@ def test_report_runs_every_contract_and_passes(tmp_path):
     assert "FAIL" not in proc.stdout
 
 
+def test_report_runs_from_the_source_checkout_root():
+    """The README runs `jaxdet report` from the clone's root: checks that start subprocesses must
+    not import the source folder there."""
+    if not (REPO / "CMakeLists.txt").exists():
+        pytest.skip("not a source checkout")
+    proc = subprocess.run(
+        [_jaxdet_script(), "report", "-k", "parallel"], capture_output=True, text=True, timeout=900, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS  parallel" in proc.stdout, proc.stdout
+
+
 def test_report_help_explains_itself_without_running_checks(tmp_path):
     for argv in ([_jaxdet_script(), "report", "--help"], [sys.executable, "-m", "jaxdet", "--help"]):
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -8,6 +8,7 @@ marked `gpu`, on the GPU.
 import os
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +112,14 @@ def test_cpu_variants_agree(tmp_path):
         out = tmp_path / f"{isa}.npy"
         code = _VARIANT_RUN.format(tests=os.path.dirname(os.path.abspath(__file__)), isa=isa, out=str(out))
         env = dict(os.environ, JAXDET_TESTING=f"cpu_gemm={isa}")
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tempfile.gettempdir(),
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         results[isa] = np.load(out)
     assert "generic" in results

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -32,7 +33,10 @@ def test_validate_reads_the_environment():
 
 def _run(code, testing):
     env = dict(os.environ, **{TESTING_ENV: testing})
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    # From outside the source checkout, whose jaxdet/ folder would shadow the installed package.
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir()
+    )
 
 
 def test_native_code_reads_the_switch_once_per_process():

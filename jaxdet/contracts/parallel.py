@@ -204,9 +204,13 @@ def subprocess_env(devices=8):
 
 
 def check_device_count_invariance(steps=2):
+    # From the directory that holds the installed package: `python -m` puts the working directory
+    # first on sys.path, and a source checkout's root would shadow the compiled package.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxdet.__file__)))
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdet.contracts.parallel", str(steps)],
         env=subprocess_env(),
+        cwd=root,
         capture_output=True,
         text=True,
         timeout=600,
