@@ -68,10 +68,40 @@ def leaf_loss(params, batch, leaf_index, key, scale):
     return jnp.sum(err * err) * scale  # an XLA reduction over this leaf only
 
 
-def _optimizer():
-    import optax
+class _AdamW:
+    """AdamW in plain jnp (elementwise, so its bits cannot depend on the device count), for the
+    report where optax is not installed; the tests train with optax.adamw."""
 
-    return optax.adamw(1e-2)
+    name = "AdamW (jnp)"
+
+    def __init__(self, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4):
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, weight_decay
+
+    def init(self, params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return {"count": jnp.zeros((), jnp.int32), "mu": zeros, "nu": zeros}
+
+    def update(self, grads, state, params):
+        count = state["count"] + 1
+        mu = jax.tree.map(lambda m, g: self.b1 * m + (1 - self.b1) * g, state["mu"], grads)
+        nu = jax.tree.map(lambda v, g: self.b2 * v + (1 - self.b2) * g * g, state["nu"], grads)
+        c1 = 1 - self.b1 ** count.astype(jnp.float32)
+        c2 = 1 - self.b2 ** count.astype(jnp.float32)
+        updates = jax.tree.map(
+            lambda m, v, p: -self.lr * ((m / c1) / (jnp.sqrt(v / c2) + self.eps) + self.wd * p), mu, nu, params
+        )
+        return updates, {"count": count, "mu": mu, "nu": nu}
+
+
+def _optimizer():
+    """optax.adamw when optax is installed (the tests), else the same rule in plain jnp (the report
+    in an environment without optax, such as the README's main job)."""
+    try:
+        import optax
+    except ImportError:
+        return _AdamW()
+    opt = optax.adamw(1e-2)
+    return opt
 
 
 def _hash(tree):
@@ -218,6 +248,7 @@ def check_device_count_invariance(steps=2):
     )
     if proc.returncode:
         return False, f"subprocess failed: {proc.stderr.strip().splitlines()[-1:]}"
+    optimizer = "optax.adamw" if not isinstance(_optimizer(), _AdamW) else _AdamW.name
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     tree = [r[f"tree{d}"] for d in CHECK_D[False]]
     psum = [r[f"psum{d}"] for d in CHECK_D[True]]
@@ -226,7 +257,7 @@ def check_device_count_invariance(steps=2):
     psum_distinct = len({p["hashes"][-1] for p in psum})
     ok = same_d and ranks
     return ok, (
-        f"{steps} adamw steps of a jaxdet model (CPU, 8 simulated devices), params+optimizer state SHA-256: "
+        f"{steps} {optimizer} steps of a jaxdet model (CPU, 8 simulated devices), params+optimizer state SHA-256: "
         f"jaxdet.parallel D=1,2,4,8 {'identical' if same_d else 'DIFFER'}"
         f"{', every device equal' if ranks else ', devices DIFFER'}; "
         f"the same step with lax.psum: {psum_distinct} distinct results for D=1,8"
