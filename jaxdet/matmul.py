@@ -378,50 +378,51 @@ def _cotangent(compute, dtype, primal, others):
     return _ffi.match_varying(compute(dtype), vma)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul3(a3, b3, out_dtype):
-    """a3 [L, M, K] . b3 [Lb, K, N] -> [L, M, N]."""
-    return _gemm(a3, b3, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _product(x, y, out_dtype, transpose_b=False, rows=False):
+    """x . op(y), op(y) = y or yᵀ (read transposed in place): the forward (nn) and dA's (nt) product.
+
+    rows=False: x [L, M, K], y [Lb, K, N] (or [Lb, N, K]) -> [L, M, N] (`gemm_p`); rows=True: shared
+    weights, x [*R, K], y [K, N] (or [N, K]) -> [*R, N] (`rows_gemm_p`). Each is the other's
+    transpose, so the backward is made of the same function and higher derivatives work.
+    """
+    if rows:
+        return rows_gemm_p.bind(x, y, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype))
+    return _gemm(x, y, out_dtype, transpose_b=transpose_b)
 
 
-def _matmul3_fwd(a3, b3, out_dtype):
+def _product_fwd(x, y, out_dtype, transpose_b, rows):
     # The custom_vjp function again, not the primitive: under an outer derivative this forward is
     # differentiated too.
-    return _matmul3(a3, b3, out_dtype), (a3, b3)
+    return _product(x, y, out_dtype, transpose_b, rows), (x, y)
 
 
-def _matmul3_bwd(out_dtype, res, g):
-    a3, b3 = res
+def _product_bwd(out_dtype, transpose_b, rows, res, g):
+    x, y = res
     # The cotangent enters the kernels in the input dtype (a float32 cotangent of a bf16/f16 matmul
     # with preferred_element_type=float32 is rounded once to the input dtype).
-    g = g.astype(a3.dtype)
-    da = _cotangent(lambda dt: _matmul3_nt(g, b3, dt), a3.dtype, a3, (g, b3))  # dC . Bᵀ, B read in place
-    db = _cotangent(lambda dt: _weight_grad3(a3, g, dt), b3.dtype, b3, (a3, g))  # the chunk tree, cast once
-    return da, db
-
-
-_matmul3.defvjp(_matmul3_fwd, _matmul3_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul3_nt(x3, y3, out_dtype):
-    """x3 [L, M, N] . y3ᵀ, y3 [Lb, K, N] read transposed in place -> [L, M, K] (dA's product)."""
-    return _gemm(x3, y3, out_dtype, transpose_b=True)
-
-
-def _matmul3_nt_fwd(x3, y3, out_dtype):
-    return _matmul3_nt(x3, y3, out_dtype), (x3, y3)
-
-
-def _matmul3_nt_bwd(out_dtype, res, g):
-    x3, y3 = res
-    g = g.astype(x3.dtype)
-    dx = _cotangent(lambda dt: _matmul3(g, y3, dt), x3.dtype, x3, (g, y3))
-    dy = _cotangent(lambda dt: _weight_grad3(g, x3, dt), y3.dtype, y3, (g, x3))
+    g = g.astype(x.dtype)
+    dx = _cotangent(lambda dt: _product(g, y, dt, not transpose_b, rows), x.dtype, x, (g, y))
+    # dy: the chunk-tree weight gradient, cast once: xᵀ.g, or gᵀ.x when op(y) = yᵀ; shared weights
+    # fold every row dimension into tokens.
+    lhs, rhs = (g, x) if transpose_b else (x, g)
+    if rows:
+        lhs, rhs = _tokens(lhs), _tokens(rhs)
+    dy = _cotangent(
+        lambda dt: _weight_grad3(lhs, rhs, dt)[0] if rows else _weight_grad3(lhs, rhs, dt), y.dtype, y, (x, g)
+    )
     return dx, dy
 
 
-_matmul3_nt.defvjp(_matmul3_nt_fwd, _matmul3_nt_bwd)
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def _matmul3(a3, b3, out_dtype):
+    return _product(a3, b3, out_dtype, False, False)
+
+
+def _matmul3_nt(x3, y3, out_dtype):
+    return _product(x3, y3, out_dtype, True, False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -450,46 +451,9 @@ def _tokens(x):
     return x.reshape(1, -1, x.shape[-1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_rows(a, b, out_dtype):
     """Shared weights: a [*R, K] . b [K, N] -> [*R, N]."""
-    return rows_gemm_p.bind(a, b, transpose_b=False, out_dtype=np.dtype(out_dtype))
-
-
-def _matmul_rows_fwd(a, b, out_dtype):
-    return _matmul_rows(a, b, out_dtype), (a, b)
-
-
-def _matmul_rows_bwd(out_dtype, res, g):
-    a, b = res
-    g = g.astype(a.dtype)
-    da = _cotangent(lambda dt: _matmul_rows_nt(g, b, dt), a.dtype, a, (g, b))
-    db = _cotangent(lambda dt: _weight_grad3(_tokens(a), _tokens(g), dt)[0], b.dtype, b, (a, g))
-    return da, db
-
-
-_matmul_rows.defvjp(_matmul_rows_fwd, _matmul_rows_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_rows_nt(x, y, out_dtype):
-    """dA's product for shared weights: x [*R, N] . yᵀ, y [K, N] read transposed -> [*R, K]."""
-    return rows_gemm_p.bind(x, y, transpose_b=True, out_dtype=np.dtype(out_dtype))
-
-
-def _matmul_rows_nt_fwd(x, y, out_dtype):
-    return _matmul_rows_nt(x, y, out_dtype), (x, y)
-
-
-def _matmul_rows_nt_bwd(out_dtype, res, g):
-    x, y = res
-    g = g.astype(x.dtype)
-    dx = _cotangent(lambda dt: _matmul_rows(g, y, dt), x.dtype, x, (g, y))
-    dy = _cotangent(lambda dt: _weight_grad3(_tokens(g), _tokens(x), dt)[0], y.dtype, y, (g, x))
-    return dx, dy
-
-
-_matmul_rows_nt.defvjp(_matmul_rows_nt_fwd, _matmul_rows_nt_bwd)
+    return _product(a, b, out_dtype, False, True)
 
 
 # ---- Checks shared by the public functions. ----

@@ -206,6 +206,36 @@ def test_vmap_equals_loop(mode):
         assert_bitwise(shared, jnp.stack([jaxdet.label_log_probs(x[0], labels[i]) for i in range(4)]))
 
 
+def test_remat_and_scan_give_the_plain_bits():
+    """Under jax.checkpoint and inside lax.scan (micro-batches), values and gradients keep their bits."""
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.standard_normal((4, 6, 300)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 300, (4, 6)), jnp.int32)
+
+    def loss(x, y):
+        return jnp.sum(jaxdet.softmax_cross_entropy_with_integer_labels(x, y)) + jnp.sum(
+            jaxdet.log_softmax(x)[..., 0] * jaxdet.softmax(x)[..., 1]
+        )
+
+    plain = jax.jit(jax.value_and_grad(loss))
+    remat = jax.jit(jax.value_and_grad(jax.checkpoint(loss)))
+    for (v0, g0), (v1, g1) in zip(
+        [plain(logits[i], labels[i]) for i in range(4)], [remat(logits[i], labels[i]) for i in range(4)]
+    ):
+        assert_bitwise(v0, v1)
+        assert_bitwise(g0, g1)
+
+    def body(carry, xy):
+        v, g = jax.value_and_grad(loss)(*xy)
+        return carry, (v, g)
+
+    _, (vs, gs) = jax.jit(lambda x, y: jax.lax.scan(body, 0, (x, y)))(logits, labels)
+    for i in range(4):
+        v, g = plain(logits[i], labels[i])
+        assert_bitwise(vs[i], v)
+        assert_bitwise(gs[i], g)
+
+
 def test_axis_and_leading_dims():
     x, labels, _, _ = contracts.make_inputs(24, 50, jnp.float32)
     x3 = x.reshape(2, 12, 50)
