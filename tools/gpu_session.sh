@@ -7,7 +7,15 @@
 #   benchmark); SANITIZE=0 skips the sanitizers.
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
-#   to diff between two builds: benchmarks/gemm_schedule_bits.py).
+#   to diff between two builds: benchmarks/gemm_schedule_bits.py), buckets (the M-bucket tests,
+#   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
+#   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
+#   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
+#   SM80_BENCH_ARGS).
+#   Build cache: the build runs in /tmp/jaxdet-build from a copy of the tree in /tmp/jaxdet-src and
+#   leaves $OUT/gpu-build-cache.tgz (objects and the sources' SHA-1s). Put it at
+#   build/gpu-cache.tgz and carry that path: the next call recompiles only what changed (sources
+#   whose SHA-1 still matches get an old mtime, so ninja sees their objects as up to date).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
 mkdir -p "$OUT"
@@ -23,15 +31,30 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 start=$(date +%s)
+src=/tmp/jaxdet-src; bdir=/tmp/jaxdet-build; old=@946684800  # 2000-01-01
 # A machine kept warm between calls still has the last build: reuse it when the sources match.
 stamp=$(find cuda jaxdet CMakeLists.txt pyproject.toml -type f | sort | xargs cat | sha1sum | cut -c1-40)
 if [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
   echo "build: reused (same sources)"
 else
-  python3 -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/jaxdet-site . > "$OUT/build.log" 2>&1 \
-    || { tail -40 "$OUT/build.log"; exit 1; }
+  rm -rf "$src" && mkdir -p "$src" \
+    && tar cf - --exclude=./build --exclude=./.whl --exclude=./.git . | tar xf - -C "$src"
+  (cd "$src" && find . -type f | sort | xargs -d '\n' sha1sum) > /tmp/jaxdet-src.sha1
+  if [ ! -d "$bdir" ] && [ -f build/gpu-cache.tgz ]; then
+    tar xzf build/gpu-cache.tgz -C /tmp && echo "build: cache restored ($(du -sh "$bdir" | cut -f1))"
+  fi
+  if [ -f "$bdir/.src-sha1" ]; then
+    # unchanged sources, and the pinned CUTLASS wheel's headers, are older than the cached objects
+    grep -Fxf "$bdir/.src-sha1" /tmp/jaxdet-src.sha1 | cut -c43- | (cd "$src" && xargs -d '\n' -r touch -d "$old")
+    [ -d /tmp/site/cutlass_library ] && find /tmp/site/cutlass_library -exec touch -h -d "$old" {} +
+    echo "build: $(grep -vFxf "$bdir/.src-sha1" /tmp/jaxdet-src.sha1 | wc -l) files changed since the cached build"
+  fi
+  (cd "$src" && python3 -m pip install -q --no-build-isolation --no-deps --upgrade -Cbuild-dir="$bdir" \
+     --target /tmp/jaxdet-site .) > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   echo "$stamp" > /tmp/jaxdet-site/.jaxdet-stamp
-  echo "build: $(( $(date +%s) - start )) s"
+  cp /tmp/jaxdet-src.sha1 "$bdir/.src-sha1"
+  tar czf "$OUT/gpu-build-cache.tgz" -C /tmp --exclude='*.so' jaxdet-build
+  echo "build: $(( $(date +%s) - start )) s; cache $(du -h "$OUT/gpu-build-cache.tgz" | cut -f1)"
 fi
 export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
 rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
@@ -85,6 +108,8 @@ if has matmul; then
   # (The raw-kernel checks, default and sm_80-forced, run as tests/test_gemm_cuda_kernels.py.)
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' memcheck python3 benchmarks/gemm_memcheck.py
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' racecheck python3 benchmarks/gemm_memcheck.py
+  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' memcheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
+  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' racecheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
   if [ "${MATMUL_BENCH:-1}" = 1 ]; then
     echo "== matmul benchmark"
     timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${MATMUL_BENCH_ARGS:-} --out "$OUT/bench_matmul.md" > "$OUT/bench_matmul.log" 2>&1
@@ -105,6 +130,28 @@ if asked db-chunks; then
       --ms ${DB_MS:-1,128,1024,4096,16384} --reps 10 --inner 3 --out "$OUT/bench_db_$c.md" > "$OUT/bench_db_$c.log" 2>&1
     echo "rc=$?"; grep -E "^dB" "$OUT/bench_db_$c.log"
   done
+fi
+if asked buckets; then
+  echo "== M-bucket tests (tests/test_gemm_buckets.py)"
+  run_pytest -m gpu ${BUCKET_TESTS:-} /tmp/jaxdet-tests/test_gemm_buckets.py 2>&1 | tee "$OUT/pytest_buckets.log" | tail -15
+fi
+if asked tile-sweep; then
+  echo "== tile sweep"
+  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --tile-sweep all --ops fwd,dA \
+    ${SWEEP_ARGS:-} --out "$OUT/tile_sweep.md" > "$OUT/tile_sweep.log" 2>&1; echo "rc=$?"
+  grep -E "^\||^sweep" "$OUT/tile_sweep.log"
+  if [ "${SWEEP_SM80:-0}" = 1 ]; then
+    echo "== tile sweep, sm_80 kernels"
+    JAXDET_TESTING=gemm=sm80 timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --tile-sweep all \
+      --ops fwd,dA ${SWEEP_SM80_ARGS:-} --out "$OUT/tile_sweep_sm80.md" > "$OUT/tile_sweep_sm80.log" 2>&1; echo "rc=$?"
+    grep -E "^\||^sweep" "$OUT/tile_sweep_sm80.log"
+  fi
+fi
+if asked matmul-sm80; then
+  echo "== matmul benchmark, sm_80 kernels"
+  JAXDET_TESTING=gemm=sm80 timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${SM80_BENCH_ARGS:-} \
+    --out "$OUT/bench_matmul_sm80.md" > "$OUT/bench_matmul_sm80.log" 2>&1; echo "rc=$?"
+  grep -E "^\|" "$OUT/bench_matmul_sm80.log" | head -120
 fi
 if asked gemm-bits; then
   python3 benchmarks/gemm_schedule_bits.py > "$OUT/gemm_bits.txt" 2>&1; echo "rc=$?"
