@@ -11,7 +11,8 @@
 #   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
 #   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
 #   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
-#   SM80_BENCH_ARGS).
+#   SM80_BENCH_ARGS), sanitize-sm80 (memcheck and racecheck of the sm_80 kernels, forced).
+#   PYTEST_ARGS: options for the tests mode, as shell words (PYTEST_ARGS='-k "not every_tile"').
 #   Build cache: the build runs in /tmp/jaxdet-build from a copy of the tree in /tmp/jaxdet-src and
 #   leaves $OUT/gpu-build-cache.tgz (objects and the sources' SHA-1s). Put it at
 #   build/gpu-cache.tgz and carry that path: the next call recompiles only what changed (sources
@@ -66,7 +67,8 @@ if has tests; then
   files=(); for f in ${TEST_FILES:-}; do files+=("/tmp/jaxdet-tests/$f"); done
   [ ${#files[@]} -eq 0 ] && files=(/tmp/jaxdet-tests)
   echo "== GPU tests (README: pytest -m gpu)"
-  run_pytest -m gpu "${files[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -6
+  eval "extra=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS='-k "not every_tile"'
+  run_pytest -m gpu "${extra[@]}" "${files[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -12
   if [ "${GPU_DEFAULT_PASS:-1}" = 1 ]; then
     echo "== the same files with the GPU as the default device"
     run_pytest "${files[@]}" 2>&1 | tee "$OUT/pytest_all.log" | tail -6
@@ -108,8 +110,6 @@ if has matmul; then
   # (The raw-kernel checks, default and sm_80-forced, run as tests/test_gemm_cuda_kernels.py.)
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' memcheck python3 benchmarks/gemm_memcheck.py
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' racecheck python3 benchmarks/gemm_memcheck.py
-  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' memcheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
-  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' racecheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
   if [ "${MATMUL_BENCH:-1}" = 1 ]; then
     echo "== matmul benchmark"
     timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${MATMUL_BENCH_ARGS:-} --out "$OUT/bench_matmul.md" > "$OUT/bench_matmul.log" 2>&1
@@ -146,6 +146,10 @@ if asked tile-sweep; then
       --ops fwd,dA ${SWEEP_SM80_ARGS:-} --out "$OUT/tile_sweep_sm80.md" > "$OUT/tile_sweep_sm80.log" 2>&1; echo "rc=$?"
     grep -E "^\||^sweep" "$OUT/tile_sweep_sm80.log"
   fi
+fi
+if asked sanitize-sm80; then
+  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' memcheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
+  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' racecheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
 fi
 if asked matmul-sm80; then
   echo "== matmul benchmark, sm_80 kernels"

@@ -114,12 +114,19 @@ ffi::Error testing_force_tile(const char* op, int* rows, int* cols) {
 
 bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !d.force_sm80; }
 
+// Rows up to which the narrow tiles may serve a GEMM (four of their 64-row tiles). Beyond, the set's
+// first tile runs, as before M buckets existed: there each narrower tile would read every slice of
+// B once more per 64 rows and the operands' traffic, not idle SMs, would bound the time. (Rows that
+// share one B: a batched b's batches each have their own.)
+constexpr int64_t kBucketMaxRows = 256;
+
 // The M-bucket rule, the only place where a shape picks a kernel: the tile of `set` for a GEMM of
-// L batches of M x N outputs on `sms` SMs. Each tile is computed by one CTA over all of K, so a
-// problem with fewer tiles than SMs leaves SMs idle (at M = 1 the 128x256 tile gives a 4096-wide
-// output 16 CTAs on 132 SMs). The rule takes the largest tile (the set's first) that still yields
-// at least 4/5 as many CTAs as there are SMs, else the one that yields the most (the last). The
-// choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
+// L batches of M x N outputs on `sms` SMs. Each output tile is computed by one CTA over all of K,
+// so a problem with fewer tiles than SMs leaves SMs idle (at M = 1 the 128x256 tile gives a
+// 4096-wide output 16 CTAs on 132 SMs, and each streams its 1/16 of B alone). For M <= 256
+// the rule takes the largest tile (the set's first) that still yields at least 4/5 as many CTAs
+// as there are SMs, else the one that yields the most (the last); above, the first. The choice
+// cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
   if (d.force_m != 0) {
@@ -127,6 +134,7 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
       if (set.tiles[i].tile_m == d.force_m && set.tiles[i].tile_n == d.force_n) return set.tiles[i];
     }
   }
+  if (m > kBucketMaxRows) return set.tiles[0];
   for (int i = 0; i < set.count; ++i) {
     const TileKernel& t = set.tiles[i];
     const int64_t ctas = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
