@@ -172,7 +172,13 @@ def _sets(bs, a_all, dc_all, M):
 
 def sweep_child(args):
     """One process of --tile-sweep: JSON lines {op, K, N, M, ms, tile} for jnp (tile 'jnp') or for
-    jaxdet with whatever JAXDET_TESTING forces."""
+    jaxdet with whatever JAXDET_TESTING forces; 'tiles': the bucketed set's tiles and the device."""
+    if args.sweep_child == "tiles":
+        from jaxdet import _native
+
+        tiles = [f"{r}x{c}" for r, c in _native.gemm_cuda_tiles("bfloat16", False, False, False)]
+        print(json.dumps({"tiles": tiles, "device": jax.devices()[0].device_kind}), flush=True)
+        return
     ms = [int(x) for x in args.ms.split(",")]
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     fns = _functions(True)
@@ -193,38 +199,40 @@ def sweep_child(args):
 
 
 def tile_sweep(args):
-    from jaxdet import _native
-
-    tiles = ([f"{r}x{c}" for r, c in _native.gemm_cuda_tiles("bfloat16", False, False, False)]
-             if args.tile_sweep == "all" else args.tile_sweep.split(","))
+    """Runs the children (no JAX in this process: each child owns the GPU while it runs)."""
     base = [i for i in os.environ.get("JAXDET_TESTING", "").split(",") if i.strip() and not i.startswith("gemm_tile")]
-    runs = {"jnp": "jnp", "rule": "rule"} | {t: t for t in tiles}
-    results = {}
-    for name, child in runs.items():
-        env = dict(os.environ, JAXDET_TESTING=",".join(base + ([f"gemm_tile={name}"] if name in tiles else [])))
-        cmd = [sys.executable, os.path.abspath(__file__), "--sweep-child", child, "--ms", args.ms, "--shapes",
+
+    def child(name, forced):
+        env = dict(os.environ, JAXDET_TESTING=",".join(base + ([f"gemm_tile={forced}"] if forced else [])))
+        cmd = [sys.executable, os.path.abspath(__file__), "--sweep-child", name, "--ms", args.ms, "--shapes",
                args.shapes, "--ops", args.ops, "--reps", str(args.reps), "--inner", str(args.inner)]
         r = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
         if r.returncode != 0:
-            print(f"sweep {name}: rc={r.returncode}\n{r.stderr[-3000:]}", flush=True)
-            continue
-        for line in r.stdout.splitlines():
-            if line.startswith("{"):
-                d = json.loads(line)
-                results.setdefault((d["op"], d["K"], d["N"], d["M"]), {})[name] = d
+            print(f"sweep {name} {forced or ''}: rc={r.returncode}\n{r.stderr[-3000:]}", flush=True)
+        return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+    info = child("tiles", None)[0]
+    tiles = info["tiles"] if args.tile_sweep == "all" else args.tile_sweep.split(",")
+    results = {}
+    for name, forced in [("jnp", None), ("rule", None)] + [(t, t) for t in tiles]:
+        for d in child("jnp" if name == "jnp" else "rule", forced):
+            results.setdefault((d["op"], d["K"], d["N"], d["M"]), {})[name] = d
         print(f"sweep {name}: done", flush=True)
     cols = ["jnp"] + tiles
-    lines = [(f"# tile sweep ({jax.devices()[0].device_kind}, {datetime.date.today()}, JAXDET_TESTING base "
-             f"{','.join(base) or '-'}): ms per call; ratio = jnp / best tile"),
-             "", "| op | K | N | M | " + " | ".join(cols) + " | rule's tile (ms) | best tile | rule/best |",
+    lines = [(f"# tile sweep ({info['device']}, {datetime.date.today()}, JAXDET_TESTING base "
+              f"{','.join(base) or '-'}): ms per call (jnp.dot, then jaxdet with each tile forced)"),
+             "", "| op | K | N | M | " + " | ".join(cols) + " | rule's tile (ms) | best tile | rule / best | jnp / rule |",
              "|" + "---|" * (len(cols) + 8)]
     for (op, K, N, M), r in results.items():
         best = min((t for t in tiles if t in r), key=lambda t: r[t]["ms"], default=None)
         rule = r.get("rule", {})
-        cells = [f"{r[c]['ms']:.4f}" if c in r else "-" for c in cols]
         rule_ms = rule.get("ms", float("nan"))
+        best_ms = r[best]["ms"] if best else float("nan")
+        jnp_ms = r.get("jnp", {}).get("ms", float("nan"))
+        cells = [f"{r[c]['ms']:.4f}" if c in r else "-" for c in cols]
         lines.append(f"| {op} | {K} | {N} | {M} | " + " | ".join(cells) +
-                     f" | {rule.get('tile', '-')} ({rule_ms:.4f}) | {best} | {rule_ms / r[best]['ms']:.2f} |")
+                     f" | {rule.get('tile', '-')} ({rule_ms:.4f}) | {best} | {rule_ms / best_ms:.2f} | "
+                     f"{jnp_ms / rule_ms:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     if args.out:
