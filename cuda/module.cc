@@ -69,16 +69,18 @@ NB_MODULE(_native, m) {
   m.def("cpu_gemm_isa", &jaxdet::cpu_gemm_isa,
         "The instruction-set variant of the CPU GEMM in this process: avx512, avx2 or generic "
         "(ValueError if JAXDET_TESTING names a variant this CPU lacks).");
-  m.def("cpu_gemm_variants", &jaxdet::cpu_gemm_variants,
-        "The CPU GEMM variants this CPU supports, best first.");
-  m.def("testing_overrides", []() {
-    nb::dict d;
-    for (const auto& [key, value] : jaxdet::testing_overrides()) d[key.c_str()] = value;
-    return d;
-  }, "The items of the testing switch JAXDET_TESTING as the native code read them (once per process).");
+  m.def("cpu_gemm_variants", &jaxdet::cpu_gemm_variants, "The CPU GEMM variants this CPU supports, best first.");
+  m.def(
+      "testing_overrides",
+      []() {
+        nb::dict d;
+        for (const auto& [key, value] : jaxdet::testing_overrides()) d[key.c_str()] = value;
+        return d;
+      },
+      "The items of the testing switch JAXDET_TESTING as the native code read them (once per process).");
 #if defined(JAXDET_WITH_CUDA)
-  m.def("gemm_cuda_tile", &jaxdet::gemm_cuda_tile, nb::arg("dtype"), nb::arg("transpose_a"), nb::arg("transpose_b"),
-        nb::arg("out_f32"), nb::arg("m"), nb::arg("n"), nb::arg("l") = 1,
+  m.def("gemm_cuda_tile", &jaxdet::gemm_cuda_tile, nb::arg("dtype"), nb::arg("transpose_a"),
+        nb::arg("transpose_b"), nb::arg("out_f32"), nb::arg("m"), nb::arg("n"), nb::arg("l") = 1,
         "The output tile (rows, columns) the CUDA GEMM runs on the current device for l batches of m x n "
         "outputs (its M bucket, docs/matmul_cuda.md); RuntimeError without a usable CUDA device.");
   m.def("gemm_cuda_tiles", &jaxdet::gemm_cuda_tiles, nb::arg("dtype"), nb::arg("transpose_a"),

@@ -32,8 +32,7 @@ JAXDET_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& lo, uint32_t& hi) {
 
 // Philox4x32 with 10 rounds: 10 round functions and 9 key bumps (the first round uses the key as
 // given). Bit-exact with Random123's philox4x32_R(10, ...) and cuRAND's curand_Philox4x32_10.
-JAXDET_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                                 uint32_t k1) {
+JAXDET_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
@@ -60,8 +59,8 @@ JAXDET_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t 
 //   (lo32(g / 4), hi32(g / 4), 0, 0)
 // so one Philox call feeds 4 consecutive elements and the mask is a pure function of (key, g, rate).
 JAXDET_HD Philox4 dropout_block(uint64_t block_index, uint32_t k0, uint32_t k1) {
-  return philox4x32_10(static_cast<uint32_t>(block_index), static_cast<uint32_t>(block_index >> 32),
-                       0u, 0u, k0, k1);
+  return philox4x32_10(static_cast<uint32_t>(block_index), static_cast<uint32_t>(block_index >> 32), 0u, 0u, k0,
+                       k1);
 }
 
 // An element is dropped iff its word is below the threshold round(rate * 2^32) (computed once, on

@@ -47,8 +47,8 @@ using TensorOpGemm = cutlass::gemm::device::GemmUniversal<
     Element, LayoutA, Element, LayoutB, ElementOut, cutlass::layout::RowMajor, float,
     cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, typename TensorOpShape<TileM, TileN>::Threadblock,
     typename TensorOpShape<TileM, TileN>::Warp, typename TensorOpShape<TileM, TileN>::Instruction,
-    cutlass::epilogue::thread::LinearCombination<ElementOut, 128 / cutlass::sizeof_bits<ElementOut>::value,
-                                                 float, float>,
+    cutlass::epilogue::thread::LinearCombination<ElementOut, 128 / cutlass::sizeof_bits<ElementOut>::value, float,
+                                                 float>,
     cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<8>, TensorOpShape<TileM, TileN>::kStages, 8, 8>;
 
 // float32 SIMT configuration: 128x128x8 threadblock, 32x64x8 warps (8 warps), 1x1x1 FFMA, 3
@@ -73,8 +73,7 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
       cutlass::gemm::GemmCoord(static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k)),
       static_cast<int>(g.l), {1.0f, g.beta}, static_cast<const EA*>(g.a), static_cast<const EB*>(g.b),
       static_cast<const EC*>(g.beta != 0.0f ? g.c : g.d), static_cast<EC*>(g.d), g.batch_a, g.batch_b,
-      g.beta != 0.0f ? g.batch_c : g.batch_d, g.batch_d, g.lda, g.ldb, g.beta != 0.0f ? g.ldc : g.ldd,
-      g.ldd);
+      g.beta != 0.0f ? g.batch_c : g.batch_d, g.batch_d, g.lda, g.ldb, g.beta != 0.0f ? g.ldc : g.ldd, g.ldd);
   if (Gemm::can_implement(args) != cutlass::Status::kSuccess) {
     return "CUTLASS cannot run this problem: the sm_80 kernels need every operand's contiguous "
            "dimension to be a multiple of 8 elements (bfloat16/float16) and 16-byte aligned pointers";

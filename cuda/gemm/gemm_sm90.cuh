@@ -63,11 +63,10 @@ struct Config {
   // cooperative (128-row) forward and dA kernels raster along N, its weight gradient takes CUTLASS's heuristic
   // (the faster orders on an H100, benchmarks/RESULTS.md). The narrow tiles serve few rows: along
   // M, the CTAs of one column of tiles run together and read that slice of B from memory once.
-  static constexpr auto kRasterOrder =
-      !kCooperative ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM
-      : std::is_same_v<LayoutA, cutlass::layout::RowMajor>
-          ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
-          : cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
+  static constexpr auto kRasterOrder = !kCooperative ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM
+                                       : std::is_same_v<LayoutA, cutlass::layout::RowMajor>
+                                           ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
+                                           : cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using ElementSource = std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>;
@@ -75,32 +74,32 @@ struct Config {
   using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementSource, float>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC,
-      ElementD, LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC, ElementD, LayoutD,
+      kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB,
-      LayoutB, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB,
+      kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue, TileSchedulerTag>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, TileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   // The contract: a data-parallel persistent scheduler, never stream-K or split-K.
   static_assert(std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::PersistentScheduler>,
                 "jaxdet GEMM must use the data-parallel PersistentScheduler (no stream-K/split-K)");
-  static_assert(std::is_same_v<typename Kernel::TileScheduler,
-                               cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90>,
-                "jaxdet GEMM tile scheduler must be PersistentTileSchedulerSm90 (data-parallel)");
+  static_assert(
+      std::is_same_v<typename Kernel::TileScheduler, cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90>,
+      "jaxdet GEMM tile scheduler must be PersistentTileSchedulerSm90 (data-parallel)");
   static_assert(!std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::StreamKScheduler>,
                 "stream-K breaks batch invariance");
   // What every tile of a kernel set must share (docs/matmul_cuda.md, "M buckets"): the mainloop
   // (and with it the order of K tiles and of wgmma steps), the K tile, the instruction's K depth,
   // float32 accumulators.
   static_assert(std::is_same_v<typename Mainloop::DispatchPolicy,
-                               cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<
-                                   Mainloop::DispatchPolicy::Stages, ClusterShape, MainloopSchedule>>,
+                               cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<Mainloop::DispatchPolicy::Stages,
+                                                                                 ClusterShape, MainloopSchedule>>,
                 "every Hopper tile must run the same TMA + wgmma (ss) mainloop");
   static_assert(cute::size<2>(typename Mainloop::TileShape{}) == kTileK, "every Hopper tile has K tile 64");
   static_assert(cute::size<2>(typename Mainloop::TiledMma::AtomShape_MNK{}) == 16,
@@ -178,8 +177,8 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
   if (!(smem_set.load(std::memory_order_acquire) & bit)) {
     const int smem = Kernel::SharedStorageSize;
     if (smem >= (48 << 10)) {
-      const cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      const cudaError_t e =
+          cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       if (e != cudaSuccess) {
         return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
       }

@@ -323,8 +323,9 @@ ffi::Error GemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
 // written as it is (rounded once to dst_dtype, which may be bfloat16/float16 only when the tokens
 // fit in one chunk) and every later chunk adds (the CUDA target does the same); otherwise dst
 // (float32) starts from acc.
-ffi::Error WgradChunks(const char* op, ffi::ThreadPool& pool, const float* acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
-                       ffi::Span<const int64_t> od, void* dst, GemmDtype dst_dtype, int64_t chunk_tokens) {
+ffi::Error WgradChunks(const char* op, ffi::ThreadPool& pool, const float* acc, ffi::AnyBuffer a,
+                       ffi::AnyBuffer dc, ffi::Span<const int64_t> od, void* dst, GemmDtype dst_dtype,
+                       int64_t chunk_tokens) {
   const auto ad = a.dimensions(), dd = dc.dimensions();
   if (ad.size() != 3 || dd.size() != 3 || od.size() != 3) {
     return ffi::Error::InvalidArgument(std::string(op) + ": a, dc and out must be rank 3");
@@ -381,8 +382,9 @@ ffi::Error GemmWgradCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> acc, ffi::An
 // accumulator cast once, RNE, as astype does; the CUDA target casts in the last chunk's epilogue).
 // One chunk: its GEMM rounds each float32 sum to the half result in its epilogue. Several chunks:
 // they accumulate in `workspace`, the float32 [L, K, N] XLA provides for that case, then one cast.
-ffi::Error GemmWgradInitCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t chunk_tokens) {
+ffi::Error GemmWgradInitCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                            int64_t chunk_tokens) {
   const char* op = "jaxdet_gemm_wgrad_init";
   GemmDtype at, ot;
   if (!to_gemm_dtype(a.element_type(), &at) || !to_gemm_dtype(out->element_type(), &ot) ||
@@ -398,8 +400,8 @@ ffi::Error GemmWgradInitCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuff
   }
   const int64_t n = static_cast<int64_t>(out->element_count());
   if (static_cast<int64_t>(workspace->element_count()) != n) {
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": the float32 workspace must be [L,K,N] when the tokens span several chunks");
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": the float32 workspace must be [L,K,N] when the tokens span several chunks");
   }
   float* acc = workspace->typed_data();
   if (auto err = WgradChunks(op, pool, nullptr, a, dc, od, acc, GemmDtype::kF32, chunk_tokens); err.failure()) {

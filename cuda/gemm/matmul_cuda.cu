@@ -151,9 +151,9 @@ ffi::Error check_forced_tile(const char* op, const KernelSet& set, const DeviceI
     if (set.tiles[i].tile_m == d.force_m && set.tiles[i].tile_n == d.force_n) return ffi::Error::Success();
     names += (i ? ", " : "") + std::to_string(set.tiles[i].tile_m) + "x" + std::to_string(set.tiles[i].tile_n);
   }
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + kTestingEnv + " has gemm_tile=" +
-                                     std::to_string(d.force_m) + "x" + std::to_string(d.force_n) +
-                                     ", which this kernel set does not have (its tiles: " + names + ")");
+  return ffi::Error::InvalidArgument(
+      std::string(op) + ": " + kTestingEnv + " has gemm_tile=" + std::to_string(d.force_m) + "x" +
+      std::to_string(d.force_n) + ", which this kernel set does not have (its tiles: " + names + ")");
 }
 
 ffi::Error invalid(const char* op, const std::string& msg) {
@@ -173,7 +173,8 @@ const char* dtype_name(ffi::DataType t) {
 KernelSet pick_gemm(const DeviceInfo& d, ffi::DataType dt, bool ta, bool tb, bool out_f32) {
   const int lay = (ta ? 2 : 0) | (tb ? 1 : 0);  // nn, nt, tn, tt
   if (dt == ffi::F32) {
-    static constexpr KernelSet simt[4] = {gemm::simt_f32_nn, gemm::simt_f32_nt, gemm::simt_f32_tn, gemm::simt_f32_tt};
+    static constexpr KernelSet simt[4] = {gemm::simt_f32_nn, gemm::simt_f32_nt, gemm::simt_f32_tn,
+                                          gemm::simt_f32_tt};
     return simt[lay];
   }
   const bool bf16 = dt == ffi::BF16;
@@ -218,11 +219,15 @@ ffi::Error check_device(const char* op, DeviceInfo* d) {
 // Dimensions of a rank-2 or rank-3 buffer as (L, rows, cols); rank 2 means L = 1.
 bool dims3(const ffi::Span<const int64_t>& dims, int64_t* l, int64_t* r, int64_t* c) {
   if (dims.size() == 3) {
-    *l = dims[0]; *r = dims[1]; *c = dims[2];
+    *l = dims[0];
+    *r = dims[1];
+    *c = dims[2];
     return true;
   }
   if (dims.size() == 2) {
-    *l = 1; *r = dims[0]; *c = dims[1];
+    *l = 1;
+    *r = dims[0];
+    *c = dims[1];
     return true;
   }
   return false;
@@ -272,8 +277,8 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
       return invalid(op, std::string("bfloat16/float16 operands need their contiguous dimensions to be multiples "
                                      "of 8 elements: ") +
                              (transpose_a ? "M" : "K") + "=" + std::to_string(a_contig) + ", " +
-                             (transpose_b ? "K" : "N") + "=" + std::to_string(b_contig) + ", N=" +
-                             std::to_string(N) + " (pad with zeros; zeros along K are exact)");
+                             (transpose_b ? "K" : "N") + "=" + std::to_string(b_contig) +
+                             ", N=" + std::to_string(N) + " (pad with zeros; zeros along K are exact)");
     }
   }
   DeviceInfo d;
@@ -409,7 +414,8 @@ __global__ void CastF32Kernel(const float* __restrict__ in, Half* __restrict__ o
 }
 
 ffi::Error cast_f32(cudaStream_t stream, const char* op, ffi::DataType dt, const float* in, void* out, int64_t n) {
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{current_sm_count()} * 16));
+  const unsigned grid =
+      static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{current_sm_count()} * 16));
   if (dt == ffi::BF16) {
     CastF32Kernel<<<grid, 256, 0, stream>>>(in, static_cast<__nv_bfloat16*>(out), n);
   } else {
@@ -430,7 +436,8 @@ ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::An
   float* dst = out->typed_data();
   if (acc.typed_data() != dst && out->size_bytes() > 0) {
     // The result is meant to alias acc; if XLA handed a separate buffer, start it from acc.
-    const cudaError_t e = cudaMemcpyAsync(dst, acc.typed_data(), out->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    const cudaError_t e =
+        cudaMemcpyAsync(dst, acc.typed_data(), out->size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (e != cudaSuccess) return cuda_error(op, e);
   }
   if (wgrad_is_empty(w)) return ffi::Error::Success();
@@ -444,8 +451,9 @@ ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::An
 // chunks accumulate in `workspace` (float32 [L, K, N]; empty when the tokens fit in one chunk) and
 // the last chunk's epilogue adds its partial and casts: the same float32 additions, in the same
 // order, as the float32 result followed by astype.
-ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dc, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::Buffer<ffi::F32>> workspace, int64_t chunk_tokens) {
+ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer dc,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                             int64_t chunk_tokens) {
   constexpr const char* op = "jaxdet_gemm_wgrad_init";
   WgradOperands w;
   if (auto err = decode_wgrad(op, a, dc, out->dimensions(), chunk_tokens, &w); err.failure()) return err;
@@ -496,12 +504,14 @@ ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
 namespace {
 
 // The kernel set jaxdet_gemm runs for these operands on the current device (for the bindings).
-KernelSet kernel_set_for(const std::string& dtype, bool transpose_a, bool transpose_b, bool out_f32, DeviceInfo* d) {
+KernelSet kernel_set_for(const std::string& dtype, bool transpose_a, bool transpose_b, bool out_f32,
+                         DeviceInfo* d) {
   const ffi::DataType dt = dtype == "float32"    ? ffi::F32
                            : dtype == "bfloat16" ? ffi::BF16
                            : dtype == "float16"  ? ffi::F16
                                                  : ffi::DataType::INVALID;
-  if (dt == ffi::DataType::INVALID) throw std::invalid_argument("dtype must be float32, bfloat16 or float16, not " + dtype);
+  if (dt == ffi::DataType::INVALID)
+    throw std::invalid_argument("dtype must be float32, bfloat16 or float16, not " + dtype);
   if (auto err = check_device("jaxdet gemm", d); err.failure()) throw std::runtime_error(err.message());
   return pick_gemm(*d, dt, transpose_a, transpose_b, out_f32 && dt != ffi::F32);
 }
@@ -513,7 +523,8 @@ std::pair<int, int> gemm_cuda_tile(const std::string& dtype, bool transpose_a, b
   if (m <= 0 || n <= 0 || l <= 0) throw std::invalid_argument("m, n and l must be positive");
   DeviceInfo d;
   const KernelSet set = kernel_set_for(dtype, transpose_a, transpose_b, out_f32, &d);
-  if (auto err = check_forced_tile("jaxdet gemm", set, d); err.failure()) throw std::invalid_argument(err.message());
+  if (auto err = check_forced_tile("jaxdet gemm", set, d); err.failure())
+    throw std::invalid_argument(err.message());
   const TileKernel& t = choose_tile(set, d, m, n, l);
   return {t.tile_m, t.tile_n};
 }
