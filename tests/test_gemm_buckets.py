@@ -47,7 +47,9 @@ def _gemm(a, b, transpose_b, out_dtype):
     return gemm_p.bind(a, b, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype))
 
 
-def _subprocess(args, testing, timeout=900):
+def _subprocess(args, testing):
+    """This file as a script, with JAXDET_TESTING = `testing` (no preallocation: several may share
+    the GPU)."""
     env = dict(os.environ, JAXDET_TESTING=testing, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     return subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
