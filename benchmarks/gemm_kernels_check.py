@@ -104,7 +104,8 @@ def row_bits(x):
 
 
 def check_row_invariance():
-    ms = (1, 2, 3, 17, 128, 1000, 4096) if not QUICK else (1, 3, 128, 4096)
+    # across the M buckets' boundaries for N = 4096 on 132 SMs (64, 65, 192, 193, 256, 257)
+    ms = (1, 2, 3, 17, 64, 65, 128, 192, 193, 256, 257, 1000, 4096) if not QUICK else (1, 3, 65, 193, 257, 4096)
     cases = [
         (jnp.bfloat16, 4096, 4096, False),
         (jnp.bfloat16, 4096, 4096, True),

@@ -2,8 +2,9 @@
 
 Edge tiles in every dimension (M, N, K not multiples of the tiles), M <= 64 (one tile whose second
 consumer warpgroup holds no row), batches, b broadcast and the chunked weight gradient (accumulating,
-and from nothing in every result dtype). Prints the relative errors; the sanitizer reports memory
-errors.
+and from nothing in every result dtype), and every tile of the M-bucketed kernel sets (a row count
+for which the bucket rule picks it, with partial edge tiles). Prints the relative errors; the
+sanitizer reports memory errors. Run it again with JAXDET_TESTING=gemm=sm80 for the sm_80 kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_ffi import gemm, wgrad, wgrad_init  # noqa: E402
+from _gemm_ffi import gemm, wgrad, wgrad_init
+
+from jaxdet import _native
 
 
 def f64(x):
@@ -63,4 +66,34 @@ for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
             worst = max(worst, e)
     for kdim in (136, 40):  # dB's rows: two tiles, the second partial; and one tile of <= 64 rows
         worst = max(worst, check_wgrad(dt, kdim, seed=kdim))
+
+
+def bucket_cases(dname, tb, n):
+    """For every tile of the bucketed set: a row count (not a multiple of the tile's rows where the
+    rule allows) for which the bucket rule picks that tile for n output columns."""
+    tiles = [tuple(t) for t in _native.gemm_cuda_tiles(dname, False, tb, False)]
+    picked = {}
+    for m in range(1, 4097):
+        t = tuple(_native.gemm_cuda_tile(dname, False, tb, False, m, n, 1))
+        if t not in picked or picked[t] % t[0] == 0:
+            picked[t] = m
+    return [(t, picked[t]) for t in tiles if t in picked]
+
+
+if hasattr(_native, "gemm_cuda_tiles"):
+    covered = set()
+    for dname, dt in (("bfloat16", jnp.bfloat16), ("float16", jnp.float16)):
+        for tb, N in ((False, 4104), (True, 4104), (False, 14344), (True, 14344)):
+            K = 200  # N = 4096 / 14336 + 8: a partial last column of every tile width
+            for tile, M in bucket_cases(dname, tb, N):
+                key, k1, k2 = jax.random.split(key, 3)
+                a = jax.random.normal(k1, (1, M, K)).astype(dt)
+                b = jax.random.normal(k2, (1, N, K) if tb else (1, K, N)).astype(dt)
+                B = np.swapaxes(f64(b), 1, 2) if tb else f64(b)
+                ref = f64(a) @ B
+                for out in (dt, jnp.float32):  # the float32-output sets pick the same tiles
+                    r = gemm(a, b, False, tb, out)
+                    worst = max(worst, np.linalg.norm(f64(r) - ref) / np.linalg.norm(ref))
+                covered.add(f"{tile[0]}x{tile[1]}@M={M}")
+    print("bucket tiles covered:", " ".join(sorted(covered)), flush=True)
 print(f"memcheck run done; worst relerr {worst:.2e}", flush=True)

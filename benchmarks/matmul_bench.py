@@ -1,8 +1,14 @@
 """Batch-invariant matmul vs jnp.dot on the GPU: forward, dA and dB, bfloat16, side by side in one run.
 
-    python benchmarks/matmul_bench.py [--ms 1,16,128,1024,4096,16384] [--shapes all|4096x4096,...]
-                                      [--ops fwd,dA,dB] [--reps 20] [--raw] [--out results.md]
+    python benchmarks/matmul_bench.py [--ms 1,2,4,...,16384] [--shapes all|4096x4096,...]
+                                      [--ops fwd,dA,dB] [--reps 15] [--raw] [--out results.md]
                                       [--chunk-tokens 8192]
+    python benchmarks/matmul_bench.py --tile-sweep all [--ms ...] [--ops fwd,dA]
+
+--tile-sweep times jaxdet's forward and dA with every tile of the M-bucketed kernel sets forced
+(JAXDET_TESTING=gemm_tile=..., one process per tile, one more for jnp.dot and the rule's own
+choice): the data behind the bucket rule (docs/matmul_cuda.md). Other JAXDET_TESTING items in the
+environment (gemm=sm80) are kept.
 
 Uses `jaxdet.matmul` (forward and its VJP) when it exists (and --raw is not given), else the raw
 FFI targets: fwd = jaxdet_gemm(A, B); dA = jaxdet_gemm(dC, B, transpose_b=True);
@@ -13,8 +19,12 @@ computes), or the VJP of jnp.dot when jaxdet.matmul is used.
 Timing: jitted functions, warm-up, then the median over `--reps` timings of `--inner` back-to-back
 calls each (block_until_ready at the end), the jnp and jaxdet repetitions alternating (so that a
 clock or power drift during a long cell hits both sides alike); inputs rotate among several copies
-when they are small enough, so that repeated calls do not run from L2. "bits" columns: how many bits-differing elements
-of output row 0 between M=1 and M=4096 (jnp.dot vs jaxdet), per (K, N), forward.
+when they are small enough, so that repeated calls do not run from L2. The "tile" column is the
+output tile the bucket rule picked (forward and dA); "HBM" the fraction of the device's peak memory
+bandwidth (--hbm-tbs, H100 SXM: 3.35 TB/s) that jaxdet reached moving the fewest bytes the product
+needs (each operand read once, the result written once), for M <= 16. Row bits: how many elements
+of output row 0 differ in any bit between M=1 and each other M (forward and dA; jnp.dot vs jaxdet),
+the rows of one fixed batch of inputs.
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -37,7 +49,7 @@ from _gemm_ffi import gemm, wgrad  # noqa: E402
 import jaxdet  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
-MS = [1, 16, 128, 1024, 4096, 16384]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]
 
 
 def parse():
@@ -56,6 +68,9 @@ def parse():
         help="measure dB with this WGRAD_CHUNK_TOKENS instead of the library's (an experiment: "
         "it changes dB's bits and its micro-batch granularity)",
     )
+    p.add_argument("--hbm-tbs", type=float, default=3.35, help="peak HBM bandwidth, TB/s (H100 SXM: 3.35)")
+    p.add_argument("--tile-sweep", default="", help="'all' or tiles (64x128,...): time every forced tile")
+    p.add_argument("--sweep-child", default="", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -110,8 +125,153 @@ def timeit_pair(fn_ref, fn_det, argsets, reps, inner):
     return tuple(1e3 * statistics.median(t) for t in times)
 
 
+def _tile_of(op, K, N, M):
+    """The tile the bucket rule picks for the forward (GEMM N = N) or dA (GEMM N = K) of this cell."""
+    from jaxdet import _native
+
+    if op not in ("fwd", "dA") or not hasattr(_native, "gemm_cuda_tile"):
+        return "-"
+    r, c = _native.gemm_cuda_tile("bfloat16", False, op == "dA", False, M, N if op == "fwd" else K, 1)
+    return f"{r}x{c}"
+
+
+def _min_bytes(op, K, N, M):
+    """Each operand read once and the result written once, bfloat16."""
+    return 2.0 * (M * K + K * N + M * N)
+
+
+def _functions(use_api):
+    if use_api:
+        fwd_det = jax.jit(jaxdet.matmul)
+        da_det = jax.jit(lambda a, b, dc: jax.vjp(lambda x: jaxdet.matmul(x, b), a)[1](dc)[0])
+        db_det = jax.jit(lambda a, b, dc: jax.vjp(lambda y: jaxdet.matmul(a, y), b)[1](dc)[0])
+        da_ref = jax.jit(lambda a, b, dc: jax.vjp(lambda x: jnp.dot(x, b), a)[1](dc)[0])
+        db_ref = jax.jit(lambda a, b, dc: jax.vjp(lambda y: jnp.dot(a, y), b)[1](dc)[0])
+    else:
+        fwd_det = jax.jit(lambda a, b: gemm(a, b))
+        da_det = jax.jit(lambda a, b, dc: gemm(dc, b, transpose_b=True))
+        db_det = jax.jit(lambda acc, a, dc: wgrad(acc, a, dc, 2048), donate_argnums=0)
+        da_ref = jax.jit(lambda a, b, dc: jnp.dot(dc, b.T))
+        db_ref = jax.jit(lambda a, b, dc: jnp.dot(a.T, dc))
+    return {"fwd": (jax.jit(jnp.dot), fwd_det), "dA": (da_ref, da_det), "dB": (db_ref, db_det)}
+
+
+def _inputs(key, K, N, ms, dt):
+    """b [K, N] (and copies to rotate when small), and one batch of a / dC rows for every M."""
+    key, kb, ka, kc = jax.random.split(key, 4)
+    b = jax.random.normal(kb, (K, N), jnp.float32).astype(dt)
+    nb = 3 if K * N * 2 < 200e6 else 1
+    bs = [b] + [b + 0 for _ in range(nb - 1)]
+    a_all = jax.random.normal(ka, (max(ms), K), jnp.float32).astype(dt)
+    dc_all = jax.random.normal(kc, (max(ms), N), jnp.float32).astype(dt)
+    return key, bs, a_all, dc_all
+
+
+def _sets(bs, a_all, dc_all, M):
+    nb = len(bs)
+    a, dc = a_all[:M] + 0, dc_all[:M] + 0
+    na = 3 if (M * a.shape[1] + M * dc.shape[1]) * 2 < 200e6 and nb > 1 else 1
+    return [(a + 0 if i else a, bs[i % nb], dc + 0 if i else dc) for i in range(na)]
+
+
+def sweep_child(args):
+    """One process of --tile-sweep: JSON lines {op, K, N, M, ms, tile} for jnp (tile 'jnp') or for
+    jaxdet with whatever JAXDET_TESTING forces; 'tiles': the bucketed set's tiles and the device."""
+    if args.sweep_child == "tiles":
+        from jaxdet import _native
+
+        tiles = [f"{r}x{c}" for r, c in _native.gemm_cuda_tiles("bfloat16", False, False, False)]
+        print(json.dumps({"tiles": tiles, "device": jax.devices()[0].device_kind}), flush=True)
+        return
+    ms = [int(x) for x in args.ms.split(",")]
+    shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    fns = _functions(True)
+    side = 0 if args.sweep_child == "jnp" else 1
+    key = jax.random.PRNGKey(0)
+    for K, N in shapes:
+        key, bs, a_all, dc_all = _inputs(key, K, N, ms, jnp.bfloat16)
+        for M in ms:
+            sets = _sets(bs, a_all, dc_all, M)
+            for op in args.ops.split(","):
+                fn = fns[op][side]
+                argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
+                t = timeit(fn, argsets, args.reps, args.inner)
+                tile = "jnp" if side == 0 else _tile_of(op, K, N, M)
+                print(json.dumps({"op": op, "K": K, "N": N, "M": M, "ms": t, "tile": tile}), flush=True)
+            del sets
+        del bs, a_all, dc_all
+
+
+def tile_sweep(args):
+    """Runs the children (no JAX in this process: each child owns the GPU while it runs)."""
+    base = [i for i in os.environ.get("JAXDET_TESTING", "").split(",") if i.strip() and not i.startswith("gemm_tile")]
+
+    def child(name, forced):
+        env = dict(os.environ, JAXDET_TESTING=",".join(base + ([f"gemm_tile={forced}"] if forced else [])))
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--sweep-child",
+            name,
+            "--ms",
+            args.ms,
+            "--shapes",
+            args.shapes,
+            "--ops",
+            args.ops,
+            "--reps",
+            str(args.reps),
+            "--inner",
+            str(args.inner),
+        ]
+        r = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"sweep {name} {forced or ''}: rc={r.returncode}\n{r.stderr[-3000:]}", flush=True)
+        return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+    info = child("tiles", None)[0]
+    tiles = info["tiles"] if args.tile_sweep == "all" else args.tile_sweep.split(",")
+    results = {}
+    for name, forced in [("jnp", None), ("rule", None)] + [(t, t) for t in tiles]:
+        for d in child("jnp" if name == "jnp" else "rule", forced):
+            results.setdefault((d["op"], d["K"], d["N"], d["M"]), {})[name] = d
+        print(f"sweep {name}: done", flush=True)
+    cols = ["jnp"] + tiles
+    lines = [
+        (
+            f"# tile sweep ({info['device']}, {datetime.date.today()}, JAXDET_TESTING base "
+            f"{','.join(base) or '-'}): ms per call (jnp.dot, then jaxdet with each tile forced)"
+        ),
+        "",
+        "| op | K | N | M | " + " | ".join(cols) + " | rule's tile (ms) | best tile | rule / best | jnp / rule |",
+        "|" + "---|" * (len(cols) + 8),
+    ]
+    for (op, K, N, M), r in results.items():
+        best = min((t for t in tiles if t in r), key=lambda t: r[t]["ms"], default=None)
+        rule = r.get("rule", {})
+        rule_ms = rule.get("ms", float("nan"))
+        best_ms = r[best]["ms"] if best else float("nan")
+        jnp_ms = r.get("jnp", {}).get("ms", float("nan"))
+        cells = [f"{r[c]['ms']:.4f}" if c in r else "-" for c in cols]
+        lines.append(
+            f"| {op} | {K} | {N} | {M} | "
+            + " | ".join(cells)
+            + f" | {rule.get('tile', '-')} ({rule_ms:.4f}) | {best} | {rule_ms / best_ms:.2f} | "
+            f"{jnp_ms / rule_ms:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
 def main():
     args = parse()
+    if args.sweep_child:
+        return sweep_child(args)
+    if args.tile_sweep:
+        return tile_sweep(args)
     ms = [int(x) for x in args.ms.split(",")]
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ops = args.ops.split(",")
@@ -125,90 +285,96 @@ def main():
     head = (
         f"# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\ndevice: {dev.device_kind}; jax {jax.__version__}; "
         f"{datetime.date.today()}; jaxdet via {'jaxdet.matmul' if use_api else 'raw FFI targets'}; "
-        f"dB chunk_tokens {chunk_tokens}; "
-        f"median of {args.reps} x {args.inner} back-to-back calls, jnp and jaxdet repetitions alternating\n"
+        f"dB chunk_tokens {chunk_tokens}; JAXDET_TESTING {os.environ.get('JAXDET_TESTING') or '-'}; "
+        f"median of {args.reps} x {args.inner} back-to-back calls, jnp and jaxdet repetitions alternating; "
+        f"HBM fraction of {args.hbm_tbs} TB/s\n"
     )
     print(head, flush=True)
     rows = []
+    bits = {}  # (op, K, N) -> {M: (jnp, jaxdet)} differing elements of row 0 vs M = 1
     key = jax.random.PRNGKey(0)
+    fns = _functions(use_api)
+    u = lambda x: np.asarray(x).view(np.uint16)
 
-    if use_api:
-        mm = jax.jit(jaxdet.matmul)
-        fwd_det = mm
-        da_det = jax.jit(lambda a, b, dc: jax.vjp(lambda x: jaxdet.matmul(x, b), a)[1](dc)[0])
-        db_det = jax.jit(lambda a, b, dc: jax.vjp(lambda y: jaxdet.matmul(a, y), b)[1](dc)[0])
-        da_ref = jax.jit(lambda a, b, dc: jax.vjp(lambda x: jnp.dot(x, b), a)[1](dc)[0])
-        db_ref = jax.jit(lambda a, b, dc: jax.vjp(lambda y: jnp.dot(a, y), b)[1](dc)[0])
-    else:
-        fwd_det = jax.jit(lambda a, b: gemm(a, b))
-        da_det = jax.jit(lambda a, b, dc: gemm(dc, b, transpose_b=True))
-        db_det_chain = jax.jit(lambda acc, a, dc: wgrad(acc, a, dc, 2048), donate_argnums=0)
-        da_ref = jax.jit(lambda a, b, dc: jnp.dot(dc, b.T))
-        db_ref = jax.jit(lambda a, b, dc: jnp.dot(a.T, dc))
-    fwd_ref = jax.jit(jnp.dot)
-
-    bits = {}
     for K, N in shapes:
-        key, kb = jax.random.split(key)
-        b = jax.random.normal(kb, (K, N), jnp.float32).astype(dt)
-        nb = 3 if K * N * 2 < 200e6 else 1
-        bs = [b] + [b + 0 for _ in range(nb - 1)]
-        # Bits changed between M=1 and M=4096 for row 0 (forward).
-        key, ka = jax.random.split(key)
-        a4 = jax.random.normal(ka, (4096, K), jnp.float32).astype(dt)
-        u = lambda x: np.asarray(x).view(np.uint16)  # noqa: E731
-        bits[(K, N)] = (
-            int(np.sum(u(fwd_ref(a4[:1], b)[0]) != u(fwd_ref(a4, b)[0]))),
-            int(np.sum(u(fwd_det(a4[:1], b)[0]) != u(fwd_det(a4, b)[0]))),
-        )
-        del a4
+        key, bs, a_all, dc_all = _inputs(key, K, N, ms, dt)
+        b = bs[0]
+        row0 = {"fwd": [u(f(a_all[:1], b)[0]) for f in fns["fwd"]]}
+        if use_api:
+            row0["dA"] = [u(f(a_all[:1], b, dc_all[:1])[0]) for f in fns["dA"]]
         for M in ms:
-            key, ka, kc = jax.random.split(key, 3)
-            a = jax.random.normal(ka, (M, K), jnp.float32).astype(dt)
-            dc = jax.random.normal(kc, (M, N), jnp.float32).astype(dt)
-            na = 3 if (M * K + M * N) * 2 < 200e6 and nb > 1 else 1
-            sets = [(a + 0 if i else a, bs[i % nb], dc + 0 if i else dc) for i in range(max(na, 1))]
+            sets = _sets(bs, a_all, dc_all, M)
+            a, dc = sets[0][0], sets[0][2]
+            for op, ref in row0.items():
+                if op in ops:
+                    outs = [fns[op][i](a, b) if op == "fwd" else fns[op][i](a, b, dc) for i in (0, 1)]
+                    bits.setdefault((op, K, N), {})[M] = tuple(int(np.sum(u(o[0]) != r)) for o, r in zip(outs, ref))
+                    del outs
             for op in ops:
                 flops = 2.0 * M * K * N
+                fn_ref, fn_det = fns[op]
                 if op == "fwd":
-                    ab = [(s[0], s[1]) for s in sets]
-                    t_ref, t_det = timeit_pair(fwd_ref, fwd_det, ab, args.reps, args.inner)
-                elif op == "dA":
-                    t_ref, t_det = timeit_pair(da_ref, da_det, sets, args.reps, args.inner)
-                elif use_api:
-                    t_ref, t_det = timeit_pair(db_ref, db_det, sets, args.reps, args.inner)
+                    t_ref, t_det = timeit_pair(fn_ref, fn_det, [(s[0], s[1]) for s in sets], args.reps, args.inner)
+                elif op == "dA" or use_api:
+                    t_ref, t_det = timeit_pair(fn_ref, fn_det, sets, args.reps, args.inner)
                 else:
-                    t_ref = timeit(db_ref, sets, args.reps, args.inner)
+                    t_ref = timeit(fn_ref, sets, args.reps, args.inner)
                     acc = jnp.zeros((K, N), jnp.float32)
-                    t_det = timeit(db_det_chain, [(acc, s[0], s[2]) for s in sets], args.reps, args.inner, chain=True)
-                r = (op, K, N, M, t_ref, t_det, t_ref / t_det, flops / t_ref / 1e9, flops / t_det / 1e9)
+                    t_det = timeit(fn_det, [(acc, s[0], s[2]) for s in sets], args.reps, args.inner, chain=True)
+                hbm = _min_bytes(op, K, N, M) / (t_det * 1e-3) / (args.hbm_tbs * 1e12) if M <= 16 else None
+                r = (
+                    op,
+                    K,
+                    N,
+                    M,
+                    t_ref,
+                    t_det,
+                    t_ref / t_det,
+                    flops / t_ref / 1e9,
+                    flops / t_det / 1e9,
+                    _tile_of(op, K, N, M),
+                    hbm,
+                )
                 rows.append(r)
                 print(
                     f"{op:3s} K={K:6d} N={N:6d} M={M:6d}  jnp {t_ref:9.4f} ms ({r[7]:6.0f} TF/s)  "
-                    f"jaxdet {t_det:9.4f} ms ({r[8]:6.0f} TF/s)  ratio {r[6]:.3f}",
+                    f"jaxdet {t_det:9.4f} ms ({r[8]:6.0f} TF/s)  ratio {r[6]:.3f}  tile {r[9]}"
+                    + (f"  HBM {hbm:.2f}" if hbm is not None else ""),
                     flush=True,
                 )
             del sets, a, dc
-        del bs, b
+        del bs, b, a_all, dc_all
 
     lines = [
         head,
-        "| op | K | N | M | jnp.dot ms | jaxdet ms | throughput ratio (jnp time / jaxdet time) | jnp TFLOP/s | jaxdet TFLOP/s |",  # noqa: E501
-        "|---|---|---|---|---|---|---|---|---|",
+        (
+            "| op | K | N | M | jnp.dot ms | jaxdet ms | throughput ratio (jnp time / jaxdet time) | "
+            "jnp TFLOP/s | jaxdet TFLOP/s | tile | jaxdet HBM fraction |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        hbm = f"{r[10]:.2f}" if r[10] is not None else ""
         lines.append(
-            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.4f} | {r[5]:.4f} | {r[6]:.3f} | {r[7]:.0f} | {r[8]:.0f} |"
+            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.4f} | {r[5]:.4f} | {r[6]:.3f} | {r[7]:.0f} | "
+            f"{r[8]:.0f} | {r[9]} | {hbm} |"
         )
     lines += [
         "",
-        "Row 0 bits (elements of row 0 whose bits differ between M=1 and M=4096), forward:",
+        (
+            "Row 0 bits (elements of output row 0 whose bits differ between M=1 and each other M; the most "
+            "over all M, and at which M):"
+        ),
         "",
-        "| K | N | jnp.dot | jaxdet |",
-        "|---|---|---|---|",
+        "| op | K | N | jnp.dot | jaxdet | M with jnp changes |",
+        "|---|---|---|---|---|---|",
     ]
-    for (K, N), (bj, bd) in bits.items():
-        lines.append(f"| {K} | {N} | {bj}/{N} | {bd}/{N} |")
+    for (op, K, N), per_m in bits.items():
+        width = N if op == "fwd" else K
+        jw = max(per_m.items(), key=lambda kv: kv[1][0])
+        dw = max(per_m.items(), key=lambda kv: kv[1][1])
+        changed = ",".join(str(m) for m, (j, _) in per_m.items() if j)
+        lines.append(f"| {op} | {K} | {N} | {jw[1][0]}/{width} (M={jw[0]}) | {dw[1][1]}/{width} | {changed or '-'} |")
     text = "\n".join(lines) + "\n"
     print("\n" + text, flush=True)
     if args.out:

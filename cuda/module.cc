@@ -1,6 +1,7 @@
 // The nanobind module jaxdet._native: hands each XLA FFI handler to Python as a capsule, keyed by
 // the platform it runs on. jaxdet/_ffi.py registers them with XLA on import.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -8,6 +9,9 @@
 
 #include "common/testing.h"
 #include "gemm/matmul_cpu.h"
+#if defined(JAXDET_WITH_CUDA)
+#include "gemm/matmul_cuda.h"
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -97,6 +101,16 @@ NB_MODULE(_native, m) {
         return d;
       },
       "The items of the testing switch JAXDET_TESTING as the native code read them (once per process).");
+#if defined(JAXDET_WITH_CUDA)
+  m.def("gemm_cuda_tile", &jaxdet::gemm_cuda_tile, nb::arg("dtype"), nb::arg("transpose_a"),
+        nb::arg("transpose_b"), nb::arg("out_f32"), nb::arg("m"), nb::arg("n"), nb::arg("l") = 1,
+        "The output tile (rows, columns) the CUDA GEMM runs on the current device for l batches of m x n "
+        "outputs (its M bucket, docs/matmul_cuda.md); RuntimeError without a usable CUDA device.");
+  m.def("gemm_cuda_tiles", &jaxdet::gemm_cuda_tiles, nb::arg("dtype"), nb::arg("transpose_a"),
+        nb::arg("transpose_b"), nb::arg("out_f32"),
+        "Every output tile (rows, columns) of the CUDA GEMM kernel set for these operands on the current "
+        "device, largest first.");
+#endif
   m.def("cuda_targets", []() {
     nb::dict d;
 #if defined(JAXDET_WITH_CUDA)

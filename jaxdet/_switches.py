@@ -4,6 +4,8 @@ A comma-separated list of ``key=value`` items, read once per process by the nati
 (cuda/common/testing.h; docs/DEVELOPING.md):
 
 - ``gemm=sm80``: the CUDA GEMM runs its sm_80 kernels on a Hopper GPU too;
+- ``gemm_tile=ROWSxCOLS``: every call of an M-bucketed CUDA GEMM kernel set (forward and dA) runs
+  that output tile, whatever the shape (docs/matmul_cuda.md, "M buckets"); it cannot change a bit;
 - ``cpu_gemm=avx512|avx2|generic``: the CPU GEMM variant (refused if this CPU lacks it).
 
 An item changes which kernel runs, so, like the device model, it is part of what the bits may
@@ -19,6 +21,9 @@ TESTING_ENV = "JAXDET_TESTING"
 # key -> accepted values
 TESTING_ITEMS = {
     "gemm": ("sm80",),
+    # the tiles of cuda/gemm/kernels.cmake (Hopper, then sm_80); the native code refuses a tile
+    # that the running kernel set does not have
+    "gemm_tile": ("128x256", "64x256", "64x128", "64x64", "64x32", "128x128"),
     "cpu_gemm": ("avx512", "avx2", "generic"),
 }
 

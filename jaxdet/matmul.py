@@ -4,8 +4,9 @@ The contracts (docs/matmul.md, proven by tests/test_matmul.py):
 
 * Row invariance. The bits of an output row of ``matmul(a, b)`` depend only on that row of ``a``
   and on ``b``: not on M, the row's position, the other rows, padding, batch dims, vmap or jit.
-  Each output element is one float32 accumulator reduced over K in a fixed ascending order by a
-  kernel whose configuration depends on (dtype, layout, N, K, device) only. The same holds for
+  Each output element is one float32 accumulator reduced over K in a fixed ascending order, with
+  operations that depend on (dtype, layout, device) only (on the GPU the output tile may depend on
+  M, never what a tile computes: docs/matmul_cuda.md, "M buckets"). The same holds for
   ``dA = dC . B^T`` in the backward pass (B is read transposed in place).
 * dB chunk contract. ``dB = A^T . dC`` reduces over tokens (the rows of ``a``, all batch dims
   folded in). The tokens are cut into chunks of ``WGRAD_CHUNK_TOKENS``; each chunk is one GEMM

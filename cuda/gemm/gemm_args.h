@@ -8,6 +8,13 @@
 //                (+ C[l](m, n) when beta == 1)
 // with the reduction order fixed by the launcher's compile-time configuration alone: no split-K,
 // no stream-K, no atomics, nothing chosen from M, N, K or L at run time.
+//
+// A kernel set (one entry of the list in kernels.cmake) holds one launcher per output tile shape.
+// Its tiles differ only in how the output is cut into tiles and how tiles go to CTAs: they share
+// the K tile, the MMA instruction's K depth, the mainloop and the epilogue arithmetic, so every
+// tile computes every output element with the same sequence of operations (static_asserts in
+// gemm_sm90.cuh / gemm_sm80.cuh; bitwise checks in tests/test_gemm_buckets.py). Which tile runs
+// is chosen per call from the problem's shape (matmul_cuda.cu, choose_tile); it cannot change a bit.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,6 +49,20 @@ using Status = std::string;
 // A launcher: one CUTLASS instantiation, generated from the list in cuda/gemm/kernels.cmake,
 // which also writes the header declaring them all (generated/gemm_launchers.h).
 #define JAXDET_GEMM_LAUNCHER(name) Status name(const GemmArgs& args, cudaStream_t stream)
+using Launcher = Status (*)(const GemmArgs&, cudaStream_t);
+
+// One tile shape of a kernel set: the CTA's output tile (rows x columns) and its launcher.
+struct TileKernel {
+  int tile_m;
+  int tile_n;
+  Launcher launch;
+};
+
+// The tiles of one kernel set, largest first (kernels.cmake checks the order).
+struct KernelSet {
+  const TileKernel* tiles;
+  int count;
+};
 
 }  // namespace gemm
 }  // namespace jaxdet

@@ -5,7 +5,10 @@
 // Batch invariance: the threadblock/warp/instruction shapes and stage count are compile-time
 // constants of each launcher; split-K is fixed at 1 (each threadblock walks all of K in order);
 // the threadblock swizzle only decides which block computes which tile. A row's bits depend only
-// on that row of A and on B.
+// on that row of A and on B. The tiles of one kernel set (kernels.cmake) share the K tile (32, its
+// partial residue tile first), the warp's K (32: two mma.sync k16 steps per K tile, in order),
+// the instruction and the epilogue, so each output element sees the same operations whichever
+// tile computes it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,16 +27,29 @@ namespace jaxdet {
 namespace gemm {
 namespace sm80 {
 
-// bf16/f16 tensor-op configuration: 128x128x32 threadblock, 64x64x32 warps (4 warps), 4 stages
-// (64 KiB of shared memory, so it also fits sm_86/sm_89's 99 KiB).
-template <class Element, class LayoutA, class LayoutB, class ElementOut>
+// bf16/f16 tensor-op configuration of a TileM x TileN threadblock tile: K tile 32, warps of 32 K
+// (the 128x128 tile: 64x64 warps, 4 stages, 64 KiB of shared memory, so it also fits sm_86/sm_89's
+// 99 KiB; the narrower tiles: 32x32 warps and more stages, the same 48-64 KiB), instruction
+// mma.sync m16n8k16.
+constexpr int kTileK = 32;
+template <int TileM, int TileN>
+struct TensorOpShape {
+  static constexpr int kWarpM = TileM / 2;
+  static constexpr int kWarpN = TileN >= 64 ? TileN / 2 : TileN;
+  static constexpr int kStages = TileM * TileN >= 128 * 128 ? 4 : 6;
+  using Threadblock = cutlass::gemm::GemmShape<TileM, TileN, kTileK>;
+  using Warp = cutlass::gemm::GemmShape<kWarpM, kWarpN, kTileK>;
+  using Instruction = cutlass::gemm::GemmShape<16, 8, 16>;
+};
+
+template <class Element, class LayoutA, class LayoutB, class ElementOut, int TileM, int TileN>
 using TensorOpGemm = cutlass::gemm::device::GemmUniversal<
     Element, LayoutA, Element, LayoutB, ElementOut, cutlass::layout::RowMajor, float,
-    cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, cutlass::gemm::GemmShape<128, 128, 32>,
-    cutlass::gemm::GemmShape<64, 64, 32>, cutlass::gemm::GemmShape<16, 8, 16>,
+    cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, typename TensorOpShape<TileM, TileN>::Threadblock,
+    typename TensorOpShape<TileM, TileN>::Warp, typename TensorOpShape<TileM, TileN>::Instruction,
     cutlass::epilogue::thread::LinearCombination<ElementOut, 128 / cutlass::sizeof_bits<ElementOut>::value, float,
                                                  float>,
-    cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<8>, 4, 8, 8>;
+    cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<8>, TensorOpShape<TileM, TileN>::kStages, 8, 8>;
 
 // float32 SIMT configuration: 128x128x8 threadblock, 32x64x8 warps (8 warps), 1x1x1 FFMA, 3
 // stages, alignment 1 (any shape).
@@ -80,14 +96,20 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
 
 // The launcher of one generated unit (cuda/gemm/kernels.cmake): the SIMT kernel for float32, the
 // tensor-op kernel otherwise. CUTLASS 2.x epilogues take one type for C and D.
-template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD>
+template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
 Status launch(const GemmArgs& args, cudaStream_t stream) {
   static_assert(std::is_same_v<ElementC, ElementD>, "the sm_80 kernels read C in D's type");
   if constexpr (std::is_same_v<Element, float>) {
     static_assert(std::is_same_v<ElementD, float>, "the float32 SIMT kernel writes float32");
+    static_assert(TileM == 128 && TileN == 128, "the float32 SIMT kernel has one tile, 128x128");
     return run<SimtGemm<LayoutA, LayoutB>>(args, stream);
   } else {
-    return run<TensorOpGemm<Element, LayoutA, LayoutB, ElementD>>(args, stream);
+    using Gemm = TensorOpGemm<Element, LayoutA, LayoutB, ElementD, TileM, TileN>;
+    // What every tile of a kernel set must share: the K tile, the warp's K, the instruction.
+    static_assert(Gemm::GemmKernel::Mma::Shape::kK == kTileK, "every sm_80 tile has K tile 32");
+    static_assert(Gemm::GemmKernel::Mma::Operator::Shape::kK == kTileK, "every sm_80 warp covers the K tile");
+    static_assert(Gemm::GemmKernel::Mma::Operator::InstructionShape::kK == 16, "mma.sync of K depth 16");
+    return run<Gemm>(args, stream);
   }
 }
 

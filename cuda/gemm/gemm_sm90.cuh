@@ -2,10 +2,12 @@
 // kernel, persistent data-parallel tile scheduler. Included by the generated translation units of
 // the sm90 family (cuda/gemm/kernels.cmake), which are compiled for sm_90a only.
 //
-// Batch invariance: the tile (and so the wgmma instruction and the K-tile sequence), the schedule
-// and the scheduler are compile-time constants of each launcher. One CTA owns a whole output
-// tile and walks K from 0 upwards in tiles of 64 (TileShape); a row's bits depend only on that
-// row of A and on B. TMA zero-fills the out-of-bounds part of edge tiles, and zeros add exactly.
+// Batch invariance: the K-tile sequence, the wgmma K depth, the mainloop and the scheduler are
+// compile-time constants shared by every launcher of a kernel set (the tiles differ only in the
+// output tile's rows and columns). One CTA owns a whole output tile and walks K from 0 upwards in
+// tiles of 64; a row's bits depend only on that row of A and on B. TMA zero-fills the
+// out-of-bounds part of edge tiles (rows beyond M, columns beyond N, K beyond the last full tile),
+// and every tile sees the same zeros in the same K steps.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,25 +34,37 @@ namespace jaxdet {
 namespace gemm {
 namespace sm90 {
 
-// The fixed configuration of every Hopper kernel (forward nn, dA nt, weight gradient tn; bf16 and
-// f16): 128x256x64 tile, two consumer warpgroups (cooperative, each issues wgmma m64n256k16 on its
-// 64 rows), cluster 1x1x1 (a 2x1 cluster leaves half the SMs idle when M <= 128).
-using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+// What every Hopper kernel shares (forward nn, dA nt, weight gradient tn; bf16 and f16; every tile
+// of a kernel set): the K tile of 64, wgmma instructions of K depth 16 with float32 accumulators
+// (the collective mainloop MainloopSm90TmaGmmaWarpSpecialized: the first wgmma of a tile's first K
+// tile starts the accumulator, every later one adds, K tiles in ascending order), cluster 1x1x1,
+// the data-parallel persistent scheduler and the LinearCombination epilogue. A tile of 128 rows
+// runs the cooperative schedule (two consumer warpgroups, each wgmma m64nNk16 on its 64 rows); a
+// tile of 64 rows the ping-pong schedule (each consumer warpgroup owns a whole 64-row tile, the two
+// alternate). Either way each output element is one accumulator fed by the same wgmma K steps in
+// the same order, so the tile decides only which CTA computes an element, never its bits.
+constexpr int kTileK = 64;
 using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 // ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C.
-template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD>
+template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
 struct Config {
+  static_assert(TileM == 64 || TileM == 128, "Hopper tiles have 64 (ping-pong) or 128 (cooperative) rows");
+  static constexpr bool kCooperative = TileM == 128;
+  using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<kTileK>>;
+  using MainloopSchedule = std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                              cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using EpilogueSchedule = std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                              cutlass::epilogue::TmaWarpSpecialized>;
   using LayoutD = cutlass::layout::RowMajor;
-  // Raster order of the persistent scheduler: along N for the forward and dA kernels (A row-major),
-  // CUTLASS's heuristic for the weight gradient (A column-major), the faster of the orders for each
-  // on an H100 (benchmarks/RESULTS.md). Like the swizzle below it only decides which CTA computes
-  // which tile, never what a tile computes (identical result hashes for the heuristic, along M and
-  // along N: benchmarks/gemm_schedule_bits.py).
-  static constexpr auto kRasterOrder = std::is_same_v<LayoutA, cutlass::layout::RowMajor>
+  // Raster order of the persistent scheduler (which CTA takes which tile, never what a tile
+  // computes: identical result hashes for every order, benchmarks/gemm_schedule_bits.py). The
+  // cooperative (128-row) forward and dA kernels raster along N, its weight gradient takes CUTLASS's heuristic
+  // (the faster orders on an H100, benchmarks/RESULTS.md). The narrow tiles serve few rows: along
+  // M, the CTAs of one column of tiles run together and read that slice of B from memory once.
+  static constexpr auto kRasterOrder = !kCooperative ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM
+                                       : std::is_same_v<LayoutA, cutlass::layout::RowMajor>
                                            ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
                                            : cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   static constexpr int kAlignAB = 16 / sizeof(ElementAB);
@@ -80,6 +94,20 @@ struct Config {
       "jaxdet GEMM tile scheduler must be PersistentTileSchedulerSm90 (data-parallel)");
   static_assert(!std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::StreamKScheduler>,
                 "stream-K breaks batch invariance");
+  // What every tile of a kernel set must share (docs/matmul_cuda.md, "M buckets"): the mainloop
+  // (and with it the order of K tiles and of wgmma steps), the K tile, the instruction's K depth,
+  // float32 accumulators.
+  static_assert(std::is_same_v<typename Mainloop::DispatchPolicy,
+                               cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<Mainloop::DispatchPolicy::Stages,
+                                                                                 ClusterShape, MainloopSchedule>>,
+                "every Hopper tile must run the same TMA + wgmma (ss) mainloop");
+  static_assert(cute::size<2>(typename Mainloop::TileShape{}) == kTileK, "every Hopper tile has K tile 64");
+  static_assert(cute::size<2>(typename Mainloop::TiledMma::AtomShape_MNK{}) == 16,
+                "every Hopper tile issues wgmma of K depth 16");
+  static_assert(cute::size<0>(typename Mainloop::TiledMma::AtomShape_MNK{}) == 64 &&
+                    cute::size<1>(typename Mainloop::TiledMma::AtomShape_MNK{}) == TileN,
+                "one wgmma m64nNk16 covers a warpgroup's 64 rows and the tile's N columns");
+  static_assert(std::is_same_v<typename Mainloop::TiledMma::ValTypeC, float>, "float32 accumulators");
 };
 
 // Sets the strides of a cute stride type from (s0, s1, s2), skipping its static (unit) modes.
@@ -169,9 +197,9 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
 }
 
 // The launcher of one generated unit (cuda/gemm/kernels.cmake).
-template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD>
+template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
 Status launch(const GemmArgs& args, cudaStream_t stream) {
-  return run<Config<ElementAB, LayoutA, LayoutB, ElementC, ElementD>>(args, stream);
+  return run<Config<ElementAB, LayoutA, LayoutB, ElementC, ElementD, TileM, TileN>>(args, stream);
 }
 
 }  // namespace sm90

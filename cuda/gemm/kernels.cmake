@@ -1,10 +1,11 @@
 # The CUTLASS launchers of the batch-invariant GEMM, generated from one list (included by
-# CMakeLists.txt when CUDA is built). For each entry CMake writes one translation unit (so that
-# they compile in parallel) from gemm_kernel.cu.in, and one header, generated/gemm_launchers.h,
-# declares every launcher for the dispatcher (matmul_cuda.cu).
+# CMakeLists.txt when CUDA is built). For each entry and each of its tiles CMake writes one
+# translation unit (so that they compile in parallel) from gemm_kernel.cu.in, and one header,
+# generated/gemm_launchers.h, declares every launcher and, per entry, its kernel set (the tiles,
+# largest first) for the dispatcher (matmul_cuda.cu).
 #
-# Entry: "name family dtype layout C D"
-#   family  sm90: CUTLASS 3.x TMA warp-specialized cooperative kernel (gemm_sm90.cuh), sm_90a only;
+# Entry: "name family dtype layout C D tile..."
+#   family  sm90: CUTLASS 3.x TMA warp-specialized kernel (gemm_sm90.cuh), sm_90a only;
 #           sm80: CUTLASS 2.x kernel (gemm_sm80.cuh): tensor-op mma.sync for bf16/f16, SIMT FFMA for
 #           f32; sm_80 and sm_90 machine code plus sm_80 PTX for newer GPUs.
 #   dtype   A and B: bf16, f16 or f32.
@@ -12,48 +13,59 @@
 #           (column-major: A stored [K,M], B stored [N,K]). D is always row-major [M,N].
 #   C, D    the epilogue's D = A.B (+ beta C): C void = no source read (sm90 only; the sm80
 #           kernels take C of D's type and read it only when beta != 0).
+#   tile    the CTA's output tile, ROWSxCOLS; several tiles make an M-bucketed kernel set (largest
+#           area first). Every tile of a set has the same K tile, MMA instruction, mainloop and
+#           epilogue (gemm_sm90.cuh / gemm_sm80.cuh), so every tile computes every element with the
+#           same operations: the dispatcher may pick any of them from the shape (choose_tile in
+#           matmul_cuda.cu; proven bitwise by tests/test_gemm_buckets.py, docs/matmul_cuda.md).
+#           sm90: 128xN runs the cooperative schedule (two consumer warpgroups of 64 rows), 64xN
+#           the ping-pong schedule; sm80: the threadblock tile.
+set(JAXDET_GEMM_SM90_TILES "128x256 64x256 64x128 64x64 64x32")
+set(JAXDET_GEMM_SM80_TILES "128x128 64x64 64x32")
 set(JAXDET_GEMM_KERNELS
-  # Hopper forward (nn) and dA (nt), half or float32 output.
-  "sm90_bf16_nn_bf16         sm90 bf16 nn void bf16"
-  "sm90_bf16_nn_f32          sm90 bf16 nn void f32"
-  "sm90_bf16_nt_bf16         sm90 bf16 nt void bf16"
-  "sm90_bf16_nt_f32          sm90 bf16 nt void f32"
-  "sm90_f16_nn_f16           sm90 f16  nn void f16"
-  "sm90_f16_nn_f32           sm90 f16  nn void f32"
-  "sm90_f16_nt_f16           sm90 f16  nt void f16"
-  "sm90_f16_nt_f32           sm90 f16  nt void f32"
+  # Hopper forward (nn) and dA (nt), half or float32 output: M-bucketed.
+  "sm90_bf16_nn_bf16         sm90 bf16 nn void bf16 ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_bf16_nn_f32          sm90 bf16 nn void f32  ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_bf16_nt_bf16         sm90 bf16 nt void bf16 ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_bf16_nt_f32          sm90 bf16 nt void f32  ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_f16_nn_f16           sm90 f16  nn void f16  ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_f16_nn_f32           sm90 f16  nn void f32  ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_f16_nt_f16           sm90 f16  nt void f16  ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_f16_nt_f32           sm90 f16  nt void f32  ${JAXDET_GEMM_SM90_TILES}"
   # Hopper weight gradient (tn): one mainloop, three epilogues: D = C + A^T B in float32 (every
   # chunk but the last), D = A^T B cast to the half dtype (a single chunk), and D = C + A^T B with
-  # a float32 C cast to the half dtype (the last chunk). The casts round to nearest even.
-  "sm90_bf16_tn_f32acc       sm90 bf16 tn f32  f32"
-  "sm90_bf16_tn_bf16         sm90 bf16 tn void bf16"
-  "sm90_bf16_tn_f32acc_bf16  sm90 bf16 tn f32  bf16"
-  "sm90_f16_tn_f32acc        sm90 f16  tn f32  f32"
-  "sm90_f16_tn_f16           sm90 f16  tn void f16"
-  "sm90_f16_tn_f32acc_f16    sm90 f16  tn f32  f16"
+  # a float32 C cast to the half dtype (the last chunk). The casts round to nearest even. One tile:
+  # its GEMM's rows are the weight's K, never few.
+  "sm90_bf16_tn_f32acc       sm90 bf16 tn f32  f32  128x256"
+  "sm90_bf16_tn_bf16         sm90 bf16 tn void bf16 128x256"
+  "sm90_bf16_tn_f32acc_bf16  sm90 bf16 tn f32  bf16 128x256"
+  "sm90_f16_tn_f32acc        sm90 f16  tn f32  f32  128x256"
+  "sm90_f16_tn_f16           sm90 f16  tn void f16  128x256"
+  "sm90_f16_tn_f32acc_f16    sm90 f16  tn f32  f16  128x256"
   # sm_80 and later: all four layouts, half or float32 output (the *_f32 ones also serve as the
-  # weight gradient with beta = 1 off Hopper).
-  "sm80_bf16_nn_bf16         sm80 bf16 nn bf16 bf16"
-  "sm80_bf16_nn_f32          sm80 bf16 nn f32  f32"
-  "sm80_bf16_nt_bf16         sm80 bf16 nt bf16 bf16"
-  "sm80_bf16_nt_f32          sm80 bf16 nt f32  f32"
-  "sm80_bf16_tn_bf16         sm80 bf16 tn bf16 bf16"
-  "sm80_bf16_tn_f32          sm80 bf16 tn f32  f32"
-  "sm80_bf16_tt_bf16         sm80 bf16 tt bf16 bf16"
-  "sm80_bf16_tt_f32          sm80 bf16 tt f32  f32"
-  "sm80_f16_nn_f16           sm80 f16  nn f16  f16"
-  "sm80_f16_nn_f32           sm80 f16  nn f32  f32"
-  "sm80_f16_nt_f16           sm80 f16  nt f16  f16"
-  "sm80_f16_nt_f32           sm80 f16  nt f32  f32"
-  "sm80_f16_tn_f16           sm80 f16  tn f16  f16"
-  "sm80_f16_tn_f32           sm80 f16  tn f32  f32"
-  "sm80_f16_tt_f16           sm80 f16  tt f16  f16"
-  "sm80_f16_tt_f32           sm80 f16  tt f32  f32"
-  # True float32 on every architecture (SIMT FFMA, never TF32), all four layouts.
-  "simt_f32_nn               sm80 f32  nn f32  f32"
-  "simt_f32_nt               sm80 f32  nt f32  f32"
-  "simt_f32_tn               sm80 f32  tn f32  f32"
-  "simt_f32_tt               sm80 f32  tt f32  f32"
+  # weight gradient with beta = 1 off Hopper); the forward and dA layouts are M-bucketed.
+  "sm80_bf16_nn_bf16         sm80 bf16 nn bf16 bf16 ${JAXDET_GEMM_SM80_TILES}"
+  "sm80_bf16_nn_f32          sm80 bf16 nn f32  f32  ${JAXDET_GEMM_SM80_TILES}"
+  "sm80_bf16_nt_bf16         sm80 bf16 nt bf16 bf16 ${JAXDET_GEMM_SM80_TILES}"
+  "sm80_bf16_nt_f32          sm80 bf16 nt f32  f32  ${JAXDET_GEMM_SM80_TILES}"
+  "sm80_bf16_tn_bf16         sm80 bf16 tn bf16 bf16 128x128"
+  "sm80_bf16_tn_f32          sm80 bf16 tn f32  f32  128x128"
+  "sm80_bf16_tt_bf16         sm80 bf16 tt bf16 bf16 128x128"
+  "sm80_bf16_tt_f32          sm80 bf16 tt f32  f32  128x128"
+  "sm80_f16_nn_f16           sm80 f16  nn f16  f16  ${JAXDET_GEMM_SM80_TILES}"
+  "sm80_f16_nn_f32           sm80 f16  nn f32  f32  ${JAXDET_GEMM_SM80_TILES}"
+  "sm80_f16_nt_f16           sm80 f16  nt f16  f16  ${JAXDET_GEMM_SM80_TILES}"
+  "sm80_f16_nt_f32           sm80 f16  nt f32  f32  ${JAXDET_GEMM_SM80_TILES}"
+  "sm80_f16_tn_f16           sm80 f16  tn f16  f16  128x128"
+  "sm80_f16_tn_f32           sm80 f16  tn f32  f32  128x128"
+  "sm80_f16_tt_f16           sm80 f16  tt f16  f16  128x128"
+  "sm80_f16_tt_f32           sm80 f16  tt f32  f32  128x128"
+  # True float32 on every architecture (SIMT FFMA, never TF32), all four layouts; the tile is the
+  # SIMT kernel's own (128x128x8).
+  "simt_f32_nn               sm80 f32  nn f32  f32  128x128"
+  "simt_f32_nt               sm80 f32  nt f32  f32  128x128"
+  "simt_f32_tn               sm80 f32  tn f32  f32  128x128"
+  "simt_f32_tt               sm80 f32  tt f32  f32  128x128"
 )
 
 set(_jaxdet_type_bf16 "cutlass::bfloat16_t")
@@ -72,23 +84,26 @@ function(jaxdet_generate_gemm_kernels)
   set(sm90_sources "")
   set(sm80_sources "")
   set(declarations "")
+  set(sets "")
   set(names "")
   foreach(entry IN LISTS JAXDET_GEMM_KERNELS)
+    string(STRIP "${entry}" entry)
     string(REGEX REPLACE " +" ";" fields "${entry}")
     list(LENGTH fields n)
-    if(NOT n EQUAL 6)
-      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}' must have 6 fields")
+    if(n LESS 7)
+      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}' must have 6 fields and at least one tile")
     endif()
-    list(GET fields 0 JAXDET_KERNEL_NAME)
+    list(GET fields 0 set_name)
     list(GET fields 1 JAXDET_KERNEL_FAMILY)
     list(GET fields 2 dtype)
     list(GET fields 3 layout)
     list(GET fields 4 c)
     list(GET fields 5 d)
-    if(JAXDET_KERNEL_NAME IN_LIST names)
-      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS names ${JAXDET_KERNEL_NAME} twice")
+    list(SUBLIST fields 6 -1 tiles)
+    if(set_name IN_LIST names)
+      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS names ${set_name} twice")
     endif()
-    list(APPEND names "${JAXDET_KERNEL_NAME}")
+    list(APPEND names "${set_name}")
     string(SUBSTRING "${layout}" 0 1 la)
     string(SUBSTRING "${layout}" 1 1 lb)
     foreach(var IN ITEMS dtype c d la lb)
@@ -101,26 +116,44 @@ function(jaxdet_generate_gemm_kernels)
         message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': unknown ${var} '${${var}}'")
       endif()
     endforeach()
+    if(NOT JAXDET_KERNEL_FAMILY MATCHES "^(sm90|sm80)$")
+      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': unknown family '${JAXDET_KERNEL_FAMILY}'")
+    endif()
     set(JAXDET_KERNEL_ELEMENT "${_jaxdet_type_${dtype}}")
     set(JAXDET_KERNEL_LAYOUT_A "${_jaxdet_layout_${la}}")
     set(JAXDET_KERNEL_LAYOUT_B "${_jaxdet_layout_${lb}}")
     set(JAXDET_KERNEL_ELEMENT_C "${_jaxdet_type_${c}}")
     set(JAXDET_KERNEL_ELEMENT_D "${_jaxdet_type_${d}}")
-    set(source "${dir}/gemm/${JAXDET_KERNEL_NAME}.cu")
-    configure_file("${template}" "${source}" @ONLY)
-    if(JAXDET_KERNEL_FAMILY STREQUAL "sm90")
-      list(APPEND sm90_sources "${source}")
-    elseif(JAXDET_KERNEL_FAMILY STREQUAL "sm80")
-      list(APPEND sm80_sources "${source}")
-    else()
-      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': unknown family '${JAXDET_KERNEL_FAMILY}'")
-    endif()
-    string(APPEND declarations
-           "JAXDET_GEMM_LAUNCHER(${JAXDET_KERNEL_NAME});  // ${JAXDET_KERNEL_FAMILY} ${dtype} ${layout} C=${c} D=${d}\n")
+    set(rows "")
+    set(last_area "")
+    foreach(tile IN LISTS tiles)
+      if(NOT tile MATCHES "^([0-9]+)x([0-9]+)$")
+        message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': tile '${tile}' is not ROWSxCOLS")
+      endif()
+      set(JAXDET_KERNEL_TILE_M "${CMAKE_MATCH_1}")
+      set(JAXDET_KERNEL_TILE_N "${CMAKE_MATCH_2}")
+      math(EXPR area "${JAXDET_KERNEL_TILE_M} * ${JAXDET_KERNEL_TILE_N}")
+      if(NOT last_area STREQUAL "" AND area GREATER last_area)
+        message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': tiles must come largest first")
+      endif()
+      set(last_area "${area}")
+      set(JAXDET_KERNEL_NAME "${set_name}_${tile}")
+      set(source "${dir}/gemm/${JAXDET_KERNEL_NAME}.cu")
+      configure_file("${template}" "${source}" @ONLY)
+      list(APPEND ${JAXDET_KERNEL_FAMILY}_sources "${source}")
+      string(APPEND declarations
+             "JAXDET_GEMM_LAUNCHER(${JAXDET_KERNEL_NAME});  // ${JAXDET_KERNEL_FAMILY} ${dtype} ${layout} C=${c} D=${d} tile ${tile}\n")
+      string(APPEND rows "    {${JAXDET_KERNEL_TILE_M}, ${JAXDET_KERNEL_TILE_N}, ${JAXDET_KERNEL_NAME}},\n")
+    endforeach()
+    list(LENGTH tiles count)
+    string(APPEND sets
+           "inline constexpr TileKernel ${set_name}_tiles[] = {\n${rows}};\n"
+           "inline constexpr KernelSet ${set_name}{${set_name}_tiles, ${count}};\n")
   endforeach()
   file(CONFIGURE OUTPUT "${dir}/gemm_launchers.h" @ONLY CONTENT
 "// Generated by cuda/gemm/kernels.cmake from JAXDET_GEMM_KERNELS: every CUTLASS launcher of the GEMM,
-// declared once (family, dtype, layout of A and B, epilogue C and D).
+// declared once (family, dtype, layout of A and B, epilogue C and D, tile), and every kernel set
+// (one entry of the list: its tiles, largest first).
 #pragma once
 
 #include \"gemm/gemm_args.h\"
@@ -129,6 +162,7 @@ namespace jaxdet {
 namespace gemm {
 
 ${declarations}
+${sets}
 }  // namespace gemm
 }  // namespace jaxdet
 ")

@@ -3,16 +3,26 @@
 // jaxdet_gemm_wgrad_init (the same sequence from nothing, its result cast to bf16/f16 by the last
 // chunk's epilogue).
 //
-// Which kernel runs is chosen from (dtype, layout, output dtype, device) alone, never from M, N,
-// K or the batch: see gemm_args.h for the launchers and docs/matmul_cuda.md for the contract.
+// Which kernel set runs is chosen from (dtype, layout, output dtype, device) alone; within a set,
+// the output tile is chosen from the shape (choose_tile, the one place of that rule). Every tile
+// of a set computes every element with the same operations (gemm_args.h), so the bits depend on
+// the set alone: see docs/matmul_cuda.md for the contract.
 //   - float32: the CUTLASS 2.x SIMT sgemm (true float32 FFMA, never TF32) on every architecture.
-//   - bfloat16/float16 on sm_90 (Hopper): CUTLASS 3.x TMA warp-specialized cooperative kernels
-//     (128x256x64, persistent data-parallel scheduler) for transpose_a = False and for the weight
-//     gradient; transpose_a = True runs the sm_80 kernels.
-//   - bfloat16/float16 on other GPUs of compute capability >= 8.0: CUTLASS 2.x tensor-op kernels.
+//   - bfloat16/float16 on sm_90 (Hopper): CUTLASS 3.x TMA warp-specialized kernels (K tile 64,
+//     persistent data-parallel scheduler; 128x256 and narrower M-bucket tiles) for
+//     transpose_a = False and for the weight gradient; transpose_a = True runs the sm_80 kernels.
+//   - bfloat16/float16 on other GPUs of compute capability >= 8.0: CUTLASS 2.x tensor-op kernels
+//     (K tile 32; 128x128 and narrower M-bucket tiles).
 //   - the testing switch JAXDET_TESTING=gemm=sm80 (common/testing.h) makes a Hopper GPU run the
-//     sm_80 kernels. It changes which kernel runs, so, like the GPU model, it is part of the
-//     "device" that the bits may depend on.
+//     sm_80 kernels. It changes which kernel set runs, so, like the GPU model, it is part of the
+//     "device" that the bits may depend on. JAXDET_TESTING=gemm_tile=RxC makes every call of an
+//     M-bucketed set run that tile, whatever the shape: the tests compare every tile with every
+//     other on the same inputs (tests/test_gemm_buckets.py). It cannot change a bit.
+//
+// The handlers are marked compatible with XLA's command buffers (CUDA graphs): per call they only
+// read the operands' shapes, enqueue kernels (and memsets/copies) on XLA's stream and never
+// synchronize, allocate or keep per-stream state; the per-device facts (compute capability, SM
+// count, shared-memory attribute) are set once per process and device.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -20,28 +30,36 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdio>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "common/cuda_common.h"
 #include "common/testing.h"
 #include "gemm_args.h"
 #include "generated/gemm_launchers.h"
+#include "matmul_cuda.h"
 
 namespace jaxdet {
 namespace {
 
 using gemm::GemmArgs;
+using gemm::KernelSet;
+using gemm::Launcher;
 using gemm::Status;
-using Launcher = Status (*)(const GemmArgs&, cudaStream_t);
+using gemm::TileKernel;
 
 struct DeviceInfo {
   int device = 0;
   int major = 0;
   int minor = 0;
   int sms = 0;
-  bool force_sm80 = false;  // JAXDET_TESTING=gemm=sm80
+  bool force_sm80 = false;         // JAXDET_TESTING=gemm=sm80
+  int force_m = 0, force_n = 0;    // JAXDET_TESTING=gemm_tile=RxC (0: choose_tile decides)
 };
 
 constexpr int kMaxDevices = 64;
@@ -80,7 +98,63 @@ ffi::Error testing_force_sm80(const char* op, bool* force) {
   return ffi::Error::Success();
 }
 
+// The item gemm_tile of JAXDET_TESTING: absent, or ROWSxCOLS.
+ffi::Error testing_force_tile(const char* op, int* rows, int* cols) {
+  *rows = *cols = 0;
+  const std::string* v = testing_override("gemm_tile");
+  if (v == nullptr) return ffi::Error::Success();
+  char tail = 0;
+  if (std::sscanf(v->c_str(), "%dx%d%c", rows, cols, &tail) != 2 || *rows <= 0 || *cols <= 0) {
+    *rows = *cols = 0;
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + kTestingEnv + " has gemm_tile=" + *v +
+                                       "; expected ROWSxCOLS, for example gemm_tile=64x128");
+  }
+  return ffi::Error::Success();
+}
+
 bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !d.force_sm80; }
+
+// Rows up to which the narrow tiles may serve a GEMM (four of their 64-row tiles). Beyond, the set's
+// first tile runs, as before M buckets existed: there each narrower tile would read every slice of
+// B once more per 64 rows and the operands' traffic, not idle SMs, would bound the time. (Rows that
+// share one B: a batched b's batches each have their own.)
+constexpr int64_t kBucketMaxRows = 256;
+
+// The M-bucket rule, the only place where a shape picks a kernel: the tile of `set` for a GEMM of
+// L batches of M x N outputs on `sms` SMs. Each output tile is computed by one CTA over all of K,
+// so a problem with fewer tiles than SMs leaves SMs idle (at M = 1 the 128x256 tile gives a
+// 4096-wide output 16 CTAs on 132 SMs, and each streams its 1/16 of B alone). For M <= 256
+// the rule takes the largest tile (the set's first) that still yields at least 4/5 as many CTAs
+// as there are SMs, else the one that yields the most (the last); above, the first. The choice
+// cannot change a bit (every tile of a set has the same K sequence), only the speed.
+// tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
+const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
+  if (d.force_m != 0) {
+    for (int i = 0; i < set.count; ++i) {
+      if (set.tiles[i].tile_m == d.force_m && set.tiles[i].tile_n == d.force_n) return set.tiles[i];
+    }
+  }
+  if (m > kBucketMaxRows) return set.tiles[0];
+  for (int i = 0; i < set.count; ++i) {
+    const TileKernel& t = set.tiles[i];
+    const int64_t ctas = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
+    if (5 * ctas >= 4 * int64_t{d.sms}) return t;
+  }
+  return set.tiles[set.count - 1];
+}
+
+// A forced tile (JAXDET_TESTING=gemm_tile) that `set` does not have: an error naming its tiles.
+ffi::Error check_forced_tile(const char* op, const KernelSet& set, const DeviceInfo& d) {
+  if (d.force_m == 0 || set.count == 1) return ffi::Error::Success();
+  std::string names;
+  for (int i = 0; i < set.count; ++i) {
+    if (set.tiles[i].tile_m == d.force_m && set.tiles[i].tile_n == d.force_n) return ffi::Error::Success();
+    names += (i ? ", " : "") + std::to_string(set.tiles[i].tile_m) + "x" + std::to_string(set.tiles[i].tile_n);
+  }
+  return ffi::Error::InvalidArgument(
+      std::string(op) + ": " + kTestingEnv + " has gemm_tile=" + std::to_string(d.force_m) + "x" +
+      std::to_string(d.force_n) + ", which this kernel set does not have (its tiles: " + names + ")");
+}
 
 ffi::Error invalid(const char* op, const std::string& msg) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + msg);
@@ -95,44 +169,45 @@ const char* dtype_name(ffi::DataType t) {
   }
 }
 
-// Kernel for jaxdet_gemm. `out_f32`: float32 output for bfloat16/float16 inputs.
-Launcher pick_gemm(const DeviceInfo& d, ffi::DataType dt, bool ta, bool tb, bool out_f32) {
+// Kernel set for jaxdet_gemm. `out_f32`: float32 output for bfloat16/float16 inputs.
+KernelSet pick_gemm(const DeviceInfo& d, ffi::DataType dt, bool ta, bool tb, bool out_f32) {
   const int lay = (ta ? 2 : 0) | (tb ? 1 : 0);  // nn, nt, tn, tt
   if (dt == ffi::F32) {
-    static constexpr Launcher simt[4] = {gemm::simt_f32_nn, gemm::simt_f32_nt, gemm::simt_f32_tn,
-                                         gemm::simt_f32_tt};
+    static constexpr KernelSet simt[4] = {gemm::simt_f32_nn, gemm::simt_f32_nt, gemm::simt_f32_tn,
+                                          gemm::simt_f32_tt};
     return simt[lay];
   }
   const bool bf16 = dt == ffi::BF16;
   if (use_sm90(d) && !ta) {
-    static constexpr Launcher h_bf16[2][2] = {{gemm::sm90_bf16_nn_bf16, gemm::sm90_bf16_nn_f32},
-                                              {gemm::sm90_bf16_nt_bf16, gemm::sm90_bf16_nt_f32}};
-    static constexpr Launcher h_f16[2][2] = {{gemm::sm90_f16_nn_f16, gemm::sm90_f16_nn_f32},
-                                             {gemm::sm90_f16_nt_f16, gemm::sm90_f16_nt_f32}};
+    static constexpr KernelSet h_bf16[2][2] = {{gemm::sm90_bf16_nn_bf16, gemm::sm90_bf16_nn_f32},
+                                               {gemm::sm90_bf16_nt_bf16, gemm::sm90_bf16_nt_f32}};
+    static constexpr KernelSet h_f16[2][2] = {{gemm::sm90_f16_nn_f16, gemm::sm90_f16_nn_f32},
+                                              {gemm::sm90_f16_nt_f16, gemm::sm90_f16_nt_f32}};
     return (bf16 ? h_bf16 : h_f16)[tb][out_f32];
   }
-  static constexpr Launcher a_bf16[4][2] = {{gemm::sm80_bf16_nn_bf16, gemm::sm80_bf16_nn_f32},
-                                            {gemm::sm80_bf16_nt_bf16, gemm::sm80_bf16_nt_f32},
-                                            {gemm::sm80_bf16_tn_bf16, gemm::sm80_bf16_tn_f32},
-                                            {gemm::sm80_bf16_tt_bf16, gemm::sm80_bf16_tt_f32}};
-  static constexpr Launcher a_f16[4][2] = {{gemm::sm80_f16_nn_f16, gemm::sm80_f16_nn_f32},
-                                           {gemm::sm80_f16_nt_f16, gemm::sm80_f16_nt_f32},
-                                           {gemm::sm80_f16_tn_f16, gemm::sm80_f16_tn_f32},
-                                           {gemm::sm80_f16_tt_f16, gemm::sm80_f16_tt_f32}};
+  static constexpr KernelSet a_bf16[4][2] = {{gemm::sm80_bf16_nn_bf16, gemm::sm80_bf16_nn_f32},
+                                             {gemm::sm80_bf16_nt_bf16, gemm::sm80_bf16_nt_f32},
+                                             {gemm::sm80_bf16_tn_bf16, gemm::sm80_bf16_tn_f32},
+                                             {gemm::sm80_bf16_tt_bf16, gemm::sm80_bf16_tt_f32}};
+  static constexpr KernelSet a_f16[4][2] = {{gemm::sm80_f16_nn_f16, gemm::sm80_f16_nn_f32},
+                                            {gemm::sm80_f16_nt_f16, gemm::sm80_f16_nt_f32},
+                                            {gemm::sm80_f16_tn_f16, gemm::sm80_f16_tn_f32},
+                                            {gemm::sm80_f16_tt_f16, gemm::sm80_f16_tt_f32}};
   return (bf16 ? a_bf16 : a_f16)[lay][out_f32];
 }
 
-// Kernel for jaxdet_gemm_wgrad: D = C + A^T B, f32 C and D.
+// Kernel for jaxdet_gemm_wgrad: D = C + A^T B, f32 C and D. One tile (its rows are the weight's K).
 Launcher pick_wgrad(const DeviceInfo& d, ffi::DataType dt) {
-  if (dt == ffi::F32) return gemm::simt_f32_tn;
+  if (dt == ffi::F32) return gemm::simt_f32_tn_128x128;
   const bool bf16 = dt == ffi::BF16;
-  if (use_sm90(d)) return bf16 ? gemm::sm90_bf16_tn_f32acc : gemm::sm90_f16_tn_f32acc;
-  return bf16 ? gemm::sm80_bf16_tn_f32 : gemm::sm80_f16_tn_f32;
+  if (use_sm90(d)) return bf16 ? gemm::sm90_bf16_tn_f32acc_128x256 : gemm::sm90_f16_tn_f32acc_128x256;
+  return bf16 ? gemm::sm80_bf16_tn_f32_128x128 : gemm::sm80_f16_tn_f32_128x128;
 }
 
 ffi::Error check_device(const char* op, DeviceInfo* d) {
   if (auto err = current_device_info(d); err.failure()) return err;
   if (auto err = testing_force_sm80(op, &d->force_sm80); err.failure()) return err;
+  if (auto err = testing_force_tile(op, &d->force_m, &d->force_n); err.failure()) return err;
   if (d->major < 8) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       std::string(op) + ": needs a GPU of compute capability 8.0 or newer (this one is " +
@@ -236,7 +311,9 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     g.l = 1;
     g.batch_a = g.batch_b = g.batch_c = g.batch_d = 0;
   }
-  return launch(op, pick_gemm(d, dt, transpose_a, transpose_b, out_f32), g, stream);
+  const KernelSet set = pick_gemm(d, dt, transpose_a, transpose_b, out_f32);
+  if (auto err = check_forced_tile(op, set, d); err.failure()) return err;
+  return launch(op, choose_tile(set, d, g.m, g.n, g.l).launch, g, stream);
 }
 
 // One weight gradient's operands: a [L, T, K] read in place as A' = a^T (column-major [K, T]) and
@@ -399,8 +476,8 @@ ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
   const bool hopper = use_sm90(d);
   const int64_t last = ((w.T - 1) / chunk_tokens) * chunk_tokens;  // first token of the last chunk
   if (last == 0) {  // one chunk: D = partial, cast in the epilogue
-    const Launcher fn = hopper ? (bf16 ? gemm::sm90_bf16_tn_bf16 : gemm::sm90_f16_tn_f16)
-                               : (bf16 ? gemm::sm80_bf16_tn_bf16 : gemm::sm80_f16_tn_f16);
+    const Launcher fn = hopper ? (bf16 ? gemm::sm90_bf16_tn_bf16_128x256 : gemm::sm90_f16_tn_f16_128x256)
+                               : (bf16 ? gemm::sm80_bf16_tn_bf16_128x128 : gemm::sm80_f16_tn_f16_128x128);
     return launch(op, fn, chunk_args(d, w, 0, chunk_tokens, nullptr, 0.0f, out->untyped_data()), stream);
   }
   const int64_t n_out = w.L * w.K * w.N;
@@ -412,7 +489,7 @@ ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
     return err;
   }
   if (hopper) {  // D (half) = C (f32) + partial: the last addition and the cast in one epilogue
-    const Launcher fn = bf16 ? gemm::sm90_bf16_tn_f32acc_bf16 : gemm::sm90_f16_tn_f32acc_f16;
+    const Launcher fn = bf16 ? gemm::sm90_bf16_tn_f32acc_bf16_128x256 : gemm::sm90_f16_tn_f32acc_f16_128x256;
     return launch(op, fn, chunk_args(d, w, last, chunk_tokens, acc, 1.0f, out->untyped_data()), stream);
   }
   if (auto err = launch(op, pick_wgrad(d, w.dt), chunk_args(d, w, last, chunk_tokens, acc, 1.0f, acc), stream);
@@ -424,6 +501,43 @@ ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
 
 }  // namespace
 
+namespace {
+
+// The kernel set jaxdet_gemm runs for these operands on the current device (for the bindings).
+KernelSet kernel_set_for(const std::string& dtype, bool transpose_a, bool transpose_b, bool out_f32,
+                         DeviceInfo* d) {
+  const ffi::DataType dt = dtype == "float32"    ? ffi::F32
+                           : dtype == "bfloat16" ? ffi::BF16
+                           : dtype == "float16"  ? ffi::F16
+                                                 : ffi::DataType::INVALID;
+  if (dt == ffi::DataType::INVALID)
+    throw std::invalid_argument("dtype must be float32, bfloat16 or float16, not " + dtype);
+  if (auto err = check_device("jaxdet gemm", d); err.failure()) throw std::runtime_error(err.message());
+  return pick_gemm(*d, dt, transpose_a, transpose_b, out_f32 && dt != ffi::F32);
+}
+
+}  // namespace
+
+std::pair<int, int> gemm_cuda_tile(const std::string& dtype, bool transpose_a, bool transpose_b, bool out_f32,
+                                   int64_t m, int64_t n, int64_t l) {
+  if (m <= 0 || n <= 0 || l <= 0) throw std::invalid_argument("m, n and l must be positive");
+  DeviceInfo d;
+  const KernelSet set = kernel_set_for(dtype, transpose_a, transpose_b, out_f32, &d);
+  if (auto err = check_forced_tile("jaxdet gemm", set, d); err.failure())
+    throw std::invalid_argument(err.message());
+  const TileKernel& t = choose_tile(set, d, m, n, l);
+  return {t.tile_m, t.tile_n};
+}
+
+std::vector<std::pair<int, int>> gemm_cuda_tiles(const std::string& dtype, bool transpose_a, bool transpose_b,
+                                                 bool out_f32) {
+  DeviceInfo d;
+  const KernelSet set = kernel_set_for(dtype, transpose_a, transpose_b, out_f32, &d);
+  std::vector<std::pair<int, int>> tiles;
+  for (int i = 0; i < set.count; ++i) tiles.emplace_back(set.tiles[i].tile_m, set.tiles[i].tile_n);
+  return tiles;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cuda, GemmCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -431,7 +545,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cuda, GemmCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
-                                  .Attr<bool>("transpose_b"));
+                                  .Attr<bool>("transpose_b"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda, GemmWgradCuda,
                               ffi::Ffi::Bind()
@@ -440,7 +555,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda, GemmWgradCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("chunk_tokens"));
+                                  .Attr<int64_t>("chunk_tokens"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda, GemmWgradInitCuda,
                               ffi::Ffi::Bind()
@@ -449,6 +565,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda, GemmWgradInitCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("chunk_tokens"));
+                                  .Attr<int64_t>("chunk_tokens"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet
