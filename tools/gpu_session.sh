@@ -2,7 +2,9 @@
 # One device call: build with CUDA, run the GPU tests (and the rest of the suite with the GPU as the
 # default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $LOGS, packed
 # at exit into $OUT/logs.tgz (the device tool returns at most 8 files from $OUT).
-#   tools/gpu_session.sh [tests|report|dropout|clip|matmul|ncu-dropout|all] ...
+#   tools/gpu_session.sh [tests|report|dropout|clip|matmul|norm|softmax|attention|ncu-dropout|all] ...
+#   A build made elsewhere for the device's Python (pip install --target .prebuilt/jaxdet-site, with
+#   tools/gpu_session.sh stamp > .prebuilt/jaxdet-site/.jaxdet-stamp) is used when carried and current.
 #   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device);
 #   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: options for the
 #   benchmark); SANITIZE=0 skips the sanitizers.
@@ -29,6 +31,8 @@ what=("$@"); [ ${#what[@]} -eq 0 ] && what=(all)
 has() { for w in "${what[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
 asked() { for w in "${what[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
 repo=$(pwd)
+source_stamp() { find cuda jaxdet CMakeLists.txt pyproject.toml -type f -not -name '*.pyc' -not -name '*.so' | sort | xargs cat | sha1sum | cut -c1-40; }
+[ "${what[0]}" = stamp ] && { source_stamp; exit 0; }
 
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -38,8 +42,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 start=$(date +%s)
 src=/tmp/jaxdet-src; bdir=/tmp/jaxdet-build; old=@946684800  # 2000-01-01
 # A machine kept warm between calls still has the last build: reuse it when the sources match.
-stamp=$(find cuda jaxdet CMakeLists.txt pyproject.toml -type f | sort | xargs cat | sha1sum | cut -c1-40)
-if [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
+stamp=$(source_stamp)
+if [ -f .prebuilt/jaxdet-site/.jaxdet-stamp ] && [ "$(cat .prebuilt/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
+  rm -rf /tmp/jaxdet-site && cp -r .prebuilt/jaxdet-site /tmp/jaxdet-site
+  echo "build: carried (same sources)"
+elif [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
   echo "build: reused (same sources)"
 else
   rm -rf "$src" && mkdir -p "$src" \
@@ -110,6 +117,29 @@ if has clip && [ -f benchmarks/clip_bench.py ]; then
   echo "== clip benchmark"
   timeout ${CLIP_BENCH_TIMEOUT:-400} python3 benchmarks/clip_bench.py > "$LOGS/bench_clip.md" 2>&1; echo "rc=$?"
   grep -vE "^\[" "$LOGS/bench_clip.md"
+fi
+if has norm; then
+  sanitize norm 'Norm|RowStats|Segment' memcheck python3 benchmarks/norm_bench.py --sanitize
+  sanitize norm 'Norm|RowStats|Segment' racecheck python3 benchmarks/norm_bench.py --sanitize
+  echo "== norm benchmark"
+  timeout ${NORM_BENCH_TIMEOUT:-200} python3 benchmarks/norm_bench.py > "$LOGS/bench_norm.md" 2>&1; echo "rc=$?"
+  grep -E "^\||^[A-Za-z]" "$LOGS/bench_norm.md" | head -40
+fi
+if has softmax; then
+  sanitize softmax 'Softmax|Xent' memcheck python3 benchmarks/softmax_bench.py --sanitize
+  sanitize softmax 'Softmax|Xent' racecheck python3 benchmarks/softmax_bench.py --sanitize
+  echo "== softmax benchmark"
+  for dt in float32 bfloat16; do
+    timeout ${SOFTMAX_BENCH_TIMEOUT:-200} python3 benchmarks/softmax_bench.py --dtype $dt > "$LOGS/bench_softmax_$dt.md" 2>&1
+    echo "rc=$?"; grep -E "^\||^[A-Za-z]" "$LOGS/bench_softmax_$dt.md" | head -40
+  done
+fi
+if has attention; then
+  sanitize attention 'Fwd|Dq|Dkdv|Combine|Delta|TileRange' memcheck python3 benchmarks/attention_bench.py --sanitize
+  sanitize attention 'Fwd|Dq|Dkdv|Combine|Delta|TileRange' racecheck python3 benchmarks/attention_bench.py --sanitize
+  echo "== attention benchmark"
+  timeout ${ATTENTION_BENCH_TIMEOUT:-300} python3 benchmarks/attention_bench.py > "$LOGS/bench_attention.md" 2>&1; echo "rc=$?"
+  grep -E "^\||^[A-Za-z#]" "$LOGS/bench_attention.md" | head -60
 fi
 if has matmul; then
   # (The raw-kernel checks, default and sm_80-forced, run as tests/test_gemm_cuda_kernels.py.)
