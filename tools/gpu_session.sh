@@ -25,7 +25,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
 LOGS=/tmp/jaxdet-logs
 rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS"
-trap 'tar czf "$LOGS/logs.tgz" -C /tmp jaxdet-logs' EXIT
+trap 'tar czf "$OUT/logs.tgz" -C /tmp jaxdet-logs' EXIT
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 what=("$@"); [ ${#what[@]} -eq 0 ] && what=(all)
 has() { for w in "${what[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
