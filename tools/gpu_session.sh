@@ -7,7 +7,7 @@
 #   tools/gpu_session.sh stamp > .prebuilt/jaxdet-site/.jaxdet-stamp) is used when carried and current.
 #   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device);
 #   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: options for the
-#   benchmark); SANITIZE=0 skips the sanitizers.
+#   benchmark); SANITIZE=0 skips the sanitizers; BENCH=0 skips every benchmark.
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
 #   to diff between two builds: benchmarks/gemm_schedule_bits.py), buckets (the M-bucket tests,
@@ -99,10 +99,10 @@ sanitize() {  # name, kernel regex, tool, command...  (SANITIZE=0 skips)
     > "$LOGS/sanitize_${name}_${tool}.log" 2>&1)
   echo "compute-sanitizer $tool $name: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize_${name}_${tool}.log" | tail -1)"
 }
+benching() { [ "${BENCH:-1}" = 1 ] || { echo "$1 benchmark: skipped (BENCH=0)"; return 1; }; echo "== $1 benchmark"; }
 if has dropout; then
   sanitize dropout 'Dropout|Philox' memcheck python3 benchmarks/dropout_bench.py --sanitize
-  echo "== dropout benchmark"
-  python3 benchmarks/dropout_bench.py 2>&1 | tee "$LOGS/bench_dropout.md"
+  benching dropout && python3 benchmarks/dropout_bench.py 2>&1 | tee "$LOGS/bench_dropout.md"
 fi
 if has ncu-dropout; then
   timeout 240 ncu --clock-control none --kernel-name regex:DropoutKernel --launch-skip 2 --launch-count 1 \
@@ -114,22 +114,23 @@ fi
 if has clip && [ -f benchmarks/clip_bench.py ]; then
   sanitize clip 'PartialKernel|FinalizeKernel|ApplyKernel' memcheck python3 benchmarks/clip_bench.py --sanitize
   sanitize clip 'PartialKernel|FinalizeKernel|ApplyKernel' racecheck python3 benchmarks/clip_bench.py --sanitize
-  echo "== clip benchmark"
-  timeout ${CLIP_BENCH_TIMEOUT:-400} python3 benchmarks/clip_bench.py > "$LOGS/bench_clip.md" 2>&1; echo "rc=$?"
-  grep -vE "^\[" "$LOGS/bench_clip.md"
+  if benching clip; then
+    timeout ${CLIP_BENCH_TIMEOUT:-400} python3 benchmarks/clip_bench.py > "$LOGS/bench_clip.md" 2>&1; echo "rc=$?"
+    grep -vE "^\[" "$LOGS/bench_clip.md"
+  fi
 fi
 if has norm; then
   sanitize norm 'Norm|RowStats|Segment' memcheck python3 benchmarks/norm_bench.py --sanitize
   sanitize norm 'Norm|RowStats|Segment' racecheck python3 benchmarks/norm_bench.py --sanitize
-  echo "== norm benchmark"
-  timeout ${NORM_BENCH_TIMEOUT:-200} python3 benchmarks/norm_bench.py > "$LOGS/bench_norm.md" 2>&1; echo "rc=$?"
-  grep -E "^\||^[A-Za-z]" "$LOGS/bench_norm.md" | head -40
+  if benching norm; then
+    timeout ${NORM_BENCH_TIMEOUT:-200} python3 benchmarks/norm_bench.py > "$LOGS/bench_norm.md" 2>&1; echo "rc=$?"
+    grep -E "^\||^[A-Za-z]" "$LOGS/bench_norm.md" | head -40
+  fi
 fi
 if has softmax; then
   sanitize softmax 'Softmax|Xent' memcheck python3 benchmarks/softmax_bench.py --sanitize
   sanitize softmax 'Softmax|Xent' racecheck python3 benchmarks/softmax_bench.py --sanitize
-  echo "== softmax benchmark"
-  for dt in float32 bfloat16; do
+  benching softmax && for dt in float32 bfloat16; do
     timeout ${SOFTMAX_BENCH_TIMEOUT:-200} python3 benchmarks/softmax_bench.py --dtype $dt > "$LOGS/bench_softmax_$dt.md" 2>&1
     echo "rc=$?"; grep -E "^\||^[A-Za-z]" "$LOGS/bench_softmax_$dt.md" | head -40
   done
@@ -137,16 +138,16 @@ fi
 if has attention; then
   sanitize attention 'Fwd|Dq|Dkdv|Combine|Delta|TileRange' memcheck python3 benchmarks/attention_bench.py --sanitize
   sanitize attention 'Fwd|Dq|Dkdv|Combine|Delta|TileRange' racecheck python3 benchmarks/attention_bench.py --sanitize
-  echo "== attention benchmark"
-  timeout ${ATTENTION_BENCH_TIMEOUT:-300} python3 benchmarks/attention_bench.py > "$LOGS/bench_attention.md" 2>&1; echo "rc=$?"
-  grep -E "^\||^[A-Za-z#]" "$LOGS/bench_attention.md" | head -60
+  if benching attention; then
+    timeout ${ATTENTION_BENCH_TIMEOUT:-300} python3 benchmarks/attention_bench.py > "$LOGS/bench_attention.md" 2>&1
+    echo "rc=$?"; grep -E "^\||^[A-Za-z#]" "$LOGS/bench_attention.md" | head -60
+  fi
 fi
 if has matmul; then
   # (The raw-kernel checks, default and sm_80-forced, run as tests/test_gemm_cuda_kernels.py.)
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' memcheck python3 benchmarks/gemm_memcheck.py
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' racecheck python3 benchmarks/gemm_memcheck.py
-  if [ "${MATMUL_BENCH:-1}" = 1 ]; then
-    echo "== matmul benchmark"
+  if [ "${MATMUL_BENCH:-1}" = 1 ] && benching matmul; then
     timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${MATMUL_BENCH_ARGS:-} --out "$LOGS/bench_matmul.md" > "$LOGS/bench_matmul.log" 2>&1
     echo "rc=$?"; grep -E "^\|" "$LOGS/bench_matmul.log" | head -90; sed -n '/Row 0 bits/,$p' "$LOGS/bench_matmul.log"
   else
