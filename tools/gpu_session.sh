@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
 # One device call: build with CUDA, run the GPU tests (and the rest of the suite with the GPU as the
-# default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $OUT.
+# default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $LOGS, packed
+# at exit into $OUT/logs.tgz (the device tool returns at most 8 files from $OUT).
 #   tools/gpu_session.sh [tests|report|dropout|clip|matmul|norm|softmax|attention|ncu-dropout|all] ...
 #   A build made elsewhere for the device's Python (pip install --target .prebuilt/jaxdet-site, with
 #   tools/gpu_session.sh stamp > .prebuilt/jaxdet-site/.jaxdet-stamp) is used when carried and current.
 #   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device);
 #   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: options for the
-#   benchmark); SANITIZE=0 skips the sanitizers.
+#   benchmark); SANITIZE=0 skips the sanitizers; BENCH=0 skips every benchmark.
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
-#   to diff between two builds: benchmarks/gemm_schedule_bits.py).
+#   to diff between two builds: benchmarks/gemm_schedule_bits.py), buckets (the M-bucket tests,
+#   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
+#   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
+#   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
+#   SM80_BENCH_ARGS), sanitize-sm80 (memcheck and racecheck of the sm_80 kernels, forced).
+#   PYTEST_ARGS: options for the tests mode, as shell words (PYTEST_ARGS='-k "not every_tile"').
+#   Build cache: the build runs in /tmp/jaxdet-build from a copy of the tree in /tmp/jaxdet-src and
+#   leaves its objects and the sources' SHA-1s in $OUT/gpu-cache.txz.part-* (xz, 15 MiB pieces).
+#   Put those files in build/gpu-cache/ and carry that folder: the next call recompiles only what
+#   changed (sources whose SHA-1 still matches get an old mtime, so ninja sees their objects as up
+#   to date).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
-mkdir -p "$OUT"
+LOGS=/tmp/jaxdet-logs
+rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS"
+trap 'tar czf "$OUT/logs.tgz" -C /tmp jaxdet-logs' EXIT
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 what=("$@"); [ ${#what[@]} -eq 0 ] && what=(all)
 has() { for w in "${what[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
@@ -25,8 +38,9 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$LOGS/device.txt"
 start=$(date +%s)
+src=/tmp/jaxdet-src; bdir=/tmp/jaxdet-build; old=@946684800  # 2000-01-01
 # A machine kept warm between calls still has the last build: reuse it when the sources match.
 stamp=$(source_stamp)
 if [ -f .prebuilt/jaxdet-site/.jaxdet-stamp ] && [ "$(cat .prebuilt/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
@@ -35,10 +49,25 @@ if [ -f .prebuilt/jaxdet-site/.jaxdet-stamp ] && [ "$(cat .prebuilt/jaxdet-site/
 elif [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
   echo "build: reused (same sources)"
 else
-  python3 -m pip install -q --no-build-isolation --no-deps --upgrade --target /tmp/jaxdet-site . > "$OUT/build.log" 2>&1 \
-    || { tail -40 "$OUT/build.log"; exit 1; }
+  rm -rf "$src" && mkdir -p "$src" \
+    && tar cf - --exclude=./build --exclude=./.whl --exclude=./.git . | tar xf - -C "$src"
+  (cd "$src" && find . -type f | sort | xargs -d '\n' sha1sum) > /tmp/jaxdet-src.sha1
+  if [ ! -d "$bdir" ] && ls build/gpu-cache/gpu-cache.txz.part-* > /dev/null 2>&1; then
+    cat build/gpu-cache/gpu-cache.txz.part-* | tar xJf - -C /tmp && echo "build: cache restored ($(du -sh "$bdir" | cut -f1))"
+  fi
+  if [ -f "$bdir/.src-sha1" ]; then
+    # unchanged sources, and the pinned CUTLASS wheel's headers, are older than the cached objects
+    grep -Fxf "$bdir/.src-sha1" /tmp/jaxdet-src.sha1 | cut -c43- | (cd "$src" && xargs -d '\n' -r touch -d "$old")
+    [ -d /tmp/site/cutlass_library ] && find /tmp/site/cutlass_library -exec touch -h -d "$old" {} +
+    echo "build: $(grep -vFxf "$bdir/.src-sha1" /tmp/jaxdet-src.sha1 | wc -l) files changed since the cached build"
+  fi
+  (cd "$src" && python3 -m pip install -q --no-build-isolation --no-deps --upgrade -Cbuild-dir="$bdir" \
+     --target /tmp/jaxdet-site .) > "$LOGS/build.log" 2>&1 || { tail -40 "$LOGS/build.log"; exit 1; }
   echo "$stamp" > /tmp/jaxdet-site/.jaxdet-stamp
-  echo "build: $(( $(date +%s) - start )) s"
+  cp /tmp/jaxdet-src.sha1 "$bdir/.src-sha1"
+  rm -f "$OUT"/gpu-cache.txz.part-*
+  tar cf - -C /tmp --exclude='*.so' jaxdet-build | xz -T0 -6 | split -b 15M - "$OUT/gpu-cache.txz.part-"
+  echo "build: $(( $(date +%s) - start )) s; cache $(cat "$OUT"/gpu-cache.txz.part-* | wc -c) bytes in $(ls "$OUT"/gpu-cache.txz.part-* | wc -l) pieces"
 fi
 export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
 rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
@@ -50,15 +79,16 @@ if has tests; then
   files=(); for f in ${TEST_FILES:-}; do files+=("/tmp/jaxdet-tests/$f"); done
   [ ${#files[@]} -eq 0 ] && files=(/tmp/jaxdet-tests)
   echo "== GPU tests (README: pytest -m gpu)"
-  run_pytest -m gpu "${files[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -6
+  eval "extra=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS='-k "not every_tile"'
+  run_pytest -m gpu "${extra[@]}" "${files[@]}" 2>&1 | tee "$LOGS/pytest_gpu.log" | tail -12
   if [ "${GPU_DEFAULT_PASS:-1}" = 1 ]; then
     echo "== the same files with the GPU as the default device"
-    run_pytest "${files[@]}" 2>&1 | tee "$OUT/pytest_all.log" | tail -6
+    run_pytest "${files[@]}" 2>&1 | tee "$LOGS/pytest_all.log" | tail -6
   fi
 fi
 if has report; then
   echo "== python -m jaxdet"
-  (cd /tmp && python3 -m jaxdet 2>/dev/null | tee "$OUT/report.txt")
+  (cd /tmp && python3 -m jaxdet 2>/dev/null | tee "$LOGS/report.txt")
 fi
 
 sanitize() {  # name, kernel regex, tool, command...  (SANITIZE=0 skips)
@@ -66,77 +96,104 @@ sanitize() {  # name, kernel regex, tool, command...  (SANITIZE=0 skips)
   [ "${SANITIZE:-1}" = 1 ] || { echo "compute-sanitizer $tool $name: skipped (SANITIZE=0)"; return; }
   (cd "$repo" && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 300 \
     compute-sanitizer --tool "$tool" --kernel-name "regex=$regex" --error-exitcode 9 "$@" \
-    > "$OUT/sanitize_${name}_${tool}.log" 2>&1)
-  echo "compute-sanitizer $tool $name: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_${name}_${tool}.log" | tail -1)"
+    > "$LOGS/sanitize_${name}_${tool}.log" 2>&1)
+  echo "compute-sanitizer $tool $name: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize_${name}_${tool}.log" | tail -1)"
 }
+benching() { [ "${BENCH:-1}" = 1 ] || { echo "$1 benchmark: skipped (BENCH=0)"; return 1; }; echo "== $1 benchmark"; }
 if has dropout; then
   sanitize dropout 'Dropout|Philox' memcheck python3 benchmarks/dropout_bench.py --sanitize
-  echo "== dropout benchmark"
-  python3 benchmarks/dropout_bench.py 2>&1 | tee "$OUT/bench_dropout.md"
+  benching dropout && python3 benchmarks/dropout_bench.py 2>&1 | tee "$LOGS/bench_dropout.md"
 fi
 if has ncu-dropout; then
   timeout 240 ncu --clock-control none --kernel-name regex:DropoutKernel --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
-    python3 benchmarks/dropout_bench.py --shape 64x4096x1024 > "$OUT/ncu_dropout.txt" 2>&1
-  grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issued Warp|No Eligible|Stall|Executed Ipc A" "$OUT/ncu_dropout.txt" | head -30
+    python3 benchmarks/dropout_bench.py --shape 64x4096x1024 > "$LOGS/ncu_dropout.txt" 2>&1
+  grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issued Warp|No Eligible|Stall|Executed Ipc A" "$LOGS/ncu_dropout.txt" | head -30
 fi
 if has clip && [ -f benchmarks/clip_bench.py ]; then
   sanitize clip 'PartialKernel|FinalizeKernel|ApplyKernel' memcheck python3 benchmarks/clip_bench.py --sanitize
   sanitize clip 'PartialKernel|FinalizeKernel|ApplyKernel' racecheck python3 benchmarks/clip_bench.py --sanitize
-  echo "== clip benchmark"
-  timeout ${CLIP_BENCH_TIMEOUT:-400} python3 benchmarks/clip_bench.py > "$OUT/bench_clip.md" 2>&1; echo "rc=$?"
-  grep -vE "^\[" "$OUT/bench_clip.md"
+  if benching clip; then
+    timeout ${CLIP_BENCH_TIMEOUT:-400} python3 benchmarks/clip_bench.py > "$LOGS/bench_clip.md" 2>&1; echo "rc=$?"
+    grep -vE "^\[" "$LOGS/bench_clip.md"
+  fi
 fi
 if has norm; then
   sanitize norm 'Norm|RowStats|Segment' memcheck python3 benchmarks/norm_bench.py --sanitize
   sanitize norm 'Norm|RowStats|Segment' racecheck python3 benchmarks/norm_bench.py --sanitize
-  echo "== norm benchmark"
-  timeout ${NORM_BENCH_TIMEOUT:-200} python3 benchmarks/norm_bench.py > "$OUT/bench_norm.md" 2>&1; echo "rc=$?"
-  grep -E "^\||^[A-Za-z]" "$OUT/bench_norm.md" | head -40
+  if benching norm; then
+    timeout ${NORM_BENCH_TIMEOUT:-200} python3 benchmarks/norm_bench.py > "$LOGS/bench_norm.md" 2>&1; echo "rc=$?"
+    grep -E "^\||^[A-Za-z]" "$LOGS/bench_norm.md" | head -40
+  fi
 fi
 if has softmax; then
   sanitize softmax 'Softmax|Xent' memcheck python3 benchmarks/softmax_bench.py --sanitize
   sanitize softmax 'Softmax|Xent' racecheck python3 benchmarks/softmax_bench.py --sanitize
-  echo "== softmax benchmark"
-  for dt in float32 bfloat16; do
-    timeout ${SOFTMAX_BENCH_TIMEOUT:-200} python3 benchmarks/softmax_bench.py --dtype $dt > "$OUT/bench_softmax_$dt.md" 2>&1
-    echo "rc=$?"; grep -E "^\||^[A-Za-z]" "$OUT/bench_softmax_$dt.md" | head -40
+  benching softmax && for dt in float32 bfloat16; do
+    timeout ${SOFTMAX_BENCH_TIMEOUT:-200} python3 benchmarks/softmax_bench.py --dtype $dt > "$LOGS/bench_softmax_$dt.md" 2>&1
+    echo "rc=$?"; grep -E "^\||^[A-Za-z]" "$LOGS/bench_softmax_$dt.md" | head -40
   done
 fi
 if has attention; then
   sanitize attention 'Fwd|Dq|Dkdv|Combine|Delta|TileRange' memcheck python3 benchmarks/attention_bench.py --sanitize
   sanitize attention 'Fwd|Dq|Dkdv|Combine|Delta|TileRange' racecheck python3 benchmarks/attention_bench.py --sanitize
-  echo "== attention benchmark"
-  timeout ${ATTENTION_BENCH_TIMEOUT:-300} python3 benchmarks/attention_bench.py > "$OUT/bench_attention.md" 2>&1; echo "rc=$?"
-  grep -E "^\||^[A-Za-z#]" "$OUT/bench_attention.md" | head -60
+  if benching attention; then
+    timeout ${ATTENTION_BENCH_TIMEOUT:-300} python3 benchmarks/attention_bench.py > "$LOGS/bench_attention.md" 2>&1
+    echo "rc=$?"; grep -E "^\||^[A-Za-z#]" "$LOGS/bench_attention.md" | head -60
+  fi
 fi
 if has matmul; then
   # (The raw-kernel checks, default and sm_80-forced, run as tests/test_gemm_cuda_kernels.py.)
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' memcheck python3 benchmarks/gemm_memcheck.py
   sanitize matmul 'cutlass|Gemm|gemm|Sgemm' racecheck python3 benchmarks/gemm_memcheck.py
-  if [ "${MATMUL_BENCH:-1}" = 1 ]; then
-    echo "== matmul benchmark"
-    timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${MATMUL_BENCH_ARGS:-} --out "$OUT/bench_matmul.md" > "$OUT/bench_matmul.log" 2>&1
-    echo "rc=$?"; grep -E "^\|" "$OUT/bench_matmul.log" | head -90; sed -n '/Row 0 bits/,$p' "$OUT/bench_matmul.log"
+  if [ "${MATMUL_BENCH:-1}" = 1 ] && benching matmul; then
+    timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${MATMUL_BENCH_ARGS:-} --out "$LOGS/bench_matmul.md" > "$LOGS/bench_matmul.log" 2>&1
+    echo "rc=$?"; grep -E "^\|" "$LOGS/bench_matmul.log" | head -90; sed -n '/Row 0 bits/,$p' "$LOGS/bench_matmul.log"
   else
     echo "matmul benchmark: skipped (MATMUL_BENCH=0)"
   fi
 fi
 if asked clip-trace; then
   echo "== clip in-jit loops under the profiler"
-  timeout 240 python3 benchmarks/clip_bench.py --trace > "$OUT/clip_trace.txt" 2>&1; echo "rc=$?"
-  grep -E "^(/|####)|^ +[0-9]" "$OUT/clip_trace.txt" | head -120
+  timeout 240 python3 benchmarks/clip_bench.py --trace > "$LOGS/clip_trace.txt" 2>&1; echo "rc=$?"
+  grep -E "^(/|####)|^ +[0-9]" "$LOGS/clip_trace.txt" | head -120
 fi
 if asked db-chunks; then
   for c in ${DB_CHUNKS:-2048 8192}; do
     echo "== dB with WGRAD_CHUNK_TOKENS=$c"
     timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --ops dB --chunk-tokens "$c" \
-      --ms ${DB_MS:-1,128,1024,4096,16384} --reps 10 --inner 3 --out "$OUT/bench_db_$c.md" > "$OUT/bench_db_$c.log" 2>&1
-    echo "rc=$?"; grep -E "^dB" "$OUT/bench_db_$c.log"
+      --ms ${DB_MS:-1,128,1024,4096,16384} --reps 10 --inner 3 --out "$LOGS/bench_db_$c.md" > "$LOGS/bench_db_$c.log" 2>&1
+    echo "rc=$?"; grep -E "^dB" "$LOGS/bench_db_$c.log"
   done
 fi
+if asked buckets; then
+  echo "== M-bucket tests (tests/test_gemm_buckets.py)"
+  run_pytest -m gpu ${BUCKET_TESTS:-} /tmp/jaxdet-tests/test_gemm_buckets.py 2>&1 | tee "$LOGS/pytest_buckets.log" | tail -15
+fi
+if asked tile-sweep; then
+  echo "== tile sweep"
+  timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --tile-sweep all --ops fwd,dA \
+    ${SWEEP_ARGS:-} --out "$LOGS/tile_sweep.md" > "$LOGS/tile_sweep.log" 2>&1; echo "rc=$?"
+  grep -E "^\||^sweep" "$LOGS/tile_sweep.log"
+  if [ "${SWEEP_SM80:-0}" = 1 ]; then
+    echo "== tile sweep, sm_80 kernels"
+    JAXDET_TESTING=gemm=sm80 timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/matmul_bench.py --tile-sweep all \
+      --ops fwd,dA ${SWEEP_SM80_ARGS:-} --out "$LOGS/tile_sweep_sm80.md" > "$LOGS/tile_sweep_sm80.log" 2>&1; echo "rc=$?"
+    grep -E "^\||^sweep" "$LOGS/tile_sweep_sm80.log"
+  fi
+fi
+if asked sanitize-sm80; then
+  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' memcheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
+  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' racecheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
+fi
+if asked matmul-sm80; then
+  echo "== matmul benchmark, sm_80 kernels"
+  JAXDET_TESTING=gemm=sm80 timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${SM80_BENCH_ARGS:-} \
+    --out "$LOGS/bench_matmul_sm80.md" > "$LOGS/bench_matmul_sm80.log" 2>&1; echo "rc=$?"
+  grep -E "^\|" "$LOGS/bench_matmul_sm80.log" | head -120
+fi
 if asked gemm-bits; then
-  python3 benchmarks/gemm_schedule_bits.py > "$OUT/gemm_bits.txt" 2>&1; echo "rc=$?"
-  cat "$OUT/gemm_bits.txt"
+  python3 benchmarks/gemm_schedule_bits.py > "$LOGS/gemm_bits.txt" 2>&1; echo "rc=$?"
+  cat "$LOGS/gemm_bits.txt"
 fi
