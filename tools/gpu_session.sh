@@ -3,8 +3,9 @@
 # default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $LOGS, packed
 # at exit into $OUT/logs.tgz (the device tool returns at most 8 files from $OUT).
 #   tools/gpu_session.sh [tests|report|dropout|clip|matmul|norm|softmax|attention|ncu-dropout|all] ...
-#   A build made elsewhere for the device's Python (pip install --target .prebuilt/jaxdet-site, with
-#   tools/gpu_session.sh stamp > .prebuilt/jaxdet-site/.jaxdet-stamp) is used when carried and current.
+#   A build made elsewhere for the device's Python is used when carried and current:
+#   .prebuilt/jaxdet-site.txz, an xz tar of jaxdet-site/ (pip install --target) holding
+#   .jaxdet-stamp (the output of `tools/gpu_session.sh stamp` for the sources it was built from).
 #   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device);
 #   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: options for the
 #   benchmark); SANITIZE=0 skips the sanitizers; BENCH=0 skips every benchmark.
@@ -48,8 +49,10 @@ src=/tmp/jaxdet-src; bdir=/tmp/jaxdet-build; old=@946684800  # 2000-01-01
 stamp=$(source_stamp)
 if [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
   echo "build: reused (same sources)"
-elif [ -f .prebuilt/jaxdet-site/.jaxdet-stamp ] && [ "$(cat .prebuilt/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
-  rm -rf /tmp/jaxdet-site && cp -r .prebuilt/jaxdet-site /tmp/jaxdet-site
+elif [ -f .prebuilt/jaxdet-site.txz ] && rm -rf /tmp/prebuilt && mkdir /tmp/prebuilt \
+    && xz -dc .prebuilt/jaxdet-site.txz | tar xf - -C /tmp/prebuilt \
+    && [ "$(cat /tmp/prebuilt/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
+  rm -rf /tmp/jaxdet-site && mv /tmp/prebuilt/jaxdet-site /tmp/jaxdet-site
   echo "build: carried (same sources)"
 else
   rm -rf "$src" && mkdir -p "$src" \
