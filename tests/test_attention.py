@@ -383,6 +383,32 @@ def test_gradients_deterministic(device):
         assert_bitwise(x, y)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_under_remat_and_scan_are_bitwise_the_plain_ones(device):
+    """jax.checkpoint recomputes the forward in the backward pass and lax.scan runs the layers as a
+    loop: both call the same kernels on the same operands, so the gradients keep their bits."""
+    q, k, v = _qkv(2, 40, 40, 4, 2, 64, jnp.bfloat16)
+    w = _loss_weights((2, 40, 4, 64))
+
+    def layer(q, k, v):
+        return jaxdet.attention(q, k, v).astype(jnp.float32)
+
+    def loss(layer_fn, q, k, v):
+        def step(x, _):
+            y = layer_fn(x.astype(q.dtype), k, v)
+            return y, jnp.sum(y * w)
+
+        _, per_layer = lax.scan(step, q.astype(jnp.float32), None, length=2)
+        return jnp.sum(per_layer)
+
+    grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2)))  # noqa: E731
+    with jax.default_device(_device(device)):
+        plain = grad(layer)(q, k, v)
+        remat = grad(jax.checkpoint(layer))(q, k, v)
+    for x, y in zip(plain, remat):
+        assert_bitwise(x, y)
+
+
 # ---- Edge cases and errors. ----
 
 

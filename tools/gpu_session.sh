@@ -3,8 +3,9 @@
 # default device), compute-sanitizer on the kernels, then the benchmarks. Logs go to $LOGS, packed
 # at exit into $OUT/logs.tgz (the device tool returns at most 8 files from $OUT).
 #   tools/gpu_session.sh [tests|report|dropout|clip|matmul|norm|softmax|attention|ncu-dropout|all] ...
-#   A build made elsewhere for the device's Python (pip install --target .prebuilt/jaxdet-site, with
-#   tools/gpu_session.sh stamp > .prebuilt/jaxdet-site/.jaxdet-stamp) is used when carried and current.
+#   A build made elsewhere for the device's Python is used when carried and current:
+#   .prebuilt/jaxdet-site.txz, an xz tar of jaxdet-site/ (pip install --target) holding
+#   .jaxdet-stamp (the output of `tools/gpu_session.sh stamp` for the sources it was built from).
 #   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device);
 #   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: options for the
 #   benchmark); SANITIZE=0 skips the sanitizers; BENCH=0 skips every benchmark.
@@ -23,9 +24,9 @@
 #   to date).
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
-LOGS=/tmp/jaxdet-logs
+LOGS=${LOGS:-/tmp/jaxdet-logs}  # two sessions may run side by side with their own LOGS (after one has built)
 rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS"
-trap 'tar czf "$OUT/logs.tgz" -C /tmp jaxdet-logs' EXIT
+trap 'tar czf "$OUT/$(basename "$LOGS").tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"' EXIT
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 what=("$@"); [ ${#what[@]} -eq 0 ] && what=(all)
 has() { for w in "${what[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
@@ -35,7 +36,10 @@ source_stamp() { find cuda jaxdet CMakeLists.txt pyproject.toml -type f -not -na
 [ "${what[0]}" = stamp ] && { source_stamp; exit 0; }
 
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+  if [ ! -f /tmp/site/.jaxdet-wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+    touch /tmp/site/.jaxdet-wheels
+  fi
   export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$LOGS/device.txt"
@@ -43,11 +47,13 @@ start=$(date +%s)
 src=/tmp/jaxdet-src; bdir=/tmp/jaxdet-build; old=@946684800  # 2000-01-01
 # A machine kept warm between calls still has the last build: reuse it when the sources match.
 stamp=$(source_stamp)
-if [ -f .prebuilt/jaxdet-site/.jaxdet-stamp ] && [ "$(cat .prebuilt/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
-  rm -rf /tmp/jaxdet-site && cp -r .prebuilt/jaxdet-site /tmp/jaxdet-site
-  echo "build: carried (same sources)"
-elif [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
+if [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
   echo "build: reused (same sources)"
+elif [ -f .prebuilt/jaxdet-site.txz ] && rm -rf /tmp/prebuilt && mkdir /tmp/prebuilt \
+    && xz -dc .prebuilt/jaxdet-site.txz | tar xf - -C /tmp/prebuilt \
+    && [ "$(cat /tmp/prebuilt/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
+  rm -rf /tmp/jaxdet-site && mv /tmp/prebuilt/jaxdet-site /tmp/jaxdet-site
+  echo "build: carried (same sources)"
 else
   rm -rf "$src" && mkdir -p "$src" \
     && tar cf - --exclude=./build --exclude=./.whl --exclude=./.git . | tar xf - -C "$src"
@@ -70,8 +76,10 @@ else
   echo "build: $(( $(date +%s) - start )) s; cache $(cat "$OUT"/gpu-cache.txz.part-* | wc -c) bytes in $(ls "$OUT"/gpu-cache.txz.part-* | wc -l) pieces"
 fi
 export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
-rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
-  && cp pyproject.toml README.md /tmp/
+if has tests || has report; then
+  rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
+    && cp pyproject.toml README.md /tmp/
+fi
 # From /tmp so that the installed package (not the source folder) is imported.
 run_pytest() { (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
 
