@@ -257,7 +257,7 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   out.scale = scale;
   const int64_t rows_total = p.B * p.H * p.R;
   if (rows_total > 0) {
-    auto mem = scratch.Allocate(static_cast<size_t>(rows_total) * sizeof(float), 256);
+    auto mem = scratch.Allocate(static_cast<size_t>(rows_total) * sizeof(float), kFfiScratchAlignment);
     if (!mem.has_value())
       return ffi::Error::Internal(std::string(op) + ": could not allocate the delta workspace");
     out.delta = static_cast<float*>(*mem);
@@ -267,7 +267,7 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   out.query_tiles = (p.R + 63) / 64;
   out.tile_ranges = nullptr;
   if (q.element_type() != ffi::F32 && p.B * out.query_tiles > 0) {
-    auto mem = scratch.Allocate(static_cast<size_t>(p.B * out.query_tiles) * sizeof(int2), 256);
+    auto mem = scratch.Allocate(static_cast<size_t>(p.B * out.query_tiles) * sizeof(int2), kFfiScratchAlignment);
     if (!mem.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the tile workspace");
     out.tile_ranges = static_cast<int2*>(*mem);
   }

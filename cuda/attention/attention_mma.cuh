@@ -562,8 +562,8 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     const size_t smem = Geo::bytes(false);
     if (auto err = prepare(FwdMmaKernel<Elem, D, 1, 1>, smem, smem_optin, op); !err.success()) return err;
     const int64_t rows = p.B * p.H * nsplit * p.R;
-    auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), 256);
-    auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), 256);
+    auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), kFfiScratchAlignment);
+    auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), kFfiScratchAlignment);
     if (!acc.has_value() || !ml.has_value()) {
       return ffi::Error::Internal(std::string(op) + ": could not allocate the split workspace");
     }
