@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(256) DeltaKernel(Problem p, const void* o, con
     const int64_t off = q_index(p, b, h, r);
     float acc = 0.0f;
     for (int64_t e = 0; e < p.D; ++e)
-      acc = f_add(acc, f_mul(load_elem<Storage>(dout, off + e), load_elem<Storage>(o, off + e)));
+      acc = dm::add(acc, dm::mul(load_elem<Storage>(dout, off + e), load_elem<Storage>(o, off + e)));
     delta[i] = acc;
   }
 }
