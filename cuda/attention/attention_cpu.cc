@@ -168,12 +168,7 @@ ffi::Error AttentionFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   a.lse2 = lse2->typed_data();
   a.c = scale_log2;
   IeeeSubnormalsScope ieee;
-  switch (q.element_type()) {
-    case ffi::F32: forward<F32Storage>(pool, a); break;
-    case ffi::BF16: forward<BF16Storage>(pool, a); break;
-    case ffi::F16: forward<F16Storage>(pool, a); break;
-    default: return ffi::Error::InvalidArgument(std::string(op) + ": dtype must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(q.element_type(), op, "dtype", forward<S>(pool, a));
   return ffi::Error::Success();
 }
 
@@ -263,11 +258,7 @@ ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   const char* op = "jaxdet_attention_bwd";
   BackwardArgs a;
   if (auto err = check_dims(op, q, k, v, rows, &a.d); !err.success()) return err;
-  if (o.element_type() != q.element_type() || dout.element_type() != q.element_type() ||
-      o.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
-      static_cast<int64_t>(lse2.element_count()) != a.d.B * a.d.H * a.d.T * a.d.G) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": o, do and lse2 must match q");
-  }
+  if (auto err = check_backward_operands(op, q, o, dout, lse2, a.d); !err.success()) return err;
   a.q = q.untyped_data();
   a.k = k.untyped_data();
   a.v = v.untyped_data();
@@ -281,12 +272,7 @@ ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   a.c = scale_log2;
   a.scale = scale;
   IeeeSubnormalsScope ieee;
-  switch (q.element_type()) {
-    case ffi::F32: backward<F32Storage>(pool, a); break;
-    case ffi::BF16: backward<BF16Storage>(pool, a); break;
-    case ffi::F16: backward<F16Storage>(pool, a); break;
-    default: return ffi::Error::InvalidArgument(std::string(op) + ": dtype must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(q.element_type(), op, "dtype", backward<S>(pool, a));
   return ffi::Error::Success();
 }
 
