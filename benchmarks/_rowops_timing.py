@@ -13,19 +13,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-
-
-def _sample(fn, args, calls):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / calls
+from _timing import sample
 
 
 def time_pair(a, b, reps, calls):
@@ -37,7 +28,7 @@ def time_pair(a, b, reps, calls):
     for r in range(reps):
         order = ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta))
         for (fn, args), out in order:
-            out.append(_sample(fn, args, calls))
+            out.append(sample(fn, args, calls))
     return statistics.median(ta), statistics.median(tb)
 
 
@@ -69,7 +60,7 @@ def copy_bandwidth(device, small=False, reps=10):
     nbytes = (16 << 20) if small else (1 << 30)
     x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
     f = jax.jit(lambda x: x * 1.5)
-    t = statistics.median(_sample(f, (x,), 5) for _ in range(reps))
+    t = statistics.median(sample(f, (x,), 5) for _ in range(reps))
     return 2 * nbytes / t
 
 
