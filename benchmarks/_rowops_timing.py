@@ -1,5 +1,6 @@
-"""Timing shared by norm_bench.py and softmax_bench.py: jnp and jaxdet side by side, in alternating
-repetitions, forward and backward separately, with the fraction of the copy bandwidth reached.
+"""Arguments, timing and table rows shared by norm_bench.py and softmax_bench.py: jnp and jaxdet side
+by side, in alternating repetitions, forward and backward separately, with the fraction of the copy
+bandwidth reached.
 
 Forward: the jitted function. Backward: the jitted vjp function applied to the cotangent, the
 forward's residuals passed in as arguments (`jax.vjp` outside the timed call), so each side is
@@ -11,19 +12,11 @@ sides alternate (which goes first alternates too), so clock or power drift hits 
 from __future__ import annotations
 
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
-
-
-def _sample(fn, args, calls):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / calls
+from _timing import sample
 
 
 def time_pair(a, b, reps, calls):
@@ -35,7 +28,7 @@ def time_pair(a, b, reps, calls):
     for r in range(reps):
         order = ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta))
         for (fn, args), out in order:
-            out.append(_sample(fn, args, calls))
+            out.append(sample(fn, args, calls))
     return statistics.median(ta), statistics.median(tb)
 
 
@@ -47,11 +40,27 @@ def forward_and_backward(f, args, cotangent):
     return (fwd, args), (bwd, (vjp, cotangent))
 
 
-def copy_bandwidth(device, reps=10, nbytes=1 << 30):
-    """Bytes per second of `x * 1.5` on a float32 array (read + write), on `device`."""
+def parse_args(parser):
+    """Adds the arguments both benchmarks take and parses: (args, the device to run on). Exits when
+    that device is the CPU and --allow-cpu is not given."""
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU when there is no GPU")
+    parser.add_argument("--sanitize", action="store_true")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    if device.platform == "cpu" and not args.allow_cpu:
+        sys.exit("no GPU: pass --allow-cpu (with --small) to smoke-test the script on the CPU")
+    return args, device
+
+
+def copy_bandwidth(device, small=False, reps=10):
+    """Bytes per second of `x * 1.5` on a float32 array (read + write) of 1 GiB (small: 16 MiB)."""
+    nbytes = (16 << 20) if small else (1 << 30)
     x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
     f = jax.jit(lambda x: x * 1.5)
-    t = statistics.median(_sample(f, (x,), 5) for _ in range(reps))
+    t = statistics.median(sample(f, (x,), 5) for _ in range(reps))
     return 2 * nbytes / t
 
 
@@ -67,3 +76,39 @@ def nbytes(*arrays_or_shapes_dtypes):
 
 def row(cells):
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def print_table_header(keys, baseline):
+    """The markdown header: the `keys` columns, then the timing columns of `print_timed_row`."""
+    print(
+        row(
+            keys
+            + [
+                f"{baseline} ms",
+                "jaxdet ms",
+                f"ratio ({baseline}/jaxdet)",
+                "jaxdet GB/s",
+                "fraction of copy bw",
+            ]
+        )
+    )
+    print(row(["---"] * (len(keys) + 5)))
+
+
+def print_timed_row(keys, baseline, jaxdet_pair, moved, bandwidth, args):
+    """Times the baseline and jaxdet (time_pair) and prints their row: times, ratio, and `moved`
+    bytes per second of jaxdet's time, absolute and as a fraction of `bandwidth`."""
+    tb, td = time_pair(baseline, jaxdet_pair, reps=args.reps, calls=args.calls)
+    print(
+        row(
+            keys
+            + [
+                f"{tb * 1e3:.4f}",
+                f"{td * 1e3:.4f}",
+                f"{tb / td:.3f}",
+                f"{moved / td / 1e9:.0f}",
+                f"{moved / td / bandwidth:.2f}",
+            ]
+        ),
+        flush=True,
+    )

@@ -14,47 +14,32 @@ canonical tree's (psum's order is the collective library's). On GPUs set NCCL_NV
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _parallel_bench import devices_label, emit, mesh_of_all_devices, parse_args  # noqa: E402
 
 
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes-mb", default="4,256")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--inner", type=int, default=5)
-    p.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=0,
-        help="simulate this many CPU devices (smoke test)",
-    )
-    p.add_argument("--out", default="")
-    return p.parse_args()
+    return parse_args(p, reps=20, inner=5)
 
 
 def main():
     args = parse()
-    if args.cpu_devices:
-        os.environ["XLA_FLAGS"] = (
-            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
-        )
-        os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from matmul_bench import timeit_pair
 
     from jaxdet.parallel import tree_psum
 
-    devices = jax.devices()
+    devices, mesh = mesh_of_all_devices()
     d = len(devices)
-    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     spec = {"mesh": mesh, "in_specs": P("d"), "out_specs": P()}
     f_psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x[0], "d"), **spec))
     f_tree = jax.jit(jax.shard_map(lambda x: tree_psum(x[0], "d"), **spec))
@@ -74,23 +59,22 @@ def main():
         )
         rows.append((mb, t_psum, t_tree, differ, n, same_devices))
         del x, a, b
-    kind = getattr(devices[0], "device_kind", devices[0].platform)
-    lines = [
-        (
-            f"All-reduce, float32, {d} x {kind}, jax {jax.__version__}, {datetime.date.today()}, "
-            f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}"
-        ),
-        "",
-        "| MB per device | psum ms | tree_psum ms | tree / psum | elements psum != tree | tree equal on all devices |",
-        "|---|---|---|---|---|---|",
-    ]
-    for mb, tp, tt, differ, n, same in rows:
-        lines.append(f"| {mb:g} | {tp:.3f} | {tt:.3f} | {tt / tp:.2f}x | {differ}/{n} | {same} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.write(text + "\n\n")
+    emit(
+        f"All-reduce, float32, {devices_label(devices)}",
+        [
+            "MB per device",
+            "psum ms",
+            "tree_psum ms",
+            "tree / psum",
+            "elements psum != tree",
+            "tree equal on all devices",
+        ],
+        [
+            [f"{mb:g}", f"{tp:.3f}", f"{tt:.3f}", f"{tt / tp:.2f}x", f"{differ}/{n}", same]
+            for mb, tp, tt, differ, n, same in rows
+        ],
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -17,31 +17,20 @@ is faster). The decode baseline is the fastest JAX implementation that runs.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxdet
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import timed  # noqa: E402
+
+import jaxdet  # noqa: E402
 
 # Peak HBM bandwidth (bytes/s) by device name, for the decode bandwidth fraction.
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
-
-
-def timed(fn, *args, reps: int = 10, inner: int = 5) -> float:
-    """Median seconds per call over `reps` measurements of `inner` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
 
 
 def rand(key, shape, dtype):

@@ -6,7 +6,7 @@
     python benchmarks/dp_step_bench.py --cpu-devices 8 --features 64 --hidden 128 --outputs 32 \\
         --tokens-per-device 64 --dtype float32                               # smoke test
 
-The step is jaxdet._facts_parallel.make_step (the model of the device-count tests, scaled up):
+The step is jaxdet.contracts.parallel.make_step (the model of the device-count tests, scaled up):
 x -> jaxdet.matmul -> tanh -> jaxdet.dropout (by global element index) -> jaxdet.matmul -> squared
 error; then jaxdet.clip_by_global_norm and optax.adamw, all in one jit over a 1-D mesh of all local
 devices. The psum step computes each device's gradient over its whole shard at once and sums the
@@ -20,9 +20,11 @@ it adds the cost of smaller GEMMs in a loop. Timing: warm-up, median of `--reps`
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _parallel_bench import devices_label, emit, mesh_of_all_devices, parse_args  # noqa: E402
 
 
 def parse():
@@ -33,41 +35,24 @@ def parse():
     p.add_argument("--tokens-per-device", type=int, default=16384)
     p.add_argument("--leaves-per-device", default="1,2")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--inner", type=int, default=3)
-    p.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=0,
-        help="simulate this many CPU devices (smoke test)",
-    )
-    p.add_argument("--out", default="")
-    return p.parse_args()
+    return parse_args(p, reps=10, inner=3)
 
 
 def main():
     args = parse()
-    if args.cpu_devices:
-        os.environ["XLA_FLAGS"] = (
-            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
-        )
-        os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     import ml_dtypes
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from matmul_bench import timeit_pair
 
     import jaxdet
-    from jaxdet import _facts_parallel as fp
+    from jaxdet.contracts import parallel as fp
 
     dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32
-    devices = jax.devices()
+    devices, mesh = mesh_of_all_devices()
     d = len(devices)
-    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
     params = jax.device_put(fp.init_params(args.features, args.hidden, args.outputs, dtype=dtype), rep)
     opt_state = jax.device_put(fp._optimizer().init(params), rep)
@@ -90,25 +75,15 @@ def main():
             args.inner,
         )
         rows.append((per, t_psum, t_tree))
-    kind = getattr(devices[0], "device_kind", devices[0].platform)
-    lines = [
+    emit(
         (
-            f"Data-parallel train step, {d} x {kind}, {args.dtype}, {n_params / 1e6:.1f}M params "
-            f"({args.features}->{args.hidden}->{args.outputs}), {args.tokens_per_device} tokens per device, "
-            f"jax {jax.__version__}, {datetime.date.today()}, "
-            f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}"
+            f"Data-parallel train step, {devices_label(devices)}, {args.dtype}, {n_params / 1e6:.1f}M params "
+            f"({args.features}->{args.hidden}->{args.outputs}), {args.tokens_per_device} tokens per device"
         ),
-        "",
-        "| leaves per device | psum step ms | jaxdet.parallel step ms | ratio |",
-        "|---|---|---|---|",
-    ]
-    for per, tp, tt in rows:
-        lines.append(f"| {per} | {tp:.3f} | {tt:.3f} | {tt / tp:.3f}x |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.write(text + "\n\n")
+        ["leaves per device", "psum step ms", "jaxdet.parallel step ms", "ratio"],
+        [[per, f"{tp:.3f}", f"{tt:.3f}", f"{tt / tp:.3f}x"] for per, tp, tt in rows],
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -10,30 +10,20 @@ fraction of the copy-like op's bandwidth.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxdet
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import timed  # noqa: E402
+
+import jaxdet  # noqa: E402
 
 RATE = 0.1
-
-
-def timed(fn, *args, reps: int = 20, inner: int = 10) -> float:
-    """Median seconds per call over `reps` measurements of `inner` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+REPS, INNER = 20, 10
 
 
 def jax_random_dropout(x, key):
@@ -85,18 +75,19 @@ def main() -> None:
         return
 
     nbytes = 2 * x.size * x.dtype.itemsize  # read x (or g) once, write the output once
+    bench = lambda fn, *a: timed(fn, *a, reps=REPS, inner=INNER)
     rows = [
-        ("copy-like `x * 1.5` (ceiling)", timed(copy_like, x)),
-        ("jaxdet.dropout forward", timed(fwd, x, key)),
-        ("jaxdet.dropout backward (vjp)", timed(bwd, x, key, g)),
-        ("jax.random.bernoulli + where, forward", timed(ref_fwd, x, jkey)),
-        ("jax.random.bernoulli + where, backward (vjp)", timed(ref_bwd, x, jkey, g)),
+        ("copy-like `x * 1.5` (ceiling)", bench(copy_like, x)),
+        ("jaxdet.dropout forward", bench(fwd, x, key)),
+        ("jaxdet.dropout backward (vjp)", bench(bwd, x, key, g)),
+        ("jax.random.bernoulli + where, forward", bench(ref_fwd, x, jkey)),
+        ("jax.random.bernoulli + where, backward (vjp)", bench(ref_bwd, x, jkey, g)),
     ]
     ceiling = nbytes / rows[0][1]
     device = jax.devices()[0]
     print(
         f"device: {device.device_kind} | jax {jax.__version__} | {x.size / 2**20:.0f}Mi {np.dtype(dtype).name} "
-        f"elements, rate {RATE} | median of 20 x 10 calls"
+        f"elements, rate {RATE} | median of {REPS} x {INNER} calls"
     )
     print()
     print("| op | time (ms) | GB/s (read + write) | % of copy-like bandwidth |")

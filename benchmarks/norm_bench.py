@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _rowops_timing import copy_bandwidth, forward_and_backward, nbytes, row, time_pair  # noqa: E402
+import _rowops_timing as rt  # noqa: E402
 
 import jaxdet  # noqa: E402
 
@@ -67,7 +67,7 @@ def sanitize(device):
     for tokens, d in ((3, 5), (33, 1027), (5, 2048), (4, 4096), (3, 8192), (2, 9000)):
         args, g = inputs(tokens, d, jnp.bfloat16, device)
         for kind in IMPLS:
-            (fwd, a), (bwd, b) = forward_and_backward(IMPLS[kind][1], args, g)
+            (fwd, a), (bwd, b) = rt.forward_and_backward(IMPLS[kind][1], args, g)
             jax.block_until_ready((fwd(*a), bwd(*b)))
     print("sanitize: every norm kernel path ran once")
 
@@ -75,69 +75,30 @@ def sanitize(device):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--calls", type=int, default=5)
-    p.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
-    p.add_argument("--allow-cpu", action="store_true", help="run on the CPU when there is no GPU")
-    p.add_argument("--sanitize", action="store_true")
-    args = p.parse_args()
-    device = jax.devices()[0]
-    if device.platform == "cpu" and not args.allow_cpu:
-        sys.exit("no GPU: pass --allow-cpu (with --small) to smoke-test the script on the CPU")
+    args, device = rt.parse_args(p)
     if args.sanitize:
         sanitize(device)
         return
     dtype = jnp.dtype(args.dtype)
     d = 256 if args.small else 4096
     shapes = [(1, d), (64, d), (512 if args.small else 16384, d)]
-    bw = copy_bandwidth(device, nbytes=(16 << 20) if args.small else (1 << 30))
+    bw = rt.copy_bandwidth(device, args.small)
     print(
         f"{device.device_kind}, jax {jax.__version__}, {dtype.name}, copy bandwidth {bw / 1e9:.0f} GB/s, "
         f"median of {args.reps} x {args.calls} back-to-back calls, jnp and jaxdet alternating\n"
     )
-    print(
-        row(
-            [
-                "op",
-                "pass",
-                "tokens",
-                "d",
-                "jnp ms",
-                "jaxdet ms",
-                "ratio (jnp/jaxdet)",
-                "jaxdet GB/s",
-                "fraction of copy bw",
-            ]
-        )
-    )
-    print(row(["---"] * 9))
+    rt.print_table_header(["op", "pass", "tokens", "d"], "jnp")
     for kind, (jnp_f, det_f) in IMPLS.items():
         for tokens, d in shapes:
             xs, g = inputs(tokens, d, dtype, device)
-            (jf, ja), (jb, jba) = forward_and_backward(jnp_f, xs, g)
-            (df, da), (db, dba) = forward_and_backward(det_f, xs, g)
+            jnp_fwd, jnp_bwd = rt.forward_and_backward(jnp_f, xs, g)
+            det_fwd, det_bwd = rt.forward_and_backward(det_f, xs, g)
             act = ((tokens, d), dtype)
-            for name, pair, moved in (
-                ("fwd", ((jf, ja), (df, da)), nbytes(act, act)),
-                ("bwd", ((jb, jba), (db, dba)), nbytes(act, act, act)),
+            for name, base, det, moved in (
+                ("fwd", jnp_fwd, det_fwd, rt.nbytes(act, act)),
+                ("bwd", jnp_bwd, det_bwd, rt.nbytes(act, act, act)),
             ):
-                tj, td = time_pair(*pair, reps=args.reps, calls=args.calls)
-                print(
-                    row(
-                        [
-                            f"{kind}_norm",
-                            name,
-                            tokens,
-                            d,
-                            f"{tj * 1e3:.4f}",
-                            f"{td * 1e3:.4f}",
-                            f"{tj / td:.3f}",
-                            f"{moved / td / 1e9:.0f}",
-                            f"{moved / td / bw:.2f}",
-                        ]
-                    ),
-                    flush=True,
-                )
+                rt.print_timed_row([f"{kind}_norm", name, tokens, d], base, det, moved, bw, args)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _rowops_timing import copy_bandwidth, forward_and_backward, nbytes, row, time_pair  # noqa: E402
+import _rowops_timing as rt  # noqa: E402
 
 import jaxdet  # noqa: E402
 
@@ -58,9 +58,9 @@ def cases(mode, fns, x, g, labels, gl):
     for f in fns:
         if mode == "cross_entropy":
             # labels are an argument (not a constant) and receive no cotangent.
-            out.append(forward_and_backward(lambda x, f=f: f(x, labels), (x,), gl))
+            out.append(rt.forward_and_backward(lambda x, f=f: f(x, labels), (x,), gl))
         else:
-            out.append(forward_and_backward(f, (x,), g))
+            out.append(rt.forward_and_backward(f, (x,), g))
     return out
 
 
@@ -79,67 +79,28 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,64,4096)")
     p.add_argument("--vocab", type=int, default=None)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--calls", type=int, default=5)
-    p.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
-    p.add_argument("--allow-cpu", action="store_true", help="run on the CPU when there is no GPU")
-    p.add_argument("--sanitize", action="store_true")
-    args = p.parse_args()
-    device = jax.devices()[0]
-    if device.platform == "cpu" and not args.allow_cpu:
-        sys.exit("no GPU: pass --allow-cpu (with --small) to smoke-test the script on the CPU")
+    args, device = rt.parse_args(p)
     if args.sanitize:
         sanitize(device)
         return
     dtype = jnp.dtype(args.dtype)
     vocab = args.vocab or (3000 if args.small else 128256)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1, 8, 64] if args.small else [1, 64, 4096])
-    bw = copy_bandwidth(device, nbytes=(16 << 20) if args.small else (1 << 30))
+    bw = rt.copy_bandwidth(device, args.small)
     print(
         f"{device.device_kind}, jax {jax.__version__}, {dtype.name} logits, vocab {vocab}, copy bandwidth "
         f"{bw / 1e9:.0f} GB/s, median of {args.reps} x {args.calls} back-to-back calls, alternating\n"
     )
-    print(
-        row(
-            [
-                "op",
-                "pass",
-                "tokens",
-                "vocab",
-                "baseline ms",
-                "jaxdet ms",
-                "ratio (baseline/jaxdet)",
-                "jaxdet GB/s",
-                "fraction of copy bw",
-            ]
-        )
-    )
-    print(row(["---"] * 9))
+    rt.print_table_header(["op", "pass", "tokens", "vocab"], "baseline")
     for mode, fns in baselines().items():
         for t in tokens:
             x, g, labels, gl = inputs(t, vocab, dtype, device)
             (bf, bb), (jf, jb) = cases(mode, fns, x, g, labels, gl)
             act = ((t, vocab), dtype)
-            fwd_bytes = nbytes(act) if mode == "cross_entropy" else nbytes(act, act)
-            bwd_bytes = nbytes(act, act) if mode == "cross_entropy" else nbytes(act, act, act)
+            fwd_bytes = rt.nbytes(act) if mode == "cross_entropy" else rt.nbytes(act, act)
+            bwd_bytes = rt.nbytes(act, act) if mode == "cross_entropy" else rt.nbytes(act, act, act)
             for name, base, det, moved in (("fwd", bf, jf, fwd_bytes), ("bwd", bb, jb, bwd_bytes)):
-                tb, td = time_pair(base, det, reps=args.reps, calls=args.calls)
-                print(
-                    row(
-                        [
-                            mode,
-                            name,
-                            t,
-                            vocab,
-                            f"{tb * 1e3:.4f}",
-                            f"{td * 1e3:.4f}",
-                            f"{tb / td:.3f}",
-                            f"{moved / td / 1e9:.0f}",
-                            f"{moved / td / bw:.2f}",
-                        ]
-                    ),
-                    flush=True,
-                )
+                rt.print_timed_row([mode, name, t, vocab], base, det, moved, bw, args)
 
 
 if __name__ == "__main__":

@@ -31,3 +31,10 @@ def cpu():
 @pytest.fixture
 def gpu():
     return jax.devices("gpu")[0]
+
+
+@pytest.fixture
+def on_gpu(gpu):
+    """The GPU as JAX's default device for the whole test."""
+    with jax.default_device(gpu):
+        yield gpu

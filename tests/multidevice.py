@@ -1,4 +1,5 @@
-"""Running a test file's tests on 8 simulated CPU devices, and counting collectives in compiled HLO.
+"""Running a test file's tests on 8 simulated CPU devices, counting collectives in compiled HLO, and
+the meshes, inputs and partitioner switch the many-device tests share.
 
 XLA's CPU device count is fixed when the backend starts, so a file whose tests need NDEV devices
 decorates them with ``on_devices``: in a process with fewer devices, the first such test runs the
@@ -6,6 +7,7 @@ whole file once in a child pytest with ``XLA_FLAGS=--xla_force_host_platform_dev
 every decorated test reports its outcome from there.
 """
 
+import contextlib
 import functools
 import os
 import re
@@ -15,7 +17,10 @@ import tempfile
 import xml.etree.ElementTree as ET
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
 
 NDEV = 8
 IN_CHILD = len(jax.devices("cpu")) >= NDEV
@@ -74,3 +79,28 @@ def collectives(f, *args):
     text = jax.jit(f).lower(*args).compile().as_text()
     found = {k: len(re.findall(rf"\s{k}(?:-start)?\(", text)) for k in COLLECTIVES}
     return {k: n for k, n in found.items() if n}
+
+
+def mesh(n=NDEV, names=("data",), shape=None):
+    """A mesh of the first `n` devices (axis types Auto), 1-D unless `shape` is given."""
+    shape = shape or (n,)
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=jax.devices()[:n])
+
+
+def rand(shape, dtype=jnp.float32, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
+
+
+def put(x, m, spec):
+    return jax.device_put(x, NamedSharding(m, spec))
+
+
+@contextlib.contextmanager
+def partitioner(shardy):
+    """Shardy (True) or GSPMD (False) as jit's partitioner inside the block."""
+    saved = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", saved)

@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multidevice import IN_CHILD as HERE  # noqa: F401
-from multidevice import NDEV
+from multidevice import NDEV, partitioner
 from multidevice import on_devices as on_8_devices
 
 import jaxdet
@@ -71,6 +71,12 @@ def assert_tree_bits(got, want):
         assert_bitwise(g, w, jax.tree_util.keystr(path))
 
 
+def assert_clip_bits(got, want):
+    """Two (clipped tree, norm) results: the norms and every leaf bitwise equal."""
+    assert_bitwise(got[1], want[1])
+    assert_tree_bits(got[0], want[0])
+
+
 def collectives(hlo: str):
     """(op, result element count) of every collective in a compiled module's text."""
     found = []
@@ -89,7 +95,7 @@ def test_shard_map_axis_name_gives_the_unsharded_bits(policy):
     mesh = mesh_xy()
     for tree, specs in ((aligned_tree(), ALIGNED_SPECS), (misaligned_tree(), MISALIGNED_SPECS)):
         for max_norm in (1.0, 1e9):
-            want, want_norm = jaxdet.clip_by_global_norm(tree, max_norm, nonfinite=policy)
+            want = jaxdet.clip_by_global_norm(tree, max_norm, nonfinite=policy)
 
             def body(t):
                 clipped, norm = jaxdet.clip_by_global_norm(t, max_norm, nonfinite=policy, axis_name=("x", "y"))
@@ -97,9 +103,8 @@ def test_shard_map_axis_name_gives_the_unsharded_bits(policy):
 
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(specs, P(), P())))
             clipped, norm, norm_only = f(tree)
-            assert_bitwise(norm, want_norm)
-            assert_bitwise(norm_only, want_norm)
-            assert_tree_bits(clipped, want)
+            assert_clip_bits((clipped, norm), want)
+            assert_bitwise(norm_only, want[1])
 
 
 @on_8_devices
@@ -119,16 +124,14 @@ def test_shard_map_types_replicated_leaves_counted_once_and_one_axis():
     # A tree sharded over one axis of the mesh, replicated over the other.
     sub = {"w": tree["w"], "b": tree["b"]}
     specs = {"w": P("x"), "b": P()}
-    want, want_norm = jaxdet.clip_by_global_norm(sub, 0.5)
+    want = jaxdet.clip_by_global_norm(sub, 0.5)
     f = jax.shard_map(
         lambda t: jaxdet.clip_by_global_norm(t, 0.5, axis_name="x"),
         mesh=mesh,
         in_specs=(specs,),
         out_specs=(specs, P()),
     )
-    clipped, norm = jax.jit(f)(sub)
-    assert_bitwise(norm, want_norm)
-    assert_tree_bits(clipped, want)
+    assert_clip_bits(jax.jit(f)(sub), want)
 
 
 @on_8_devices
@@ -250,8 +253,7 @@ def test_sharded_jit_runs_per_shard_with_the_unsharded_bits(policy):
         want, want_norm = jaxdet.clip_by_global_norm(tree, max_norm, nonfinite=policy)
         f = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, max_norm, nonfinite=policy))
         clipped, norm = f(sharded)
-        assert_bitwise(norm, want_norm)
-        assert_tree_bits(clipped, want)
+        assert_clip_bits((clipped, norm), (want, want_norm))
         for k in tree:
             assert clipped[k].sharding.is_equivalent_to(sharded[k].sharding, tree[k].ndim), k
         assert_bitwise(jax.jit(jaxdet.global_norm)(sharded), want_norm)
@@ -276,10 +278,8 @@ def test_sharded_jit_optax_step_and_traced_max_norm():
     got_u, got_s = jax.jit(tx.update)(sharded, state, sharded)
     assert_tree_bits(got_u, want_u)
     assert_bitwise(jaxdet.optax.last_norm(got_s), jaxdet.optax.last_norm(want_s))
-    got, norm = jax.jit(lambda t, m: jaxdet.clip_by_global_norm(t, m))(sharded, jnp.float32(0.25))
-    want, want_norm = jaxdet.clip_by_global_norm(tree, 0.25)
-    assert_tree_bits(got, want)
-    assert_bitwise(norm, want_norm)
+    got = jax.jit(lambda t, m: jaxdet.clip_by_global_norm(t, m))(sharded, jnp.float32(0.25))
+    assert_clip_bits(got, jaxdet.clip_by_global_norm(tree, 0.25))
 
 
 @on_8_devices
@@ -287,11 +287,8 @@ def test_sharded_jit_misaligned_leaves_are_gathered_with_the_same_bits():
     mesh = mesh_xy()
     tree = misaligned_tree(6)
     sharded = _put(tree, MISALIGNED_SPECS, mesh)
-    want, want_norm = jaxdet.clip_by_global_norm(tree, 0.5)
     f = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 0.5))
-    clipped, norm = f(sharded)
-    assert_bitwise(norm, want_norm)
-    assert_tree_bits(clipped, want)
+    assert_clip_bits(f(sharded), jaxdet.clip_by_global_norm(tree, 0.5))
     # The documented fallback: the two misaligned leaves are gathered (their data, once), then the
     # slots (8 chunks of the aligned leaves, 1 of "odd" and 8 of "col" on each device).
     assert sorted(collectives(f.lower(sharded).compile().as_text())) == sorted(
@@ -303,15 +300,9 @@ def test_sharded_jit_misaligned_leaves_are_gathered_with_the_same_bits():
 def test_sharded_jit_with_gspmd_partitioner():
     mesh = mesh_xy()
     tree = aligned_tree(7)
-    want, want_norm = jaxdet.clip_by_global_norm(tree, 0.5)
-    previous = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
-        clipped, norm = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 0.5))(_put(tree, ALIGNED_SPECS, mesh))
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", previous)
-    assert_bitwise(norm, want_norm)
-    assert_tree_bits(clipped, want)
+    with partitioner(shardy=False):
+        got = jax.jit(lambda t: jaxdet.clip_by_global_norm(t, 0.5))(_put(tree, ALIGNED_SPECS, mesh))
+    assert_clip_bits(got, jaxdet.clip_by_global_norm(tree, 0.5))
 
 
 @on_8_devices

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from bitwise import assert_bitwise
+from checks import DTYPE_IDS, DTYPES
 from jax.test_util import check_grads
 
 import jaxdet
@@ -22,8 +23,6 @@ from jaxdet import _native
 from jaxdet.contracts import matmul as contracts
 from jaxdet.matmul import gemm_p, wgrad_p
 
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-DTYPE_IDS = ["f32", "bf16", "f16"]
 # K, N: not multiples of any register/cache tile, and K above the CPU K block (256).
 K, N = 600, 70
 
@@ -307,35 +306,31 @@ def test_chunk_size_constant():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_gpu_row_invariance_forward_and_da(dtype, gpu):
-    with jax.default_device(gpu):
-        check_row_invariance_forward(dtype, k=4096, n=512, m=1024)
-        check_row_invariance_forward(dtype)
-        check_row_invariance_da(dtype)
-        check_rows_around_warpgroup_boundaries(dtype)
+def test_gpu_row_invariance_forward_and_da(dtype, on_gpu):
+    check_row_invariance_forward(dtype, k=4096, n=512, m=1024)
+    check_row_invariance_forward(dtype)
+    check_row_invariance_da(dtype)
+    check_rows_around_warpgroup_boundaries(dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_gpu_db_contract(dtype, gpu):
-    with jax.default_device(gpu):
-        check_db_contract(dtype)
-        check_db_chunk_tree(dtype)
+def test_gpu_db_contract(dtype, on_gpu):
+    check_db_contract(dtype)
+    check_db_chunk_tree(dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_gpu_vmap_and_jit(dtype, gpu):
-    with jax.default_device(gpu):
-        check_vmap(dtype)
-        check_jit_vs_eager(dtype)
+def test_gpu_vmap_and_jit(dtype, on_gpu):
+    check_vmap(dtype)
+    check_jit_vs_eager(dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,pref", list(ACCURACY), ids=lambda v: getattr(v, "__name__", str(v)))
-def test_gpu_accuracy_vs_float64(dtype, pref, gpu):
-    with jax.default_device(gpu):
-        test_accuracy_vs_float64(dtype, pref)
+def test_gpu_accuracy_vs_float64(dtype, pref, on_gpu):
+    test_accuracy_vs_float64(dtype, pref)
 
 
 # ---- Higher derivatives: the backward is made of the same custom_vjp products (the product is

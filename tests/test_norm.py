@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from bitwise import assert_bitwise
+from checks import DTYPE_IDS, DTYPES, expect
 from jax.test_util import check_grads
 
 import jaxdet
@@ -21,13 +22,6 @@ from jaxdet import _row_reference as ref
 from jaxdet.contracts import norm as contracts
 
 KINDS = ["rms", "layer"]
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-DTYPE_IDS = ["f32", "bf16", "f16"]
-
-
-def expect(result):
-    ok, detail = result
-    assert ok, detail
 
 
 # ---- row invariance ------------------------------------------------------------------------------
@@ -248,20 +242,18 @@ GPU_SHAPES = (
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_equals_cpu_bitwise(kind, dtype, gpu):
-    with jax.default_device(gpu):
-        expect(contracts.check_cpu_equals_device(kind, dtype, shapes=GPU_SHAPES))
+def test_gpu_equals_cpu_bitwise(kind, dtype, on_gpu):
+    expect(contracts.check_cpu_equals_device(kind, dtype, shapes=GPU_SHAPES))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-def test_gpu_matches_numpy_order_and_row_invariance(kind, gpu):
-    with jax.default_device(gpu):
-        expect(contracts.check_canonical_order(kind, jnp.float32, shapes=GPU_SHAPES))
-        for n in (4096, 20000):
-            expect(contracts.check_row_invariance(kind, jnp.bfloat16, n=n))
-        expect(contracts.check_param_grad_tree(kind, tokens=1024, n=300))
-        expect(contracts.check_run_to_run(kind, jnp.bfloat16, tokens=4096, n=4096))
+def test_gpu_matches_numpy_order_and_row_invariance(kind, on_gpu):
+    expect(contracts.check_canonical_order(kind, jnp.float32, shapes=GPU_SHAPES))
+    for n in (4096, 20000):
+        expect(contracts.check_row_invariance(kind, jnp.bfloat16, n=n))
+    expect(contracts.check_param_grad_tree(kind, tokens=1024, n=300))
+    expect(contracts.check_run_to_run(kind, jnp.bfloat16, tokens=4096, n=4096))
 
 
 @pytest.mark.gpu

@@ -11,26 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from bitwise import assert_bitwise
-from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from multidevice import IN_CHILD, NDEV, collectives, on_devices  # noqa: F401
+from multidevice import IN_CHILD, NDEV, collectives, mesh, on_devices, put, rand  # noqa: F401
 
 import jaxdet
 
 NO_SUM = ("all-reduce", "reduce-scatter")
-
-
-def mesh(n=NDEV, names=("data",), shape=None):
-    shape = shape or (n,)
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=jax.devices()[:n])
-
-
-def rand(shape, dtype=jnp.float32, seed=0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
-
-
-def put(x, m, spec):
-    return jax.device_put(x, NamedSharding(m, spec))
 
 
 NORMS = {

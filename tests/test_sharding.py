@@ -5,7 +5,6 @@ devices the file runs itself once in a child pytest with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and each test here reports its outcome there.
 """
 
-import contextlib
 import functools
 
 import jax
@@ -14,37 +13,13 @@ import numpy as np
 import pytest
 from bitwise import assert_bitwise
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from multidevice import COLLECTIVES, IN_CHILD, NDEV, collectives, on_devices  # noqa: E402, F401
+from multidevice import COLLECTIVES, IN_CHILD, NDEV, collectives, mesh, on_devices, partitioner, put, rand  # noqa: E402, F401
 
 import jaxdet
 from jaxdet import parallel
 from jaxdet import random as jr
-
-
-def mesh(n=NDEV, names=("data",), shape=None):
-    shape = shape or (n,)
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=jax.devices()[:n])
-
-
-def rand(shape, dtype=jnp.float32, seed=0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
-
-
-def put(x, m, spec):
-    return jax.device_put(x, NamedSharding(m, spec))
-
-
-@contextlib.contextmanager
-def partitioner(shardy):
-    saved = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", shardy)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", saved)
-
 
 # ---- shard_map (check_vma=True): types, gradients, transformations. ----
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from bitwise import assert_bitwise, bits
+from checks import DTYPE_IDS, DTYPES, expect
 from jax.test_util import check_grads
 
 import jaxdet
@@ -24,13 +25,6 @@ from jaxdet.contracts import softmax as contracts
 from jaxdet.softmax import det_math
 
 MODES = ["softmax", "log_softmax", "cross_entropy"]
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-DTYPE_IDS = ["f32", "bf16", "f16"]
-
-
-def expect(result):
-    ok, detail = result
-    assert ok, detail
 
 
 # ---- the math functions --------------------------------------------------------------------------
@@ -293,25 +287,22 @@ GPU_SHAPES = ((1, 1), (3, 5), (5, 300), (64, 1024), (9, 1027), (130, 4096), (9, 
 
 
 @pytest.mark.gpu
-def test_gpu_math_functions_equal_cpu(gpu):
-    with jax.default_device(gpu):
-        expect(contracts.check_math_functions())
-        expect(contracts.check_cpu_equals_device_math())
+def test_gpu_math_functions_equal_cpu(on_gpu):
+    expect(contracts.check_math_functions())
+    expect(contracts.check_cpu_equals_device_math())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("mode", MODES)
-def test_gpu_equals_cpu_bitwise(mode, dtype, gpu):
-    with jax.default_device(gpu):
-        expect(contracts.check_cpu_equals_device(mode, dtype, shapes=GPU_SHAPES))
+def test_gpu_equals_cpu_bitwise(mode, dtype, on_gpu):
+    expect(contracts.check_cpu_equals_device(mode, dtype, shapes=GPU_SHAPES))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-def test_gpu_matches_numpy_order_and_row_invariance(mode, gpu):
-    with jax.default_device(gpu):
-        expect(contracts.check_canonical_order(mode, jnp.float32, shapes=GPU_SHAPES[:-1]))
-        for n in (4099, 128256):
-            expect(contracts.check_row_invariance(mode, jnp.bfloat16, n=n))
-        expect(contracts.check_run_to_run(mode, jnp.bfloat16, rows=512, n=128256))
+def test_gpu_matches_numpy_order_and_row_invariance(mode, on_gpu):
+    expect(contracts.check_canonical_order(mode, jnp.float32, shapes=GPU_SHAPES[:-1]))
+    for n in (4099, 128256):
+        expect(contracts.check_row_invariance(mode, jnp.bfloat16, n=n))
+    expect(contracts.check_run_to_run(mode, jnp.bfloat16, rows=512, n=128256))

@@ -26,13 +26,14 @@ set -uo pipefail
 OUT=${OUT:-/tmp/jaxdet-out}
 LOGS=${LOGS:-/tmp/jaxdet-logs}  # two sessions may run side by side with their own LOGS (after one has built)
 rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS"
+trap 'exit 143' TERM
 trap 'tar czf "$OUT/$(basename "$LOGS").tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"' EXIT
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 what=("$@"); [ ${#what[@]} -eq 0 ] && what=(all)
 has() { for w in "${what[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
 asked() { for w in "${what[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
 repo=$(pwd)
-source_stamp() { find cuda jaxdet CMakeLists.txt pyproject.toml -type f -not -name '*.pyc' -not -name '*.so' | sort | xargs cat | sha1sum | cut -c1-40; }
+source_stamp() { find cuda jaxdet CMakeLists.txt pyproject.toml -type f -not -name '*.pyc' -not -name '*.so' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-40; }
 [ "${what[0]}" = stamp ] && { source_stamp; exit 0; }
 
 if [ -d .whl ]; then
@@ -84,14 +85,24 @@ fi
 run_pytest() { (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
 
 if has tests; then
-  files=(); for f in ${TEST_FILES:-}; do files+=("/tmp/jaxdet-tests/$f"); done
-  [ ${#files[@]} -eq 0 ] && files=(/tmp/jaxdet-tests)
   echo "== GPU tests (README: pytest -m gpu)"
   eval "extra=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS='-k "not every_tile"'
-  run_pytest -m gpu "${extra[@]}" "${files[@]}" 2>&1 | tee "$LOGS/pytest_gpu.log" | tail -12
+  # TEST_SHARDS: pytest processes side by side, one per space-separated word of comma-separated
+  # files (default: one process, TEST_FILES or every file). Each stops after TEST_TIMEOUT seconds
+  # so that the logs (one line per test) still come back.
+  shards=(${TEST_SHARDS:-${TEST_FILES:-.}}); [ -n "${TEST_SHARDS:-}" ] || shards=("$(echo ${TEST_FILES:-.} | tr ' ' ,)")
+  i=0
+  for shard in "${shards[@]}"; do
+    files=(); for f in ${shard//,/ }; do files+=("/tmp/jaxdet-tests/$f"); done
+    (timeout "${TEST_TIMEOUT:-1800}" bash -c "$(declare -f run_pytest); run_pytest -v -m gpu --durations=8 \"\$@\"" _ \
+      "${extra[@]}" "${files[@]}" > "$LOGS/pytest_gpu_$i.log" 2>&1; echo "shard $i (${shard}): rc=$?") &
+    i=$((i + 1))
+  done
+  wait
+  for log in "$LOGS"/pytest_gpu_*.log; do echo "-- $log"; grep -E "FAILED|ERROR|passed|failed|skipped|selected" "$log" | tail -15; done
   if [ "${GPU_DEFAULT_PASS:-1}" = 1 ]; then
     echo "== the same files with the GPU as the default device"
-    run_pytest "${files[@]}" 2>&1 | tee "$LOGS/pytest_all.log" | tail -6
+    run_pytest /tmp/jaxdet-tests 2>&1 | tee "$LOGS/pytest_all.log" | tail -6
   fi
 fi
 if has report; then

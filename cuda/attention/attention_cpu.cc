@@ -75,9 +75,9 @@ void scores(const float* q, const float* kt, const Dims& d, int64_t first, int64
   for (int64_t e = 0; e < d.D; ++e) {
     const float qe = q[e];
     const float* ke = kt + e * d.S + first;
-    for (int64_t j = 0; j < n; ++j) x[j] = f_add(x[j], f_mul(qe, ke[j]));
+    for (int64_t j = 0; j < n; ++j) x[j] = dm::add(x[j], dm::mul(qe, ke[j]));
   }
-  for (int64_t j = 0; j < n; ++j) x[j] = f_mul(x[j], c);
+  for (int64_t j = 0; j < n; ++j) x[j] = dm::mul(x[j], c);
 }
 
 // ---- Forward ----
@@ -104,33 +104,33 @@ void forward_unit(const ForwardArgs& a, int64_t unit) {
     for (int64_t g = 0; g < d.G; ++g) {
       const int64_t qoff = (((b * d.T + t) * d.H + h) * d.G + g) * d.D;
       widen<Storage>(a.q, qoff, d.D, q.data());
-      float m_total = neg_inf(), l_total = 0.0f;
+      float m_total = dm::neg_inf(), l_total = 0.0f;
       std::fill(total.begin(), total.end(), 0.0f);
       for (int64_t split = 0; split * kSplit < keys.limit; ++split) {
-        float m = neg_inf(), l = 0.0f;
+        float m = dm::neg_inf(), l = 0.0f;
         std::fill(acc.begin(), acc.end(), 0.0f);
         const int64_t split_end = std::min<int64_t>((split + 1) * kSplit, keys.limit);
         for (int64_t pos = split * kSplit; pos < split_end; pos += kBlock) {
           const int64_t n = std::min<int64_t>(kBlock, split_end - pos);
           const int64_t first = keys.start + pos;
           scores(q.data(), kt.data(), d, first, n, a.c, x.data());
-          float block_max = neg_inf();
+          float block_max = dm::neg_inf();
           for (int64_t j = 0; j < n; ++j) block_max = max_nan(block_max, x[j]);
           const Rescale r = rescale<CanonicalMath>(m, block_max);
           if (r.empty) continue;
           // p_j = exp2(x_j - m'); the block's sum runs over j ascending from +0.
           float block_sum = 0.0f;
           for (int64_t j = 0; j < n; ++j) {
-            p[j] = exp2_canonical(f_sub(x[j], r.m_new));
-            block_sum = f_add(block_sum, p[j]);
+            p[j] = exp2_canonical(dm::sub(x[j], r.m_new));
+            block_sum = dm::add(block_sum, p[j]);
           }
-          l = f_add(f_mul(l, r.old_scale), block_sum);
+          l = dm::add(dm::mul(l, r.old_scale), block_sum);
           // acc = acc * alpha, then + p_j * v_j for j ascending, each rounded.
-          for (int64_t e = 0; e < d.D; ++e) acc[e] = f_mul(acc[e], r.old_scale);
+          for (int64_t e = 0; e < d.D; ++e) acc[e] = dm::mul(acc[e], r.old_scale);
           for (int64_t j = 0; j < n; ++j) {
             const float pj = p[j];
             const float* vj = vf.data() + (first + j) * d.D;
-            for (int64_t e = 0; e < d.D; ++e) acc[e] = f_add(acc[e], f_mul(pj, vj[e]));
+            for (int64_t e = 0; e < d.D; ++e) acc[e] = dm::add(acc[e], dm::mul(pj, vj[e]));
           }
           m = r.m_new;
         }
@@ -168,12 +168,7 @@ ffi::Error AttentionFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   a.lse2 = lse2->typed_data();
   a.c = scale_log2;
   IeeeSubnormalsScope ieee;
-  switch (q.element_type()) {
-    case ffi::F32: forward<F32Storage>(pool, a); break;
-    case ffi::BF16: forward<BF16Storage>(pool, a); break;
-    case ffi::F16: forward<F16Storage>(pool, a); break;
-    default: return ffi::Error::InvalidArgument(std::string(op) + ": dtype must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(q.element_type(), op, "dtype", forward<S>(pool, a));
   return ffi::Error::Success();
 }
 
@@ -215,7 +210,7 @@ void backward_unit(const BackwardArgs& a, int64_t unit) {
       widen<Storage>(a.dout, qoff, d.D, dout.data());
       const float lse2 = a.lse2[((b * d.H + h) * d.T + t) * d.G + g];
       float delta = 0.0f;
-      for (int64_t e = 0; e < d.D; ++e) delta = f_add(delta, f_mul(dout[e], o[e]));
+      for (int64_t e = 0; e < d.D; ++e) delta = dm::add(delta, dm::mul(dout[e], o[e]));
       std::fill(dq.begin(), dq.end(), 0.0f);
       for (int64_t pos = 0; pos < keys.limit; pos += kBlock) {
         const int64_t n = std::min<int64_t>(kBlock, keys.limit - pos);
@@ -223,25 +218,25 @@ void backward_unit(const BackwardArgs& a, int64_t unit) {
         scores(q.data(), kt.data(), d, first, n, a.c, x.data());
         scores(dout.data(), vt.data(), d, first, n, 1.0f, dp.data());
         for (int64_t j = 0; j < n; ++j) {
-          const float p = exp2_canonical(f_sub(x[j], lse2));
-          const float ds = f_mul(p, f_sub(dp[j], delta));
+          const float p = exp2_canonical(dm::sub(x[j], lse2));
+          const float ds = dm::mul(p, dm::sub(dp[j], delta));
           const float* kj = kf.data() + (first + j) * d.D;
           float* dkj = dk.data() + (first + j) * d.D;
           float* dvj = dv.data() + (first + j) * d.D;
           for (int64_t e = 0; e < d.D; ++e) {
-            dq[e] = f_add(dq[e], f_mul(ds, kj[e]));
-            dkj[e] = f_add(dkj[e], f_mul(ds, q[e]));
-            dvj[e] = f_add(dvj[e], f_mul(p, dout[e]));
+            dq[e] = dm::add(dq[e], dm::mul(ds, kj[e]));
+            dkj[e] = dm::add(dkj[e], dm::mul(ds, q[e]));
+            dvj[e] = dm::add(dvj[e], dm::mul(p, dout[e]));
           }
         }
       }
-      for (int64_t e = 0; e < d.D; ++e) dq[e] = f_mul(dq[e], a.scale);
+      for (int64_t e = 0; e < d.D; ++e) dq[e] = dm::mul(dq[e], a.scale);
       narrow<Storage>(dq.data(), d.D, a.dq, qoff);
     }
   }
   for (int64_t s = 0; s < d.S; ++s) {
     float* dks = dk.data() + s * d.D;
-    for (int64_t e = 0; e < d.D; ++e) dks[e] = f_mul(dks[e], a.scale);
+    for (int64_t e = 0; e < d.D; ++e) dks[e] = dm::mul(dks[e], a.scale);
     const int64_t off = ((b * d.S + s) * d.H + h) * d.D;
     narrow<Storage>(dks, d.D, a.dk, off);
     narrow<Storage>(dv.data() + s * d.D, d.D, a.dv, off);
@@ -263,11 +258,7 @@ ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   const char* op = "jaxdet_attention_bwd";
   BackwardArgs a;
   if (auto err = check_dims(op, q, k, v, rows, &a.d); !err.success()) return err;
-  if (o.element_type() != q.element_type() || dout.element_type() != q.element_type() ||
-      o.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
-      static_cast<int64_t>(lse2.element_count()) != a.d.B * a.d.H * a.d.T * a.d.G) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": o, do and lse2 must match q");
-  }
+  if (auto err = check_backward_operands(op, q, o, dout, lse2, a.d); !err.success()) return err;
   a.q = q.untyped_data();
   a.k = k.untyped_data();
   a.v = v.untyped_data();
@@ -281,12 +272,7 @@ ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   a.c = scale_log2;
   a.scale = scale;
   IeeeSubnormalsScope ieee;
-  switch (q.element_type()) {
-    case ffi::F32: backward<F32Storage>(pool, a); break;
-    case ffi::BF16: backward<BF16Storage>(pool, a); break;
-    case ffi::F16: backward<F16Storage>(pool, a); break;
-    default: return ffi::Error::InvalidArgument(std::string(op) + ": dtype must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(q.element_type(), op, "dtype", backward<S>(pool, a));
   return ffi::Error::Success();
 }
 

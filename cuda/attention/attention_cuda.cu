@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(256) DeltaKernel(Problem p, const void* o, con
     const int64_t off = q_index(p, b, h, r);
     float acc = 0.0f;
     for (int64_t e = 0; e < p.D; ++e)
-      acc = f_add(acc, f_mul(load_elem<Storage>(dout, off + e), load_elem<Storage>(o, off + e)));
+      acc = dm::add(acc, dm::mul(load_elem<Storage>(dout, off + e), load_elem<Storage>(o, off + e)));
     delta[i] = acc;
   }
 }
@@ -240,11 +240,7 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   const char* op = "jaxdet_attention_bwd";
   Dims d;
   if (auto err = check_dims(op, q, k, v, rows, &d); !err.success()) return err;
-  if (o.element_type() != q.element_type() || dout.element_type() != q.element_type() ||
-      o.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
-      static_cast<int64_t>(lse2.element_count()) != d.B * d.H * d.T * d.G) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": o, do and lse2 must match q");
-  }
+  if (auto err = check_backward_operands(op, q, o, dout, lse2, d); !err.success()) return err;
   const Problem p = make_problem(d, q, k, v, rows, scale_log2);
   if (auto err = check_grid(op, p); !err.success()) return err;
   BackwardOut out;
@@ -257,7 +253,7 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   out.scale = scale;
   const int64_t rows_total = p.B * p.H * p.R;
   if (rows_total > 0) {
-    auto mem = scratch.Allocate(static_cast<size_t>(rows_total) * sizeof(float), 256);
+    auto mem = scratch.Allocate(static_cast<size_t>(rows_total) * sizeof(float), kFfiScratchAlignment);
     if (!mem.has_value())
       return ffi::Error::Internal(std::string(op) + ": could not allocate the delta workspace");
     out.delta = static_cast<float*>(*mem);
@@ -267,7 +263,7 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   out.query_tiles = (p.R + 63) / 64;
   out.tile_ranges = nullptr;
   if (q.element_type() != ffi::F32 && p.B * out.query_tiles > 0) {
-    auto mem = scratch.Allocate(static_cast<size_t>(p.B * out.query_tiles) * sizeof(int2), 256);
+    auto mem = scratch.Allocate(static_cast<size_t>(p.B * out.query_tiles) * sizeof(int2), kFfiScratchAlignment);
     if (!mem.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the tile workspace");
     out.tile_ranges = static_cast<int2*>(*mem);
   }

@@ -43,6 +43,18 @@ inline ffi::Error check_dims(const char* op, const ffi::AnyBuffer& q, const ffi:
   return ffi::Error::Success();
 }
 
+// The backward's extra operands: o and do as q (dtype and size), lse2 one float per query row.
+inline ffi::Error check_backward_operands(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& o,
+                                          const ffi::AnyBuffer& dout, const ffi::Buffer<ffi::F32>& lse2,
+                                          const Dims& d) {
+  if (o.element_type() != q.element_type() || dout.element_type() != q.element_type() ||
+      o.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
+      static_cast<int64_t>(lse2.element_count()) != d.B * d.H * d.T * d.G) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": o, do and lse2 must match q");
+  }
+  return ffi::Error::Success();
+}
+
 // A row's visible keys, clamped to the keys that exist (kv_start in [0, S], limit in [0, S - kv_start]).
 struct RowKeys {
   int64_t start, limit;

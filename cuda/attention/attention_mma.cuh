@@ -272,13 +272,13 @@ __device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const 
   groups_dot_tile<Elem, D, G>(Qw, Kb, s, lane);
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    float bm[2] = {neg_inf(), neg_inf()};
+    float bm[2] = {dm::neg_inf(), dm::neg_inf()};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
-        const float x = key < lim[g][i >> 1] ? f_mul(s[g][nt][i], c) : neg_inf();
+        const float x = key < lim[g][i >> 1] ? dm::mul(s[g][nt][i], c) : dm::neg_inf();
         s[g][nt][i] = x;
         bm[i >> 1] = max_nan(bm[i >> 1], x);
       }
@@ -290,8 +290,8 @@ __device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const 
       bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
       bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
       mn[rr] = max_nan(m[g][rr], bm[rr]);
-      empty[rr] = mn[rr] == neg_inf();
-      alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(f_sub(m[g][rr], mn[rr]));
+      empty[rr] = mn[rr] == dm::neg_inf();
+      alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(dm::sub(m[g][rr], mn[rr]));
     }
     // The lane's probabilities summed in (tile, column) order, then across the row's 4 lanes by a
     // butterfly (the same value on all 4).
@@ -301,24 +301,24 @@ __device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int rr = i >> 1;
-        const float pr = empty[rr] ? 0.0f : FastMath::exp2(f_sub(s[g][nt][i], mn[rr]));
+        const float pr = empty[rr] ? 0.0f : FastMath::exp2(dm::sub(s[g][nt][i], mn[rr]));
         s[g][nt][i] = pr;
-        ts[rr] = f_add(ts[rr], pr);
+        ts[rr] = dm::add(ts[rr], pr);
       }
     }
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      ts[rr] = f_add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 1));
-      ts[rr] = f_add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 2));
-      l[g][rr] = f_add(f_mul(l[g][rr], alpha[rr]), ts[rr]);
+      ts[rr] = dm::add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 1));
+      ts[rr] = dm::add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 2));
+      l[g][rr] = dm::add(dm::mul(l[g][rr], alpha[rr]), ts[rr]);
       m[g][rr] = mn[rr];
     }
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
-      acc[g][dt][0] = f_mul(acc[g][dt][0], alpha[0]);
-      acc[g][dt][1] = f_mul(acc[g][dt][1], alpha[0]);
-      acc[g][dt][2] = f_mul(acc[g][dt][2], alpha[1]);
-      acc[g][dt][3] = f_mul(acc[g][dt][3], alpha[1]);
+      acc[g][dt][0] = dm::mul(acc[g][dt][0], alpha[0]);
+      acc[g][dt][1] = dm::mul(acc[g][dt][1], alpha[0]);
+      acc[g][dt][2] = dm::mul(acc[g][dt][2], alpha[1]);
+      acc[g][dt][3] = dm::mul(acc[g][dt][3], alpha[1]);
     }
   }
   groups_times_rows<Elem, D, G>(s, Vb, acc, lane);
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
   if (!split_mode) {
     for (int i = 0; i < G * D / 2; ++i) my_stash[i * 32] = 0.0f;
     for (int i = 0; i < 2 * G; ++i) {
-      m_tot[i * 32] = neg_inf();
+      m_tot[i * 32] = dm::neg_inf();
       l_tot[i * 32] = 0.0f;
     }
   }
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
   auto reset = [&]() {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      m[g][0] = m[g][1] = neg_inf();
+      m[g][0] = m[g][1] = dm::neg_inf();
       l[g][0] = l[g][1] = 0.0f;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) acc[g][dt][0] = acc[g][dt][1] = acc[g][dt][2] = acc[g][dt][3] = 0.0f;
@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
     const int64_t r = rest % p.R, bh = rest / p.R;
     const int64_t h = bh % p.H, b = bh / p.H;
     const int64_t limit = row_keys(p.rows, p.T, p.S, b, r / p.G).limit;
-    float m_tot = neg_inf(), l_tot = 0.0f, acc = 0.0f;
+    float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;
     for (int64_t z = 0; z * kSplit < limit; ++z) {
       const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
       const float2 ml = ws.ml[base];
@@ -562,8 +562,8 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     const size_t smem = Geo::bytes(false);
     if (auto err = prepare(FwdMmaKernel<Elem, D, 1, 1>, smem, smem_optin, op); !err.success()) return err;
     const int64_t rows = p.B * p.H * nsplit * p.R;
-    auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), 256);
-    auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), 256);
+    auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), kFfiScratchAlignment);
+    auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), kFfiScratchAlignment);
     if (!acc.has_value() || !ml.has_value()) {
       return ffi::Error::Internal(std::string(op) + ": could not allocate the split workspace");
     }
@@ -687,8 +687,8 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
         for (int i = 0; i < 4; ++i) {
           const int rr = i >> 1;
           const bool visible = blk * kBlock + nt * 8 + 2 * q4 + (i & 1) < lim[rr];
-          const float pr = visible ? FastMath::exp2(f_sub(f_mul(s[nt][i], p.c), lse[rr])) : 0.0f;
-          s[nt][i] = visible ? f_mul(pr, f_sub(dp[nt][i], delta[rr])) : 0.0f;
+          const float pr = visible ? FastMath::exp2(dm::sub(dm::mul(s[nt][i], p.c), lse[rr])) : 0.0f;
+          s[nt][i] = visible ? dm::mul(pr, dm::sub(dp[nt][i], delta[rr])) : 0.0f;
         }
       }
       tile_times_rows<Elem, D>(s, Kb, dq, lane);
@@ -703,8 +703,8 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
     Bits* dst = static_cast<Bits*>(out.dq) + q_index(p, b, h, r);
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
-      const Bits lo = Storage::store(f_mul(dq[dt][2 * rr], out.scale));
-      const Bits hi = Storage::store(f_mul(dq[dt][2 * rr + 1], out.scale));
+      const Bits lo = Storage::store(dm::mul(dq[dt][2 * rr], out.scale));
+      const Bits hi = Storage::store(dm::mul(dq[dt][2 * rr + 1], out.scale));
       *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * q4) =
           static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
     }
@@ -854,8 +854,8 @@ __global__ void __launch_bounds__(128)
         const int rs = ts[row];
         const bool visible = rs <= j && j - rs < tl[row];
         const float pr =
-            visible ? FastMath::exp2(f_sub(f_mul(st[nt][i], p.c), rlse[stage * kQueryTile + row])) : 0.0f;
-        if (kDk) dpt[nt][i] = visible ? f_mul(pr, f_sub(dpt[nt][i], rdelta[stage * kQueryTile + row])) : 0.0f;
+            visible ? FastMath::exp2(dm::sub(dm::mul(st[nt][i], p.c), rlse[stage * kQueryTile + row])) : 0.0f;
+        if (kDk) dpt[nt][i] = visible ? dm::mul(pr, dm::sub(dpt[nt][i], rdelta[stage * kQueryTile + row])) : 0.0f;
         st[nt][i] = pr;
       }
     }
@@ -877,8 +877,8 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
       if (kDk) {
-        const Bits lo = Storage::store(f_mul(dk[dt][2 * rr], out.scale));
-        const Bits hi = Storage::store(f_mul(dk[dt][2 * rr + 1], out.scale));
+        const Bits lo = Storage::store(dm::mul(dk[dt][2 * rr], out.scale));
+        const Bits hi = Storage::store(dm::mul(dk[dt][2 * rr + 1], out.scale));
         *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dk) + off + dt * 8 + 2 * q4) =
             static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
       }

@@ -19,7 +19,7 @@ constexpr int kSimtCols = 8;  // output columns per lane: D <= 256
 template <typename Storage>
 __device__ __forceinline__ float dot_seq(const float* a, const void* b, int64_t off, int D) {
   float x = 0.0f;
-  for (int e = 0; e < D; ++e) x = f_add(x, f_mul(a[e], load_elem<Storage>(b, off + e)));
+  for (int e = 0; e < D; ++e) x = dm::add(x, dm::mul(a[e], load_elem<Storage>(b, off + e)));
   return x;
 }
 
@@ -39,38 +39,39 @@ __global__ void __launch_bounds__(kSimtWarps * 32) FwdSimtKernel(Problem p, void
   float acc[kSimtCols], total[kSimtCols];
 #pragma unroll
   for (int i = 0; i < kSimtCols; ++i) acc[i] = total[i] = 0.0f;
-  float m_total = neg_inf(), l_total = 0.0f;
+  float m_total = dm::neg_inf(), l_total = 0.0f;
   for (int64_t split = 0; split * kSplit < keys.limit; ++split) {
-    float m = neg_inf(), l = 0.0f;
+    float m = dm::neg_inf(), l = 0.0f;
 #pragma unroll
     for (int i = 0; i < kSimtCols; ++i) acc[i] = 0.0f;
     const int64_t split_end = min(static_cast<int64_t>((split + 1) * kSplit), keys.limit);
     for (int64_t pos = split * kSplit; pos < split_end; pos += kBlock) {
       const int n = static_cast<int>(min(static_cast<int64_t>(kBlock), split_end - pos));
       const int64_t first = keys.start + pos;
-      float x0 = neg_inf(), x1 = neg_inf();
-      if (lane < n) x0 = f_mul(dot_seq<Storage>(qs[warp], p.k, kv_index(p, b, h, first + lane), D), p.c);
-      if (lane + 32 < n) x1 = f_mul(dot_seq<Storage>(qs[warp], p.k, kv_index(p, b, h, first + lane + 32), D), p.c);
-      float bm = max_nan(max_nan(neg_inf(), x0), x1);
+      float x0 = dm::neg_inf(), x1 = dm::neg_inf();
+      if (lane < n) x0 = dm::mul(dot_seq<Storage>(qs[warp], p.k, kv_index(p, b, h, first + lane), D), p.c);
+      if (lane + 32 < n)
+        x1 = dm::mul(dot_seq<Storage>(qs[warp], p.k, kv_index(p, b, h, first + lane + 32), D), p.c);
+      float bm = max_nan(max_nan(dm::neg_inf(), x0), x1);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) bm = max_nan(bm, __shfl_xor_sync(kFullMask, bm, off));
       const Rescale rs = rescale<CanonicalMath>(m, bm);
       if (rs.empty) continue;  // the same on every lane
-      ps[warp][lane] = lane < n ? exp2_canonical(f_sub(x0, rs.m_new)) : 0.0f;
-      ps[warp][lane + 32] = lane + 32 < n ? exp2_canonical(f_sub(x1, rs.m_new)) : 0.0f;
+      ps[warp][lane] = lane < n ? exp2_canonical(dm::sub(x0, rs.m_new)) : 0.0f;
+      ps[warp][lane + 32] = lane + 32 < n ? exp2_canonical(dm::sub(x1, rs.m_new)) : 0.0f;
       __syncwarp();
       float block_sum = 0.0f;
-      for (int j = 0; j < n; ++j) block_sum = f_add(block_sum, ps[warp][j]);
-      l = f_add(f_mul(l, rs.old_scale), block_sum);
+      for (int j = 0; j < n; ++j) block_sum = dm::add(block_sum, ps[warp][j]);
+      l = dm::add(dm::mul(l, rs.old_scale), block_sum);
 #pragma unroll
-      for (int i = 0; i < kSimtCols; ++i) acc[i] = f_mul(acc[i], rs.old_scale);
+      for (int i = 0; i < kSimtCols; ++i) acc[i] = dm::mul(acc[i], rs.old_scale);
       for (int j = 0; j < n; ++j) {
         const float pj = ps[warp][j];
         const int64_t voff = kv_index(p, b, h, first + j);
 #pragma unroll
         for (int i = 0; i < kSimtCols; ++i) {
           const int e = lane + 32 * i;
-          if (e < D) acc[i] = f_add(acc[i], f_mul(pj, load_elem<Storage>(p.v, voff + e)));
+          if (e < D) acc[i] = dm::add(acc[i], dm::mul(pj, load_elem<Storage>(p.v, voff + e)));
         }
       }
       __syncwarp();
@@ -119,10 +120,10 @@ __global__ void __launch_bounds__(kSimtWarps * 32) DqSimtKernel(Problem p, Backw
     const int64_t first = keys.start + pos;
     for (int j = lane; j < n; j += 32) {
       const int64_t off = kv_index(p, b, h, first + j);
-      const float x = f_mul(dot_seq<Storage>(qs[warp], p.k, off, D), p.c);
+      const float x = dm::mul(dot_seq<Storage>(qs[warp], p.k, off, D), p.c);
       const float dp = dot_seq<Storage>(dos[warp], p.v, off, D);
-      const float pj = exp2_canonical(f_sub(x, lse2));
-      dss[warp][j] = f_mul(pj, f_sub(dp, delta));
+      const float pj = exp2_canonical(dm::sub(x, lse2));
+      dss[warp][j] = dm::mul(pj, dm::sub(dp, delta));
     }
     __syncwarp();
     for (int j = 0; j < n; ++j) {
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(kSimtWarps * 32) DqSimtKernel(Problem p, Backw
 #pragma unroll
       for (int i = 0; i < kSimtCols; ++i) {
         const int e = lane + 32 * i;
-        if (e < D) acc[i] = f_add(acc[i], f_mul(ds, load_elem<Storage>(p.k, koff + e)));
+        if (e < D) acc[i] = dm::add(acc[i], dm::mul(ds, load_elem<Storage>(p.k, koff + e)));
       }
     }
     __syncwarp();
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(kSimtWarps * 32) DqSimtKernel(Problem p, Backw
 #pragma unroll
   for (int i = 0; i < kSimtCols; ++i) {
     const int e = lane + 32 * i;
-    if (e < D) store_elem<Storage>(out.dq, qoff + e, f_mul(acc[i], out.scale));
+    if (e < D) store_elem<Storage>(out.dq, qoff + e, dm::mul(acc[i], out.scale));
   }
 }
 
@@ -176,11 +177,11 @@ __global__ void __launch_bounds__(kSimtWarps * 32) DkdvSimtKernel(Problem p, Bac
     if (vis == 0) continue;
     if (visible) {
       const int64_t qoff = q_index(p, b, h, r);
-      const float x = f_mul(dot_seq<Storage>(ks[warp], p.q, qoff, D), p.c);
+      const float x = dm::mul(dot_seq<Storage>(ks[warp], p.q, qoff, D), p.c);
       const float dp = dot_seq<Storage>(vs[warp], out.dout, qoff, D);
-      const float pr = exp2_canonical(f_sub(x, out.lse2[stat_index(p, b, h, r)]));
+      const float pr = exp2_canonical(dm::sub(x, out.lse2[stat_index(p, b, h, r)]));
       pp[warp][lane] = pr;
-      dd[warp][lane] = f_mul(pr, f_sub(dp, out.delta[stat_index(p, b, h, r)]));
+      dd[warp][lane] = dm::mul(pr, dm::sub(dp, out.delta[stat_index(p, b, h, r)]));
     }
     __syncwarp();
     for (int jj = 0; jj < 32; ++jj) {
@@ -191,8 +192,8 @@ __global__ void __launch_bounds__(kSimtWarps * 32) DkdvSimtKernel(Problem p, Bac
       for (int i = 0; i < kSimtCols; ++i) {
         const int e = lane + 32 * i;
         if (e < D) {
-          dk[i] = f_add(dk[i], f_mul(ds, load_elem<Storage>(p.q, qoff + e)));
-          dv[i] = f_add(dv[i], f_mul(pr, load_elem<Storage>(out.dout, qoff + e)));
+          dk[i] = dm::add(dk[i], dm::mul(ds, load_elem<Storage>(p.q, qoff + e)));
+          dv[i] = dm::add(dv[i], dm::mul(pr, load_elem<Storage>(out.dout, qoff + e)));
         }
       }
     }
@@ -202,7 +203,7 @@ __global__ void __launch_bounds__(kSimtWarps * 32) DkdvSimtKernel(Problem p, Bac
   for (int i = 0; i < kSimtCols; ++i) {
     const int e = lane + 32 * i;
     if (e < D) {
-      store_elem<Storage>(out.dk, koff + e, f_mul(dk[i], out.scale));
+      store_elem<Storage>(out.dk, koff + e, dm::mul(dk[i], out.scale));
       store_elem<Storage>(out.dv, koff + e, dv[i]);
     }
   }

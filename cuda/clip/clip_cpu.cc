@@ -40,7 +40,7 @@ float ChunkPartial(const typename Storage::Bits* x, int64_t n) {
     }
   }
   for (int s = kLanes / 2; s >= 1; s /= 2) {
-    for (int i = 0; i < s; ++i) lane[i] = clip::f_add(lane[i], lane[i + s]);
+    for (int i = 0; i < s; ++i) lane[i] = detmath::add(lane[i], lane[i + s]);
   }
   return lane[0];
 }

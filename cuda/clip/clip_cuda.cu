@@ -128,15 +128,15 @@ __device__ __forceinline__ float BlockTree(float v, float* sh) {
   const int t = threadIdx.x;
   sh[t] = v;
   __syncthreads();
-  if (t < 128) sh[t] = clip::f_add(sh[t], sh[t + 128]);
+  if (t < 128) sh[t] = detmath::add(sh[t], sh[t + 128]);
   __syncthreads();
-  if (t < 64) sh[t] = clip::f_add(sh[t], sh[t + 64]);
+  if (t < 64) sh[t] = detmath::add(sh[t], sh[t + 64]);
   __syncthreads();
   float r = 0.0f;
   if (t < 32) {
-    r = clip::f_add(sh[t], sh[t + 32]);
+    r = detmath::add(sh[t], sh[t + 32]);
 #pragma unroll
-    for (int s = 16; s >= 1; s >>= 1) r = clip::f_add(r, __shfl_down_sync(0xFFFFFFFFu, r, s));
+    for (int s = 16; s >= 1; s >>= 1) r = detmath::add(r, __shfl_down_sync(0xFFFFFFFFu, r, s));
   }
   __syncthreads();
   return r;

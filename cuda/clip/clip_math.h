@@ -23,10 +23,13 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/philox.h"  // JAXDET_HD, storage tags and RNE conversions
+#include "common/det_math.h"  // the correctly rounded float32 operations, is_nan, canonical
+#include "common/philox.h"    // JAXDET_HD, storage tags and RNE conversions
 
 namespace jaxdet {
 namespace clip {
+
+namespace dm = ::jaxdet::detmath;
 
 constexpr int kChunk = 4096;       // elements per chunk
 constexpr int kLanes = 256;        // lanes per chunk (== CUDA threads per block of pass 1 and 3)
@@ -47,32 +50,6 @@ enum Policy : int32_t {
   kSkip = 1,
 };
 
-constexpr uint32_t kCanonicalNanBits = 0x7FC00000u;
-
-JAXDET_HD float f_add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-JAXDET_HD float f_mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-JAXDET_HD float f_div(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
 JAXDET_HD double d_add(double a, double b) {
 #if defined(__CUDA_ARCH__)
   return __dadd_rn(a, b);
@@ -89,16 +66,14 @@ JAXDET_HD float d_sqrt_to_f32(double a) {
 #endif
 }
 
-JAXDET_HD bool is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 JAXDET_HD bool is_finite(float x) { return (f32_bits(x) & 0x7F800000u) != 0x7F800000u; }
 JAXDET_HD bool is_pos_inf(float x) { return f32_bits(x) == 0x7F800000u; }
-JAXDET_HD float canonical(float x) { return is_nan(x) ? f32_from_bits(kCanonicalNanBits) : x; }
 
 // Step 2: one lane's contribution of one element.
-JAXDET_HD float accumulate_square(float acc, float x) { return f_add(acc, f_mul(x, x)); }
+JAXDET_HD float accumulate_square(float acc, float x) { return dm::add(acc, dm::mul(x, x)); }
 
 // Step 4's end: the float64 total of squares to the float32 norm.
-JAXDET_HD float norm_from_total(double total) { return canonical(d_sqrt_to_f32(total)); }
+JAXDET_HD float norm_from_total(double total) { return dm::canonical(d_sqrt_to_f32(total)); }
 
 struct Decision {
   uint32_t mode;
@@ -114,9 +89,9 @@ struct Decision {
 JAXDET_HD Decision clip_decision(float norm, float max_norm, int32_t policy) {
   if (policy == kSkip && !is_finite(norm)) return Decision{kZero, 0.0f};
   if (is_pos_inf(max_norm)) return Decision{kIdentity, 1.0f};
-  if (!is_nan(max_norm) && max_norm < 0.0f) max_norm = 0.0f;
+  if (!dm::is_nan(max_norm) && max_norm < 0.0f) max_norm = 0.0f;
   if (norm <= max_norm) return Decision{kIdentity, 1.0f};
-  const float scale = canonical(f_div(max_norm, norm));
+  const float scale = dm::canonical(dm::div(max_norm, norm));
   if (scale == 1.0f) return Decision{kIdentity, 1.0f};
   return Decision{kMultiply, scale};
 }
@@ -125,7 +100,7 @@ JAXDET_HD Decision clip_decision(float norm, float max_norm, int32_t policy) {
 // rounding to the storage dtype.
 template <typename Storage>
 JAXDET_HD typename Storage::Bits clip_element(typename Storage::Bits x, float scale) {
-  return Storage::store(canonical(f_mul(Storage::load(x), scale)));
+  return Storage::store(dm::canonical(dm::mul(Storage::load(x), scale)));
 }
 
 }  // namespace clip

@@ -4,12 +4,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
 #include "ffi_common.h"
 
 namespace jaxdet {
+
+// The largest alignment XLA's FFI scratch allocator accepts (a larger one fails the allocation); its
+// blocks come from XLA's device allocator, which aligns them further.
+inline constexpr size_t kFfiScratchAlignment = 16;
 
 inline ffi::Error cuda_error(const char* op, cudaError_t status) {
   return ffi::Error::Internal(std::string(op) + ": CUDA error " + cudaGetErrorName(status) + ": " +

@@ -8,6 +8,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "common/philox.h"  // the storage tags F32Storage, BF16Storage, F16Storage
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxdet {
@@ -48,6 +49,31 @@ inline ffi::Error make_mask_layout(Dims dims, ffi::Span<const int64_t> strides, 
   }
   return ffi::Error::Success();
 }
+
+// Runs CALL with `S` the storage tag of a float dtype (float32, bfloat16 or float16); any other
+// dtype returns InvalidArgument "<op>: <operand> must be float32, bfloat16 or float16" from the
+// enclosing handler. `operand` is a string literal naming the argument (Python tests match it).
+#define JAXDET_DISPATCH_FLOAT(dtype, op, operand, CALL)                                                     \
+  switch (dtype) {                                                                                          \
+    case ::xla::ffi::F32: {                                                                                 \
+      using S = ::jaxdet::F32Storage;                                                                       \
+      CALL;                                                                                                 \
+      break;                                                                                                \
+    }                                                                                                       \
+    case ::xla::ffi::BF16: {                                                                                \
+      using S = ::jaxdet::BF16Storage;                                                                      \
+      CALL;                                                                                                 \
+      break;                                                                                                \
+    }                                                                                                       \
+    case ::xla::ffi::F16: {                                                                                 \
+      using S = ::jaxdet::F16Storage;                                                                       \
+      CALL;                                                                                                 \
+      break;                                                                                                \
+    }                                                                                                       \
+    default:                                                                                                \
+      return ::xla::ffi::Error::InvalidArgument(std::string(op) + ": " operand                              \
+                                                                  " must be float32, bfloat16 or float16"); \
+  }
 
 // XLA's CPU runtime calls handlers with flush-to-zero and denormals-are-zero set, while the CUDA
 // kernels keep IEEE subnormals. CPU handlers whose results must equal the GPU's bit for bit do

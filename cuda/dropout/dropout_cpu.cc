@@ -7,6 +7,7 @@
 #include "common/ffi_common.h"
 #include "common/parallel.h"
 #include "common/philox.h"
+#include "dropout/dropout_ffi.h"
 
 namespace jaxdet {
 namespace {
@@ -125,15 +126,9 @@ void DropoutAll(const DropoutArgs& a, ffi::ThreadPool& pool) {
 ffi::Error DropoutCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
                       ffi::Buffer<ffi::U32> offsets, ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold,
                       float scale, ffi::Span<const int64_t> mask_strides) {
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  const int64_t groups = key_group_count(keys);
-  if (auto err = check_key_groups(n, groups, "jaxdet_dropout"); !err.success()) return err;
-  if (static_cast<int64_t>(offsets.element_count()) != 2 * groups) {
-    return ffi::Error::InvalidArgument(
-        "jaxdet_dropout: offsets must be uint32[..., 2], one (lo32, hi32) pair per key");
-  }
+  int64_t n, groups;
   MaskLayout layout;
-  if (auto err = make_mask_layout(x.dimensions(), mask_strides, layout); !err.success()) return err;
+  if (auto err = check_dropout_args(x, keys, offsets, mask_strides, n, groups, layout); !err.success()) return err;
   if (n == 0) return ffi::Error::Success();
   const DropoutArgs args{x.untyped_data(),
                          y->untyped_data(),
@@ -145,12 +140,7 @@ ffi::Error DropoutCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
                          drop_threshold,
                          scale};
   IeeeSubnormalsScope ieee;  // parallel_for gives its tasks the caller's floating-point mode
-  switch (x.element_type()) {
-    case ffi::F32: DropoutAll<F32Storage>(args, pool); break;
-    case ffi::BF16: DropoutAll<BF16Storage>(args, pool); break;
-    case ffi::F16: DropoutAll<F16Storage>(args, pool); break;
-    default: return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(x.element_type(), "jaxdet_dropout", "x", DropoutAll<S>(args, pool));
   return ffi::Error::Success();
 }
 

@@ -7,6 +7,7 @@
 
 #include "common/cuda_common.h"
 #include "common/philox.h"
+#include "dropout/dropout_ffi.h"
 
 namespace jaxdet {
 namespace {
@@ -181,33 +182,15 @@ void LaunchDropout(cudaStream_t stream, const void* x, void* y, int64_t per_grou
 ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
                        ffi::Buffer<ffi::U32> offsets, ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold,
                        float scale, ffi::Span<const int64_t> mask_strides) {
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  const int64_t groups = key_group_count(keys);
-  if (auto err = check_key_groups(n, groups, "jaxdet_dropout"); !err.success()) return err;
-  if (static_cast<int64_t>(offsets.element_count()) != 2 * groups) {
-    return ffi::Error::InvalidArgument(
-        "jaxdet_dropout: offsets must be uint32[..., 2], one (lo32, hi32) pair per key");
-  }
+  int64_t n, groups;
   MaskLayout layout;
-  if (auto err = make_mask_layout(x.dimensions(), mask_strides, layout); !err.success()) return err;
+  if (auto err = check_dropout_args(x, keys, offsets, mask_strides, n, groups, layout); !err.success()) return err;
   if (n == 0) return ffi::Error::Success();
   const int64_t per_group = n / groups;
   const uint32_t* off = offsets.typed_data();
-  switch (x.element_type()) {
-    case ffi::F32:
-      LaunchDropout<F32Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups, keys.typed_data(),
-                                off, layout, drop_threshold, scale);
-      break;
-    case ffi::BF16:
-      LaunchDropout<BF16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups, keys.typed_data(),
-                                 off, layout, drop_threshold, scale);
-      break;
-    case ffi::F16:
-      LaunchDropout<F16Storage>(stream, x.untyped_data(), y->untyped_data(), per_group, groups, keys.typed_data(),
-                                off, layout, drop_threshold, scale);
-      break;
-    default: return ffi::Error::InvalidArgument("jaxdet_dropout: x must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(x.element_type(), "jaxdet_dropout", "x",
+                        LaunchDropout<S>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
+                                         keys.typed_data(), off, layout, drop_threshold, scale));
   return last_launch_error("jaxdet_dropout");
 }
 

@@ -84,21 +84,9 @@ ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi
   if (ws < 0 || bs < 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": scale/bias must be [1 or G, n]");
   if (s.n == 0) return ffi::Error::Success();
   IeeeSubnormalsScope ieee;
-  switch (x.element_type()) {
-    case ffi::F32:
-      FwdRows<F32Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(),
-                          stats->typed_data(), s, eps, center);
-      break;
-    case ffi::BF16:
-      FwdRows<BF16Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(),
-                           stats->typed_data(), s, eps, center);
-      break;
-    case ffi::F16:
-      FwdRows<F16Storage>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(),
-                          stats->typed_data(), s, eps, center);
-      break;
-    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        FwdRows<S>(x, w.typed_data(), ws, b.typed_data(), bs, has_bias, y->untyped_data(),
+                                   stats->typed_data(), s, eps, center));
   return ffi::Error::Success();
 }
 
@@ -144,21 +132,9 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (s.n == 0) return ffi::Error::Success();
   IeeeSubnormalsScope ieee;
-  switch (x.element_type()) {
-    case ffi::F32:
-      BwdRows<F32Storage>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(),
-                          dx->untyped_data(), s, center);
-      break;
-    case ffi::BF16:
-      BwdRows<BF16Storage>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(),
-                           dx->untyped_data(), s, center);
-      break;
-    case ffi::F16:
-      BwdRows<F16Storage>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(),
-                          dx->untyped_data(), s, center);
-      break;
-    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        BwdRows<S>(x.untyped_data(), w.typed_data(), ws, stats.typed_data(), g.untyped_data(),
+                                   dx->untyped_data(), s, center));
   return ffi::Error::Success();
 }
 
@@ -258,18 +234,9 @@ ffi::Error NormParamGradCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::
     return ffi::Error::Success();
   }
   IeeeSubnormalsScope ieee;
-  switch (x.element_type()) {
-    case ffi::F32:
-      ParamGrad<F32Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(), bias, s);
-      break;
-    case ffi::BF16:
-      ParamGrad<BF16Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(), bias, s);
-      break;
-    case ffi::F16:
-      ParamGrad<F16Storage>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(), bias, s);
-      break;
-    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(
+      x.element_type(), kOp, "x",
+      ParamGrad<S>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(), bias, s));
   return ffi::Error::Success();
 }
 

@@ -346,21 +346,9 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   }
   if (a.rows == 0 || a.n == 0) return ffi::Error::Success();
   const float* bp = has_bias ? b.typed_data() : nullptr;
-  switch (x.element_type()) {
-    case ffi::F32:
-      LaunchFwd<F32Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
-                            a, eps, center, has_bias);
-      break;
-    case ffi::BF16:
-      LaunchFwd<BF16Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
-                             a, eps, center, has_bias);
-      break;
-    case ffi::F16:
-      LaunchFwd<F16Storage>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(), stats->typed_data(),
-                            a, eps, center, has_bias);
-      break;
-    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        LaunchFwd<S>(stream, x.untyped_data(), w.typed_data(), bp, y->untyped_data(),
+                                     stats->typed_data(), a, eps, center, has_bias));
   return last_launch_error(kOp);
 }
 
@@ -374,21 +362,9 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   if (g.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (a.rows == 0 || a.n == 0) return ffi::Error::Success();
-  switch (x.element_type()) {
-    case ffi::F32:
-      LaunchBwd<F32Storage>(stream, x.untyped_data(), w.typed_data(), stats.typed_data(), g.untyped_data(),
-                            dx->untyped_data(), a, center);
-      break;
-    case ffi::BF16:
-      LaunchBwd<BF16Storage>(stream, x.untyped_data(), w.typed_data(), stats.typed_data(), g.untyped_data(),
-                             dx->untyped_data(), a, center);
-      break;
-    case ffi::F16:
-      LaunchBwd<F16Storage>(stream, x.untyped_data(), w.typed_data(), stats.typed_data(), g.untyped_data(),
-                            dx->untyped_data(), a, center);
-      break;
-    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        LaunchBwd<S>(stream, x.untyped_data(), w.typed_data(), stats.typed_data(),
+                                     g.untyped_data(), dx->untyped_data(), a, center));
   return last_launch_error(kOp);
 }
 
@@ -447,22 +423,10 @@ ffi::Error NormParamGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   }
   if ((n + kLanes - 1) / kLanes > 0x7FFFFFFF)
     return ffi::Error::InvalidArgument(std::string(kOp) + ": n too large");
-  switch (x.element_type()) {
-    case ffi::F32:
-      LaunchParamGrad<F32Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(),
-                                  bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows, n);
-      break;
-    case ffi::BF16:
-      LaunchParamGrad<BF16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
-                                   dw->typed_data(), bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows,
-                                   n);
-      break;
-    case ffi::F16:
-      LaunchParamGrad<F16Storage>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(),
-                                  bias, ws_w->typed_data(), ws_b->typed_data(), groups, rows, n);
-      break;
-    default: return ffi::Error::InvalidArgument(std::string(kOp) + ": x must be float32, bfloat16 or float16");
-  }
+  JAXDET_DISPATCH_FLOAT(
+      x.element_type(), kOp, "x",
+      LaunchParamGrad<S>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(), dw->typed_data(), bias,
+                         ws_w->typed_data(), ws_b->typed_data(), groups, rows, n));
   return last_launch_error(kOp);
 }
 

@@ -10,6 +10,7 @@
 
 #include "common/det_math.h"
 #include "common/ffi_common.h"
+#include "softmax/softmax_ffi.h"
 #include "softmax/softmax_math.h"
 
 namespace jaxdet {
@@ -17,14 +18,6 @@ namespace {
 
 namespace dm = ::jaxdet::detmath;
 namespace sm = ::jaxdet::softmax;
-
-ffi::Error RowsOf(const ffi::AnyBuffer& x, int64_t& rows, int64_t& n, const char* op) {
-  const auto d = x.dimensions();
-  if (d.size() != 2) return ffi::Error::InvalidArgument(std::string(op) + ": x must be [R, n]");
-  rows = d[0];
-  n = d[1];
-  return ffi::Error::Success();
-}
 
 template <typename S>
 dm::MaxSum RowStats(const typename S::Bits* x, int64_t n) {
@@ -74,35 +67,15 @@ void SoftmaxRows(const void* x, void* y, float* stats, int64_t rows, int64_t n, 
   }
 }
 
-#define JAXDET_DISPATCH(dtype, op, CALL)                                                                       \
-  switch (dtype) {                                                                                             \
-    case ffi::F32: {                                                                                           \
-      using S = F32Storage;                                                                                    \
-      CALL;                                                                                                    \
-      break;                                                                                                   \
-    }                                                                                                          \
-    case ffi::BF16: {                                                                                          \
-      using S = BF16Storage;                                                                                   \
-      CALL;                                                                                                    \
-      break;                                                                                                   \
-    }                                                                                                          \
-    case ffi::F16: {                                                                                           \
-      using S = F16Storage;                                                                                    \
-      CALL;                                                                                                    \
-      break;                                                                                                   \
-    }                                                                                                          \
-    default: return ffi::Error::InvalidArgument(std::string(op) + ": x must be float32, bfloat16 or float16"); \
-  }
-
 ffi::Error SoftmaxFwdCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> stats,
                          ffi::Result<ffi::Buffer<ffi::F32>> /*workspace*/, int32_t mode) {
   constexpr const char* kOp = "jaxdet_softmax_fwd";
   int64_t rows, n;
-  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
   IeeeSubnormalsScope ieee;
-  JAXDET_DISPATCH(x.element_type(), kOp,
-                  SoftmaxRows<S>(x.untyped_data(), y->untyped_data(), stats->typed_data(), rows, n, mode));
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        SoftmaxRows<S>(x.untyped_data(), y->untyped_data(), stats->typed_data(), rows, n, mode));
   return ffi::Error::Success();
 }
 
@@ -128,14 +101,14 @@ ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::Any
                          int32_t mode) {
   constexpr const char* kOp = "jaxdet_softmax_bwd";
   int64_t rows, n;
-  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (g.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (rows == 0 || n == 0) return ffi::Error::Success();
   IeeeSubnormalsScope ieee;
-  JAXDET_DISPATCH(x.element_type(), kOp,
-                  SoftmaxBwdRows<S>(x.untyped_data(), stats.typed_data(), g.untyped_data(), dx->untyped_data(),
-                                    rows, n, mode));
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        SoftmaxBwdRows<S>(x.untyped_data(), stats.typed_data(), g.untyped_data(),
+                                          dx->untyped_data(), rows, n, mode));
   return ffi::Error::Success();
 }
 
@@ -162,16 +135,16 @@ ffi::Error XentFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Resul
                       bool log_prob) {
   constexpr const char* kOp = "jaxdet_xent_fwd";
   int64_t rows, n;
-  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (static_cast<int64_t>(labels.element_count()) != rows) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": labels must be int32[R]");
   }
   if (rows == 0) return ffi::Error::Success();
   if (n == 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": logits must have at least one class");
   IeeeSubnormalsScope ieee;
-  JAXDET_DISPATCH(x.element_type(), kOp,
-                  XentRows<S>(x.untyped_data(), labels.typed_data(), out->typed_data(), stats->typed_data(), rows,
-                              n, log_prob));
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        XentRows<S>(x.untyped_data(), labels.typed_data(), out->typed_data(), stats->typed_data(),
+                                    rows, n, log_prob));
   return ffi::Error::Success();
 }
 
@@ -195,12 +168,12 @@ ffi::Error XentBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Buffe
                       ffi::Buffer<ffi::F32> g, ffi::Result<ffi::AnyBuffer> dx) {
   constexpr const char* kOp = "jaxdet_xent_bwd";
   int64_t rows, n;
-  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
   IeeeSubnormalsScope ieee;
-  JAXDET_DISPATCH(x.element_type(), kOp,
-                  XentBwdRows<S>(x.untyped_data(), labels.typed_data(), stats.typed_data(), g.typed_data(),
-                                 dx->untyped_data(), rows, n));
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        XentBwdRows<S>(x.untyped_data(), labels.typed_data(), stats.typed_data(), g.typed_data(),
+                                       dx->untyped_data(), rows, n));
   return ffi::Error::Success();
 }
 

@@ -22,6 +22,7 @@
 #include "common/cuda_common.h"
 #include "common/det_math.h"
 #include "common/det_reduce_cuda.cuh"
+#include "softmax/softmax_ffi.h"
 #include "softmax/softmax_math.h"
 
 namespace jaxdet {
@@ -472,34 +473,6 @@ void LaunchXentBwd(cudaStream_t stream, const void* x, const int32_t* labels, co
       (XentBwdKernel<S, kSteps><<<GridFor(items), kLanes, 0, stream>>>(xp, labels, stats, g, dp, rows, n)));
 }
 
-#define JAXDET_DISPATCH(dtype, op, CALL)                                                                       \
-  switch (dtype) {                                                                                             \
-    case ffi::F32: {                                                                                           \
-      using S = F32Storage;                                                                                    \
-      CALL;                                                                                                    \
-      break;                                                                                                   \
-    }                                                                                                          \
-    case ffi::BF16: {                                                                                          \
-      using S = BF16Storage;                                                                                   \
-      CALL;                                                                                                    \
-      break;                                                                                                   \
-    }                                                                                                          \
-    case ffi::F16: {                                                                                           \
-      using S = F16Storage;                                                                                    \
-      CALL;                                                                                                    \
-      break;                                                                                                   \
-    }                                                                                                          \
-    default: return ffi::Error::InvalidArgument(std::string(op) + ": x must be float32, bfloat16 or float16"); \
-  }
-
-ffi::Error RowsOf(const ffi::AnyBuffer& x, int64_t& rows, int64_t& n, const char* op) {
-  const auto d = x.dimensions();
-  if (d.size() != 2) return ffi::Error::InvalidArgument(std::string(op) + ": x must be [R, n]");
-  rows = d[0];
-  n = d[1];
-  return ffi::Error::Success();
-}
-
 // The workspace must hold `per_segment` floats for every (row, segment) when rows have several.
 ffi::Error CheckWorkspace(const ffi::Buffer<ffi::F32>& ws, int64_t rows, int64_t n, int64_t per_segment,
                           const char* op) {
@@ -515,12 +488,12 @@ ffi::Error SoftmaxFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
                           int32_t mode) {
   constexpr const char* kOp = "jaxdet_softmax_fwd";
   int64_t rows, n;
-  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
   if (auto err = CheckWorkspace(*ws, rows, n, 2, kOp); !err.success()) return err;
-  JAXDET_DISPATCH(x.element_type(), kOp,
-                  LaunchSoftmaxFwd<S>(stream, x.untyped_data(), y->untyped_data(), stats->typed_data(),
-                                      ws->typed_data(), rows, n, mode));
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        LaunchSoftmaxFwd<S>(stream, x.untyped_data(), y->untyped_data(), stats->typed_data(),
+                                            ws->typed_data(), rows, n, mode));
   return last_launch_error(kOp);
 }
 
@@ -528,14 +501,14 @@ ffi::Error SoftmaxBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> ws, int32_t mode) {
   constexpr const char* kOp = "jaxdet_softmax_bwd";
   int64_t rows, n;
-  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (g.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (rows == 0 || n == 0) return ffi::Error::Success();
   if (auto err = CheckWorkspace(*ws, rows, n, 1, kOp); !err.success()) return err;
-  JAXDET_DISPATCH(x.element_type(), kOp,
-                  LaunchSoftmaxBwd<S>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
-                                      dx->untyped_data(), ws->typed_data(), rows, n, mode));
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        LaunchSoftmaxBwd<S>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
+                                            dx->untyped_data(), ws->typed_data(), rows, n, mode));
   return last_launch_error(kOp);
 }
 
@@ -544,16 +517,16 @@ ffi::Error XentFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
                        ffi::Result<ffi::Buffer<ffi::F32>> ws, bool log_prob) {
   constexpr const char* kOp = "jaxdet_xent_fwd";
   int64_t rows, n;
-  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (static_cast<int64_t>(labels.element_count()) != rows) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": labels must be int32[R]");
   }
   if (rows == 0) return ffi::Error::Success();
   if (n == 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": logits must have at least one class");
   if (auto err = CheckWorkspace(*ws, rows, n, 2, kOp); !err.success()) return err;
-  JAXDET_DISPATCH(x.element_type(), kOp,
-                  LaunchXentFwd<S>(stream, x.untyped_data(), labels.typed_data(), out->typed_data(),
-                                   stats->typed_data(), ws->typed_data(), rows, n, log_prob));
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        LaunchXentFwd<S>(stream, x.untyped_data(), labels.typed_data(), out->typed_data(),
+                                         stats->typed_data(), ws->typed_data(), rows, n, log_prob));
   return last_launch_error(kOp);
 }
 
@@ -561,11 +534,11 @@ ffi::Error XentBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
                        ffi::Buffer<ffi::F32> stats, ffi::Buffer<ffi::F32> g, ffi::Result<ffi::AnyBuffer> dx) {
   constexpr const char* kOp = "jaxdet_xent_bwd";
   int64_t rows, n;
-  if (auto err = RowsOf(x, rows, n, kOp); !err.success()) return err;
+  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
-  JAXDET_DISPATCH(x.element_type(), kOp,
-                  LaunchXentBwd<S>(stream, x.untyped_data(), labels.typed_data(), stats.typed_data(),
-                                   g.typed_data(), dx->untyped_data(), rows, n));
+  JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
+                        LaunchXentBwd<S>(stream, x.untyped_data(), labels.typed_data(), stats.typed_data(),
+                                         g.typed_data(), dx->untyped_data(), rows, n));
   return last_launch_error(kOp);
 }
 

@@ -13,15 +13,13 @@ import numpy as np
 
 from jaxdet import _row_reference as ref
 from jaxdet import norm as _norm
+from jaxdet.contracts import _rowops
+from jaxdet.contracts._rowops import default_device as _device
 from jaxdet.testing import count_bit_differences, same_bits
 
 KINDS = ("rms", "layer")
 # Relative-norm bounds of y and dx against float64 (the storage rounding dominates for 16-bit).
 ACCURACY = {np.dtype(jnp.float32): 4e-6, np.dtype(jnp.bfloat16): 8e-3, np.dtype(jnp.float16): 1e-3}
-
-
-def _device():
-    return jax.devices()[0]
 
 
 def make_inputs(tokens, n, dtype, seed=0, device=None):
@@ -165,9 +163,7 @@ def _f64_reference(kind, x, w, b, g, eps=1e-5):
 def relative_errors(kind, dtype, tokens=64, n=1000, seed=5):
     """Relative-norm errors of (y, dx, dscale, dbias) against a float64 reference."""
     x, w, b, g = make_inputs(tokens, n, dtype, seed=seed)
-    got = value_and_grads(kind, x, w, b, g)
-    want = _f64_reference(kind, x, w, b, g)
-    return [float(np.linalg.norm(np.asarray(a, np.float64) - e) / np.linalg.norm(e)) for a, e in zip(got, want)]
+    return _rowops.relative_errors(value_and_grads(kind, x, w, b, g), _f64_reference(kind, x, w, b, g))
 
 
 def check_accuracy(kind="layer", dtype=jnp.float32):
@@ -183,29 +179,18 @@ def check_accuracy(kind="layer", dtype=jnp.float32):
 
 
 def check_cpu_equals_device(kind="layer", dtype=jnp.bfloat16, shapes=((3, 1027), (64, 4096), (40, 9000))):
-    dev = _device()
-    if dev.platform == "cpu":
-        return None, "the default device is the CPU: nothing to compare with (run on a GPU device)"
-    cpu = jax.devices("cpu")[0]
-    bad = []
-    for tokens, n in shapes:
-        args = make_inputs(tokens, n, dtype, seed=11)
-        on_cpu = value_and_grads(kind, *jax.device_put(args, cpu))
-        on_dev = value_and_grads(kind, *args)
-        for name, a, e in zip(("y", "dx", "dscale", "dbias"), on_cpu, on_dev):
-            if not same_bits(a, e):
-                bad.append(f"{name}{[tokens, n]}")
-    ok = not bad
-    return ok, (
-        f"{kind} {np.dtype(dtype).name}: CPU vs {dev.device_kind}, y/dx/dscale/dbias at {len(shapes)} shapes: "
-        + ("bitwise equal" if ok else "DIFFER: " + ", ".join(bad))
+    return _rowops.cpu_equals_device(
+        lambda *args: value_and_grads(kind, *args),
+        lambda tokens, n: make_inputs(tokens, n, dtype, seed=11),
+        f"{kind} {np.dtype(dtype).name}",
+        ("y", "dx", "dscale", "dbias"),
+        shapes,
     )
 
 
 def check_run_to_run(kind="rms", dtype=jnp.bfloat16, tokens=256, n=4096, runs=4):
     args = make_inputs(tokens, n, dtype, seed=13)
-    first = value_and_grads(kind, *args)
-    ok = all(all(same_bits(a, e) for a, e in zip(value_and_grads(kind, *args), first)) for _ in range(runs - 1))
+    ok = _rowops.same_every_run(lambda: value_and_grads(kind, *args), runs)
     verdict = "bitwise identical" if ok else "DIFFER"
     return ok, f"{kind} {np.dtype(dtype).name} [{tokens}, {n}]: {runs} runs {verdict}"
 
@@ -222,8 +207,4 @@ def report_checks():
 
 
 def _all(check):
-    results = [check(kind=k) for k in KINDS]
-    oks = [r[0] for r in results]
-    if all(o is None for o in oks):
-        return None, results[0][1]
-    return all(o is not False for o in oks), "; ".join(r[1] for r in results)
+    return _rowops.over_all(check, "kind", KINDS)

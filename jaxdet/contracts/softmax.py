@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdet import _row_reference as ref
+from jaxdet.contracts import _rowops
+from jaxdet.contracts._rowops import default_device as _device
 from jaxdet.softmax import det_math, label_log_probs, log_softmax, softmax, softmax_cross_entropy_with_integer_labels
 from jaxdet.testing import count_bit_differences, same_bits
 
@@ -20,10 +22,6 @@ MODES = ("softmax", "log_softmax", "cross_entropy")
 ACCURACY = {np.dtype(jnp.float32): 4e-6, np.dtype(jnp.bfloat16): 8e-3, np.dtype(jnp.float16): 1e-3}
 # Shapes: one short row, unaligned lengths, a row of several segments (8192 each) with a short tail.
 SHAPES = ((1, 1), (5, 300), (9, 1027), (3, 8192 * 2 + 5))
-
-
-def _device():
-    return jax.devices()[0]
 
 
 def make_inputs(rows, n, dtype, seed=0, device=None, scale=3.0):
@@ -201,9 +199,7 @@ def _f64_reference(mode, x, labels, g, gl):
 
 def relative_errors(mode, dtype, rows=16, n=20000, seed=5):
     args = make_inputs(rows, n, dtype, seed=seed)
-    got = value_and_grad(mode, *args)
-    want = _f64_reference(mode, *args)
-    return [float(np.linalg.norm(np.asarray(a, np.float64) - e) / np.linalg.norm(e)) for a, e in zip(got, want)]
+    return _rowops.relative_errors(value_and_grad(mode, *args), _f64_reference(mode, *args))
 
 
 def check_accuracy(mode="softmax", dtype=jnp.float32):
@@ -230,27 +226,19 @@ def check_label_log_probs(dtype=jnp.float32, rows=12, n=20000):
 
 
 def check_cpu_equals_device(mode="cross_entropy", dtype=jnp.bfloat16, shapes=((3, 1027), (64, 4096), (5, 128256))):
-    dev = _device()
-    if dev.platform == "cpu":
-        return None, "the default device is the CPU: nothing to compare with (run on a GPU device)"
-    cpu = jax.devices("cpu")[0]
-    bad = []
-    for rows, n in shapes:
-        args = make_inputs(rows, n, dtype, seed=11)
-        on_cpu = value_and_grad(mode, *jax.device_put(args, cpu))
-        on_dev = value_and_grad(mode, *args)
-        bad += [f"{name}{[rows, n]}" for name, a, e in zip(("out", "grad"), on_cpu, on_dev) if not same_bits(a, e)]
-    ok = not bad
-    return ok, (
-        f"{mode} {np.dtype(dtype).name}: CPU vs {dev.device_kind} at {len(shapes)} shapes: "
-        + ("bitwise equal" if ok else "DIFFER: " + ", ".join(bad))
+    return _rowops.cpu_equals_device(
+        lambda *args: value_and_grad(mode, *args),
+        lambda rows, n: make_inputs(rows, n, dtype, seed=11),
+        f"{mode} {np.dtype(dtype).name}",
+        ("out", "grad"),
+        shapes,
     )
 
 
 def check_cpu_equals_device_math():
     dev = _device()
     if dev.platform == "cpu":
-        return None, "the default device is the CPU: nothing to compare with (run on a GPU device)"
+        return None, _rowops.ON_CPU
     x = jnp.asarray(math_inputs())
     cpu = jax.devices("cpu")[0]
     bad = [
@@ -266,17 +254,12 @@ def check_cpu_equals_device_math():
 
 def check_run_to_run(mode="cross_entropy", dtype=jnp.bfloat16, rows=64, n=32768, runs=4):
     args = make_inputs(rows, n, dtype, seed=13)
-    first = value_and_grad(mode, *args)
-    ok = all(all(same_bits(a, e) for a, e in zip(value_and_grad(mode, *args), first)) for _ in range(runs - 1))
+    ok = _rowops.same_every_run(lambda: value_and_grad(mode, *args), runs)
     return ok, f"{mode} {np.dtype(dtype).name} [{rows}, {n}]: {runs} runs " + ("bitwise identical" if ok else "DIFFER")
 
 
 def _all(check, **kw):
-    results = [check(mode=m, **kw) for m in MODES]
-    oks = [r[0] for r in results]
-    if all(o is None for o in oks):
-        return None, results[0][1]
-    return all(o is not False for o in oks), "; ".join(r[1] for r in results)
+    return _rowops.over_all(check, "mode", MODES, **kw)
 
 
 def report_checks():

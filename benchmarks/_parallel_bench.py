@@ -1,0 +1,67 @@
+"""Set-up and output shared by allreduce_bench.py and dp_step_bench.py (psum vs jaxdet.parallel).
+
+Nothing here imports jax at module level: `--cpu-devices` must set XLA_FLAGS before jax starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+
+def parse_args(parser, reps, inner):
+    """Adds --reps, --inner, --cpu-devices and --out to `parser` and parses; with --cpu-devices, JAX
+    (not imported yet) will run on that many simulated CPU devices."""
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--inner", type=int, default=inner)
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="simulate this many CPU devices (smoke test)",
+    )
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.cpu_devices:
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
+        )
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    return args
+
+
+def mesh_of_all_devices():
+    """(devices, a 1-D mesh "d" over all of them)."""
+    import jax
+    import numpy as np
+
+    devices = jax.devices()
+    return devices, jax.sharding.Mesh(np.array(devices), ("d",))
+
+
+def devices_label(devices):
+    return f"{len(devices)} x {getattr(devices[0], 'device_kind', devices[0].platform)}"
+
+
+def emit(title, columns, rows, out):
+    """Prints the markdown table (a title line, then the header and a row per entry of `rows`, each
+    a list of cells) and appends it to the file `out` when given. The title gets the jax version,
+    the date and NCCL_NVLS_ENABLE appended."""
+    import jax
+
+    cells = lambda values: "| " + " | ".join(str(v) for v in values) + " |"
+    lines = [
+        (
+            f"{title}, jax {jax.__version__}, {datetime.date.today()}, "
+            f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}"
+        ),
+        "",
+        cells(columns),
+        "|" + "---|" * len(columns),
+    ]
+    lines += [cells(r) for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(text + "\n\n")

@@ -1,0 +1,22 @@
+// Argument checks shared by the CPU and CUDA handlers of softmax, log_softmax and cross-entropy.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/ffi_common.h"
+
+namespace jaxdet {
+namespace softmax {
+
+// x is [R, n]: R independent rows of n elements.
+inline ffi::Error rows_of(const ffi::AnyBuffer& x, int64_t& rows, int64_t& n, const char* op) {
+  const auto d = x.dimensions();
+  if (d.size() != 2) return ffi::Error::InvalidArgument(std::string(op) + ": x must be [R, n]");
+  rows = d[0];
+  n = d[1];
+  return ffi::Error::Success();
+}
+
+}  // namespace softmax
+}  // namespace jaxdet
