@@ -77,7 +77,7 @@ else
   echo "build: $(( $(date +%s) - start )) s; cache $(cat "$OUT"/gpu-cache.txz.part-* | wc -c) bytes in $(ls "$OUT"/gpu-cache.txz.part-* | wc -l) pieces"
 fi
 export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
-if has tests || has report; then
+if has tests; then  # (a session beside it may be running them: only a test session copies)
   rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
     && cp pyproject.toml README.md /tmp/
 fi
