@@ -184,7 +184,9 @@ def check_bucket_boundaries():
     report = []
     for dname, dtype, tb, out_f32, n in _bucket_configs():
         bounds, tiles = bucket_boundaries(dname, tb, out_f32, n)
-        assert bounds, f"{dname} N={n}: the rule draws no boundary (tile {tiles[0]} for every M)"
+        if not bounds:  # one tile for every M (sm_80 at N = 14336): no boundary to cross
+            report.append(f"{dname} {'nt' if tb else 'nn'} out_f32={out_f32} N={n}: one tile {tiles[0]}")
+            continue
         rows = max(bounds) + 64
         a, b = _operands(dtype, tb, n, rows, seed=[n, tb, out_f32])
         odt = jnp.float32 if out_f32 else dtype
@@ -206,6 +208,7 @@ def check_bucket_boundaries():
                 for bnd in bounds
             )
         )
+    assert any("boundaries" in line for line in report), "the rule draws no boundary at any N: " + "; ".join(report)
     return report
 
 
