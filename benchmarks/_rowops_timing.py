@@ -35,9 +35,11 @@ def time_pair(a, b, reps, calls):
 def forward_and_backward(f, args, cotangent):
     """((fwd_fn, args), (bwd_fn, (vjp, cotangent))) for timing f's forward and its backward."""
     fwd = jax.jit(f)
-    _, vjp = jax.vjp(f, *args)
+    out, vjp = jax.vjp(f, *args)
     bwd = jax.jit(lambda vjp, g: vjp(g))
-    return (fwd, args), (bwd, (vjp, cotangent))
+    # A baseline may return another dtype than jaxdet (optax's bfloat16 loss for bfloat16 logits,
+    # jaxdet's float32): each backward gets the cotangent in its own output's dtype.
+    return (fwd, args), (bwd, (vjp, cotangent.astype(out.dtype)))
 
 
 def parse_args(parser):
