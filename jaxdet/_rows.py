@@ -52,6 +52,11 @@ def moved_to_front(x, dim, size):
     return jnp.moveaxis(x, dim, 0)
 
 
+def unfold(x, size):
+    """[size * R, ...] -> [size, R, ...]: the inverse of folding a vmapped axis into the rows."""
+    return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+
+
 def batch_size(args, dims):
     return next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
 

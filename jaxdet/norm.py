@@ -55,14 +55,10 @@ def _fold_groups(args, dims, row_args):
     return size, out
 
 
-def _unfold(x, size):
-    return x.reshape((size, x.shape[0] // size) + x.shape[1:])
-
-
 def _fwd_batch(args, dims, *, eps, center):
     size, (x, w, b) = _fold_groups(args, dims, (True, False, False))
     y, stats = norm_fwd_p.bind(x, w, b, eps=eps, center=center)
-    return (_unfold(y, size), _unfold(stats, size)), (0, 0)
+    return (_rows.unfold(y, size), _rows.unfold(stats, size)), (0, 0)
 
 
 norm_fwd_p = _ffi.define_primitive(
@@ -83,7 +79,7 @@ def _bwd_abstract_eval(x, w, stats, g, *, center):
 
 def _bwd_batch(args, dims, *, center):
     size, (x, w, stats, g) = _fold_groups(args, dims, (True, False, True, True))
-    return _unfold(norm_bwd_p.bind(x, w, stats, g, center=center), size), 0
+    return _rows.unfold(norm_bwd_p.bind(x, w, stats, g, center=center), size), 0
 
 
 norm_bwd_p = _ffi.define_primitive(
@@ -123,7 +119,7 @@ def _pg_abstract_eval(x, stats, g, *, has_bias):
 def _pg_batch(args, dims, *, has_bias):
     size, flat = _fold_groups(args, dims, (True, True, True))
     outs = norm_param_grad_p.bind(*flat, has_bias=has_bias)
-    return [_unfold(o, size) for o in outs], [0, 0, 0, 0]
+    return [_rows.unfold(o, size) for o in outs], [0, 0, 0, 0]
 
 
 norm_param_grad_p = _ffi.define_primitive(

@@ -61,8 +61,18 @@ def _fold_rows(args, dims):
     return size, flat
 
 
-def _unfold(x, size):
-    return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+def _batch_rows(primitive):
+    """The batching rule of a primitive on rows: the vmapped axis is folded into the rows, the
+    primitive runs once, and every result is unfolded (a row's bits do not depend on the others)."""
+
+    def rule(args, dims, **params):
+        size, flat = _fold_rows(args, dims)
+        outs = primitive().bind(*flat, **params)
+        if isinstance(outs, (list, tuple)):
+            return [_rows.unfold(o, size) for o in outs], [0] * len(outs)
+        return _rows.unfold(outs, size), 0
+
+    return rule
 
 
 # ---- jaxdet_softmax_fwd: x [R, n] -> y [R, n], stats f32 [R, 2] = (M, S), workspace. ----
@@ -77,17 +87,11 @@ def _sfwd_abstract_eval(x, *, mode):
     )
 
 
-def _sfwd_batch(args, dims, *, mode):
-    size, (x,) = _fold_rows(args, dims)
-    outs = softmax_fwd_p.bind(x, mode=mode)
-    return [_unfold(o, size) for o in outs], [0, 0, 0]
-
-
 softmax_fwd_p = _ffi.define_primitive(
     "jaxdet_softmax_fwd",
     _sfwd_abstract_eval,
     attributes=lambda mode: dict(mode=np.int32(mode)),
-    batching_rule=_sfwd_batch,
+    batching_rule=_batch_rows(lambda: softmax_fwd_p),
     multiple_results=True,
 )
 
@@ -100,17 +104,11 @@ def _sbwd_abstract_eval(x, stats, g, *, mode):
     return (_rows.shaped(x.shape, x.dtype), _rows.shaped((R, _workspace_segments(n)), _F32))
 
 
-def _sbwd_batch(args, dims, *, mode):
-    size, flat = _fold_rows(args, dims)
-    outs = softmax_bwd_p.bind(*flat, mode=mode)
-    return [_unfold(o, size) for o in outs], [0, 0]
-
-
 softmax_bwd_p = _ffi.define_primitive(
     "jaxdet_softmax_bwd",
     _sbwd_abstract_eval,
     attributes=lambda mode: dict(mode=np.int32(mode)),
-    batching_rule=_sbwd_batch,
+    batching_rule=_batch_rows(lambda: softmax_bwd_p),
     multiple_results=True,
 )
 
@@ -123,17 +121,11 @@ def _xfwd_abstract_eval(x, labels, *, log_prob):
     return (_rows.shaped((R,), _F32), _rows.shaped((R, 2), _F32), _rows.shaped((R, _workspace_segments(n), 2), _F32))
 
 
-def _xfwd_batch(args, dims, *, log_prob):
-    size, flat = _fold_rows(args, dims)
-    outs = xent_fwd_p.bind(*flat, log_prob=log_prob)
-    return [_unfold(o, size) for o in outs], [0, 0, 0]
-
-
 xent_fwd_p = _ffi.define_primitive(
     "jaxdet_xent_fwd",
     _xfwd_abstract_eval,
     attributes=lambda log_prob: dict(log_prob=bool(log_prob)),
-    batching_rule=_xfwd_batch,
+    batching_rule=_batch_rows(lambda: xent_fwd_p),
     multiple_results=True,
 )
 
@@ -145,13 +137,8 @@ def _xbwd_abstract_eval(x, labels, stats, g):
     return _rows.shaped(x.shape, x.dtype)
 
 
-def _xbwd_batch(args, dims):
-    size, flat = _fold_rows(args, dims)
-    return _unfold(xent_bwd_p.bind(*flat), size), 0
-
-
 xent_bwd_p = _ffi.define_primitive(
-    "jaxdet_xent_bwd", _xbwd_abstract_eval, attributes=lambda: {}, batching_rule=_xbwd_batch
+    "jaxdet_xent_bwd", _xbwd_abstract_eval, attributes=lambda: {}, batching_rule=_batch_rows(lambda: xent_bwd_p)
 )
 
 

@@ -1,5 +1,5 @@
-"""Norms, softmax and cross-entropy on many devices (docs/norm.md and docs/softmax.md, "Many devices"),
-on 8 simulated CPU devices.
+"""Norms, softmax, cross-entropy and attention on many devices (the "Many devices" sections of
+docs/norm.md, docs/softmax.md and docs/attention.md), on 8 simulated CPU devices.
 
 XLA's CPU device count is fixed when the backend starts, so when this process has fewer than 8
 devices the file runs itself once in a child pytest with
@@ -141,3 +141,84 @@ def test_norm_param_grads_sharded_jit(kind):
             assert not set(found) & set(NO_SUM), found
             if not aligned:  # 6 tokens per device at D = 8 are not a subtree: gathered, not reduced
                 assert "all-gather" in found or d < 8, found
+
+
+# ---- attention (docs/attention.md, "Many devices") ------------------------------------------
+
+
+def _attention_inputs():
+    q = rand((8, 48, 8, 64), jnp.bfloat16, seed=20)
+    k, v = rand((8, 48, 2, 64), jnp.bfloat16, seed=21), rand((8, 48, 2, 64), jnp.bfloat16, seed=22)
+    w = rand((8, 48, 8, 64), seed=23)
+    return q, k, v, w
+
+
+def _attention_loss(w):
+    return lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w)
+
+
+@on_devices
+def test_attention_in_shard_map_keeps_the_unsharded_bits():
+    q, k, v, w = _attention_inputs()
+    m = mesh()
+    want = jaxdet.attention(q, k, v)
+    want_grads = jax.grad(_attention_loss(w), argnums=(0, 1, 2))(q, k, v)
+
+    # Outputs vary like their inputs (check_vma), with the unsharded bits.
+    seen = {}
+
+    def local(q, k, v):
+        out = jaxdet.attention(q, k, v)
+        seen["vma"] = jax.typeof(out).mat.varying
+        return out
+
+    out = jax.shard_map(local, mesh=m, in_specs=P("data"), out_specs=P("data"))(q, k, v)
+    assert seen["vma"] == frozenset({"data"}), seen
+    assert_bitwise(out, want)
+
+    # jax.grad inside shard_map, every operand split over the batch.
+    def local_grads(q, k, v, w):
+        return jax.grad(_attention_loss(w), argnums=(0, 1, 2))(q, k, v)
+
+    grads = jax.shard_map(local_grads, mesh=m, in_specs=P("data"), out_specs=P("data"))(q, k, v, w)
+    for got, expected, name in zip(grads, want_grads, ("dq", "dk", "dv")):
+        assert_bitwise(got, expected, name)
+
+    # Keys and values invariant (shared by all devices), queries split over the batch: their
+    # gradients are the canonical tree over the devices' float32 cotangents, typed invariant.
+    def shared(q, k, v, w):
+        def b(x):
+            return jnp.broadcast_to(x, (q.shape[0],) + x.shape[1:])
+
+        return jnp.sum(jaxdet.attention(q, b(k), b(v)).astype(jnp.float32) * w)
+
+    def local_kv(q, k, v, w):
+        return jax.grad(shared, argnums=(1, 2))(q, k, v, w)
+
+    specs = (P("data"), P(), P(), P("data"))
+    dk, dv = jax.shard_map(local_kv, mesh=m, in_specs=specs, out_specs=P())(q, k[:1], v[:1], w)
+    rk, rv = jax.grad(shared, argnums=(1, 2))(q, k[:1], v[:1], w)
+    for got, expected in ((dk, rk), (dv, rv)):
+        got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+        assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-2
+
+
+@on_devices
+def test_attention_sharded_jit_runs_per_shard():
+    q, k, v, w = _attention_inputs()
+    m = mesh()
+    want = jaxdet.attention(q, k, v)
+
+    def attend(q, k, v):
+        return jaxdet.attention(q, k, v)
+
+    # Batch or query rows split: no collective, the unsharded bits.
+    for spec, kv_spec in ((P("data"), P("data")), (P(None, "data"), P())):
+        args = [put(q, m, spec), put(k, m, kv_spec), put(v, m, kv_spec)]
+        assert_bitwise(jax.jit(attend)(*args), want, f"{spec}")
+        assert collectives(attend, *args) == {}, (spec, collectives(attend, *args))
+    # The gradient under sharded jit, batch split.
+    grads = jax.grad(_attention_loss(w), argnums=(0, 1, 2))
+    args = [put(x, m, P("data")) for x in (q, k, v)]
+    for got, expected, name in zip(jax.jit(grads)(*args), grads(q, k, v), ("dq", "dk", "dv")):
+        assert_bitwise(got, expected, name)
