@@ -65,8 +65,10 @@ def cases(mode, fns, x, g, labels, gl):
 
 
 def sanitize(device):
-    """Every kernel path once: one-segment rows (1, 2, 4, 8 register steps) and multi-segment rows."""
-    for tokens, vocab in ((3, 5), (9, 1027), (4, 2048), (3, 4096), (2, 8192), (3, 8193), (2, 20000)):
+    """Every kernel path once: one-segment rows (1, 2, 4, 8 register steps), rows of 2-16 segments
+    (clusters on Hopper; the pass kernels under JAXDET_TESTING=softmax=passes) and of 18 segments."""
+    shapes = ((3, 5), (9, 1027), (4, 2048), (3, 4096), (2, 8192), (3, 8193), (2, 20000), (2, 128256), (2, 140001))
+    for tokens, vocab in shapes:
         x, g, labels, gl = inputs(tokens, vocab, jnp.bfloat16, device)
         for mode, (_, f) in baselines().items():
             (fwd, a), (bwd, b) = cases(mode, (f,), x, g, labels, gl)[0]

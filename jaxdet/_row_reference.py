@@ -181,26 +181,13 @@ def token_tree(terms):
 # ---- softmax, log_softmax, cross-entropy (docs/softmax.md). x [R, n] float32 (widened). ----
 
 
-def _merge(a, b):
-    M = fmax(a[0], b[0])
-    with np.errstate(invalid="ignore"):
-        S = a[1] * exp(a[0] - M) + b[1] * exp(b[0] - M)
-    return M, np.where(M == -np.inf, F32(0.0), S).astype(F32)
-
-
 def softmax_stats(x):
-    """Per-row (M, S): segments of SOFTMAX_SEGMENT, (max, canonical sum of e^(x - m)), the tree."""
+    """Per-row (M, S): M the row max, S the segment_sum of e^(x - M) (every term 0 when M = -inf)."""
     x = _f32(x)
-    n = x.shape[1]
-    segments = 1 if n <= SOFTMAX_SEGMENT else -(-n // SOFTMAX_SEGMENT)
-    pairs = []
-    for s in range(segments):
-        xs = x[:, s * SOFTMAX_SEGMENT : (s + 1) * SOFTMAX_SEGMENT]
-        m = span_max(xs)
-        with np.errstate(invalid="ignore"):
-            terms = np.where((m == -np.inf)[:, None], F32(0.0), exp(xs - m[:, None]))
-        pairs.append((m, np.where(m == -np.inf, F32(0.0), span_sum(terms)).astype(F32)))
-    return tree_fold(pairs, _merge)
+    M = span_max(x)
+    with np.errstate(invalid="ignore"):
+        terms = np.where((M == -np.inf)[:, None], F32(0.0), exp(x - M[:, None]))
+    return M, segment_sum(terms)
 
 
 def prob(x, M, S):

@@ -6,7 +6,10 @@ A comma-separated list of ``key=value`` items, read once per process by the nati
 - ``gemm=sm80``: the CUDA GEMM runs its sm_80 kernels on a Hopper GPU too;
 - ``gemm_tile=ROWSxCOLS``: every call of an M-bucketed CUDA GEMM kernel set (forward and dA) runs
   that output tile, whatever the shape (docs/matmul_cuda.md, "M buckets"); it cannot change a bit;
-- ``cpu_gemm=avx512|avx2|generic``: the CPU GEMM variant (refused if this CPU lacks it).
+- ``cpu_gemm=avx512|avx2|generic``: the CPU GEMM variant (refused if this CPU lacks it);
+- ``softmax=passes``: softmax, log_softmax and cross-entropy run rows of 2-16 segments by their
+  multi-pass CUDA kernels on a GPU with clusters too, as on an Ampere GPU (docs/softmax.md); it
+  cannot change a bit.
 
 An item changes which kernel runs, so, like the device model, it is part of what the bits may
 depend on: it exists for the tests that compare kernels, and the report names every active item.
@@ -25,6 +28,7 @@ TESTING_ITEMS = {
     # that the running kernel set does not have
     "gemm_tile": ("128x256", "64x256", "64x128", "64x64", "64x32", "128x128"),
     "cpu_gemm": ("avx512", "avx2", "generic"),
+    "softmax": ("passes",),
 }
 
 

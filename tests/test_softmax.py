@@ -283,7 +283,14 @@ def test_bad_inputs_raise_clear_errors():
 
 # ---- GPU (pytest -m gpu): CPU == GPU bitwise ------------------------------------------------------
 
-GPU_SHAPES = ((1, 1), (3, 5), (5, 300), (64, 1024), (9, 1027), (130, 4096), (9, 8192), (4, 8193), (3, 128256))
+# Up to 8192: one segment; 8193 ... 131072: 2-16 segments (one cluster per row on Hopper); 140001:
+# 18 segments (the pass kernels everywhere).
+GPU_SHAPES = (
+    (1, 1), (3, 5), (5, 300), (64, 1024), (9, 1027), (130, 4096), (9, 8192), (4, 8193), (70, 40961),
+    (3, 128256), (2, 131072), (2, 140001),
+)
+# Rows of 2-16 segments, including more rows than one cluster grid has (2048: a grid-stride loop).
+CLUSTER_SHAPES = ((4, 8193), (2100, 8200), (5, 57345), (3, 128256), (2, 131072))
 
 
 @pytest.mark.gpu
@@ -299,10 +306,47 @@ def test_gpu_equals_cpu_bitwise(mode, dtype, on_gpu):
     expect(contracts.check_cpu_equals_device(mode, dtype, shapes=GPU_SHAPES))
 
 
+_PASSES_SCRIPT = """
+import hashlib, sys, jax, numpy as np
+from jaxdet.contracts import softmax as contracts
+from jaxdet._switches import active_testing_overrides
+assert active_testing_overrides() == {"softmax": "passes"}, active_testing_overrides()
+with jax.default_device(jax.devices("gpu")[0]):
+    for mode, dtype, rows, n in eval(sys.argv[1]):
+        out, dx = contracts.value_and_grad(mode, *contracts.make_inputs(rows, n, getattr(jax.numpy, dtype)))
+        print(hashlib.sha1(np.asarray(out).tobytes() + np.asarray(dx).tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_and_pass_kernels_agree(on_gpu):
+    """Rows of 2-16 segments run one cluster per row on Hopper, the pass kernels elsewhere (and with
+    JAXDET_TESTING=softmax=passes): the same bits, outputs and gradients."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    cases = [(m, d, r, n) for m in MODES for d in ("bfloat16", "float32") for r, n in CLUSTER_SHAPES]
+    here = []
+    for mode, dtype, rows, n in cases:
+        out, dx = contracts.value_and_grad(mode, *contracts.make_inputs(rows, n, getattr(jnp, dtype)))
+        here.append(hashlib.sha1(np.asarray(out).tobytes() + np.asarray(dx).tobytes()).hexdigest())
+    env = dict(os.environ, JAXDET_TESTING="softmax=passes")
+    r = subprocess.run(
+        [sys.executable, "-c", _PASSES_SCRIPT, repr(cases)], env=env, capture_output=True, text=True, timeout=600,
+        cwd=tempfile.gettempdir(),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    differ = [c for c, a, b in zip(cases, here, r.stdout.split()) if a != b]
+    assert len(r.stdout.split()) == len(cases) and not differ, differ
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_matches_numpy_order_and_row_invariance(mode, on_gpu):
-    expect(contracts.check_canonical_order(mode, jnp.float32, shapes=GPU_SHAPES[:-1]))
+    expect(contracts.check_canonical_order(mode, jnp.float32, shapes=GPU_SHAPES[:9]))
     for n in (4099, 128256):
         expect(contracts.check_row_invariance(mode, jnp.bfloat16, n=n))
     expect(contracts.check_run_to_run(mode, jnp.bfloat16, rows=512, n=128256))

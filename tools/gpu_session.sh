@@ -147,8 +147,10 @@ if has norm; then
   fi
 fi
 if has softmax; then
-  sanitize softmax 'Softmax|Xent' memcheck python3 benchmarks/softmax_bench.py --sanitize
-  sanitize softmax 'Softmax|Xent' racecheck python3 benchmarks/softmax_bench.py --sanitize
+  sanitize softmax 'Softmax|Xent|Cluster|Segment|RowStats' memcheck python3 benchmarks/softmax_bench.py --sanitize
+  sanitize softmax 'Softmax|Xent|Cluster|Segment|RowStats' racecheck python3 benchmarks/softmax_bench.py --sanitize
+  JAXDET_TESTING=softmax=passes sanitize softmax-passes 'Softmax|Xent|Segment|RowStats' memcheck \
+    python3 benchmarks/softmax_bench.py --sanitize
   benching softmax && for dt in float32 bfloat16; do
     timeout ${SOFTMAX_BENCH_TIMEOUT:-200} python3 benchmarks/softmax_bench.py --dtype $dt > "$LOGS/bench_softmax_$dt.md" 2>&1
     echo "rc=$?"; grep -E "^\||^[A-Za-z]" "$LOGS/bench_softmax_$dt.md" | head -40

@@ -81,12 +81,12 @@ JAXDET_HD float rsqrt(float a) { return div(1.0f, sqrt(a)); }
 
 // The maximum as a function of the set of values, whatever the order it is taken in: NaN if either
 // is NaN (canonical), and max(+0, -0) = +0 (for equal values the AND of the bits keeps the sign
-// only if both are negative). So any reduction order gives the same bits.
+// only if both are negative). So any reduction order gives the same bits. Written with selects, no
+// branches, so that a device thread interleaves the elements it holds.
 JAXDET_HD float max(float a, float b) {
-  if (is_nan(a) || is_nan(b)) return nan();
-  if (a > b) return a;
-  if (b > a) return b;
-  return f32_from_bits(f32_bits(a) & f32_bits(b));
+  const float larger = a > b ? a : b;
+  const float m = a == b ? f32_from_bits(f32_bits(a) & f32_bits(b)) : larger;
+  return is_nan(a) || is_nan(b) ? nan() : m;
 }
 
 // 2^k for -126 <= k <= 127, exactly.
@@ -96,19 +96,19 @@ JAXDET_HD float pow2(int k) { return f32_from_bits(static_cast<uint32_t>(k + 127
 // (Cody-Waite: k * kLn2Hi is exact for |k| <= 150, and x - k * kLn2Hi is exact by Sterbenz); e^r
 // by its Taylor polynomial of degree 7 in Horner form (truncation below 0.1 ulp); then the scale
 // 2^k applied as two multiplies by 2^(k/2) and 2^(k - k/2): the first exact, the second rounding
-// once (into the subnormal range, or to inf, when the result is there; where the result is surely
-// normal, one exact multiply by 2^k, the same bits). Max error measured over a stride through all
-// float32 inputs: tests/test_softmax.py::test_exp_and_log_error_vs_float64.
+// once (into the subnormal range, or to inf, when the result is there). x > 89 gives +inf (e^89 >
+// FLT_MAX), x < -104 gives +0 (e^-104 < 2^-150), NaN gives NaN. Written without branches (the
+// special cases are selected at the end, the polynomial runs on x clamped into range), so that a
+// device thread interleaves the exponentials of the elements it holds. Max error measured over a
+// stride through all float32 inputs: tests/test_softmax.py::test_exp_and_log_error_vs_float64.
 JAXDET_HD float exp(float x) {
   constexpr float kLog2e = 0x1.715476p+0f;  // float32(log2(e))
   constexpr float kShift = 12582912.0f;                   // 1.5 * 2^23: adding it rounds to an integer
   constexpr float kLn2Hi = 0.693145751953125f;            // 0x3F317200: 15 significant bits
   constexpr float kLn2Lo = 0x1.7f7d1cp-20f;  // float32(ln2 - kLn2Hi)
-  if (is_nan(x)) return nan();
-  if (x > 89.0f) return pos_inf();    // e^89 > FLT_MAX
-  if (x < -104.0f) return 0.0f;       // e^-104 < 2^-150: rounds to +0
-  const float kf = sub(add(mul(x, kLog2e), kShift), kShift);  // integer in [-150, 128]
-  const float r = sub(sub(x, mul(kf, kLn2Hi)), mul(kf, kLn2Lo));
+  const float xc = fminf(fmaxf(x, -104.0f), 89.0f);  // (NaN -> -104: any finite value will do)
+  const float kf = sub(add(mul(xc, kLog2e), kShift), kShift);  // integer in [-150, 128]
+  const float r = sub(sub(xc, mul(kf, kLn2Hi)), mul(kf, kLn2Lo));
   float p = 0x1.a01a02p-13f;  // float32(1/k!), k = 7 ... 2
   p = add(mul(p, r), 0x1.6c16c2p-10f);
   p = add(mul(p, r), 0x1.111112p-7f);
@@ -118,11 +118,12 @@ JAXDET_HD float exp(float x) {
   p = add(mul(p, r), 1.0f);
   p = add(mul(p, r), 1.0f);
   const int k = static_cast<int>(kf);
-  // p is in [0.70, 1.42], so for -125 <= k <= 127 the product is a normal float and exact either
-  // way: one multiply gives the same bits as two.
-  if (k >= -125 && k <= 127) return mul(p, pow2(k));
   const int k1 = k / 2;  // truncation toward zero: k1, k - k1 in [-75, 64]
-  return mul(mul(p, pow2(k1)), pow2(k - k1));
+  // p is in [0.70, 1.42]: p * 2^k1 is a normal float, exact.
+  const float e = mul(mul(p, pow2(k1)), pow2(k - k1));
+  const float special = x > 89.0f ? pos_inf() : 0.0f;
+  const float result = xc == x ? e : special;  // x in [-104, 89], or beyond it (or NaN)
+  return is_nan(x) ? nan() : result;
 }
 
 // ln(x). x = 2^e * m with m in [sqrt(1/2), sqrt(2)) (subnormals are first scaled by 2^23, exactly);
@@ -191,21 +192,6 @@ JAXDET_HD T tree_fold(int64_t n, Load load, Combine combine) {
   T acc = stack[top - 1];
   for (int j = top - 2; j >= 0; --j) acc = combine(stack[j], acc);
   return acc;
-}
-
-// ---- Softmax statistics: (m, s) = (max, sum of e^(x - m)). ----
-
-struct MaxSum {
-  float m;
-  float s;
-};
-
-// Merges two partial (max, sum) pairs: M = max(ma, mb), S = sa * e^(ma - M) + sb * e^(mb - M).
-// The side holding the maximum is scaled by e^0 = 1 exactly. All -inf on both sides: (-inf, 0).
-JAXDET_HD MaxSum merge(MaxSum a, MaxSum b) {
-  const float M = max(a.m, b.m);
-  if (M == neg_inf()) return MaxSum{M, 0.0f};
-  return MaxSum{M, add(mul(a.s, exp(sub(a.m, M))), mul(b.s, exp(sub(b.m, M))))};
 }
 
 // ---- Host emulation of the canonical span reduction (the CPU handlers). ----

@@ -85,11 +85,8 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 // The canonical tree (detmath::tree_fold's padded tree) over up to 32 leaves held by lanes
 // 0 .. count-1 of a warp: at stride s = 1, 2, ..., 16 lane i (a multiple of 2s) combines with lane
 // i + s when that lane holds a leaf, lower index first. The root is in lane 0. Every lane of the
-// warp must call it (shuffles). `Combine(left, right)`; T is float or MaxSum.
+// warp must call it (shuffles). `Combine(left, right)`; T is float.
 __device__ __forceinline__ float shfl_down(float v, int s) { return __shfl_down_sync(0xFFFFFFFFu, v, s); }
-__device__ __forceinline__ MaxSum shfl_down(MaxSum v, int s) {
-  return MaxSum{shfl_down(v.m, s), shfl_down(v.s, s)};
-}
 
 template <typename T, typename Combine>
 __device__ __forceinline__ T warp_tree(T v, int count, Combine combine) {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "common/cuda_common.h"
@@ -36,26 +37,30 @@ struct RowArgs {
   int64_t b_stride;
 };
 
-// kSteps > 0: the row (n <= kSteps * kStep) is held in registers. kSteps == 0: streamed.
-template <typename S, int kSteps>
+// kSteps > 0: the row (n <= kSteps * kStep) is held in registers. kSteps == 0: streamed. kExact:
+// n == kSteps * kStep and every row and parameter vector aligned (the usual model widths), so no
+// element is masked and every access is a whole vector.
+template <typename S, int kSteps, bool kExact = false>
 __global__ void __launch_bounds__(kLanes)
     NormFwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                   typename S::Bits* __restrict__ y, float* __restrict__ stats, RowArgs a, float eps, bool center,
                   bool has_bias) {
   using Bits = typename S::Bits;
   constexpr int kHeld = kSteps > 0 ? kSteps : 1;
+  static_assert(!kExact || kSteps > 0, "an exact row is held in registers");
   __shared__ float sh[kLanes];
   const int lane = threadIdx.x;
-  const int64_t n = a.n;
+  __builtin_assume(lane < kLanes);
+  const int64_t n = kExact ? int64_t{kSteps} * kStep : a.n;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t grp = row / a.rows_per_group;
     const Bits* xr = x + row * n;
     Bits* yr = y + row * n;
     const float* wr = w + grp * a.w_stride;
     const float* br = has_bias ? b + grp * a.b_stride : nullptr;
-    const bool xvec = dm::vec_aligned<Bits>(xr);
-    const bool yvec = dm::vec_aligned<Bits>(yr);
-    const bool wvec = dm::vec_aligned<float>(wr) && (!has_bias || dm::vec_aligned<float>(br));
+    const bool xvec = kExact || dm::vec_aligned<Bits>(xr);
+    const bool yvec = kExact || dm::vec_aligned<Bits>(yr);
+    const bool wvec = kExact || (dm::vec_aligned<float>(wr) && (!has_bias || dm::vec_aligned<float>(br)));
     float v[kHeld][kVec];
     if (kSteps > 0) {
 #pragma unroll
@@ -135,25 +140,27 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
-template <typename S, int kSteps>
+template <typename S, int kSteps, bool kExact = false>
 __global__ void __launch_bounds__(kLanes)
     NormBwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ w,
                   const float* __restrict__ stats, const typename S::Bits* __restrict__ g,
                   typename S::Bits* __restrict__ dx, RowArgs a, bool center) {
   using Bits = typename S::Bits;
   constexpr int kHeld = kSteps > 0 ? kSteps : 1;
+  static_assert(!kExact || kSteps > 0, "an exact row is held in registers");
   __shared__ float2 sh[kLanes];
   const int lane = threadIdx.x;
-  const int64_t n = a.n;
+  __builtin_assume(lane < kLanes);
+  const int64_t n = kExact ? int64_t{kSteps} * kStep : a.n;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t grp = row / a.rows_per_group;
     const Bits* xr = x + row * n;
     const Bits* gr = g + row * n;
     Bits* dr = dx + row * n;
     const float* wr = w + grp * a.w_stride;
-    const bool xvec = dm::vec_aligned<Bits>(xr) && dm::vec_aligned<Bits>(gr);
-    const bool dvec = dm::vec_aligned<Bits>(dr);
-    const bool wvec = dm::vec_aligned<float>(wr);
+    const bool xvec = kExact || (dm::vec_aligned<Bits>(xr) && dm::vec_aligned<Bits>(gr));
+    const bool dvec = kExact || dm::vec_aligned<Bits>(dr);
+    const bool wvec = kExact || dm::vec_aligned<float>(wr);
     const float mean = stats[2 * row], rstd = stats[2 * row + 1];
     // xhat and gw of one lane's kVec elements.
     auto lane_terms = [&](int64_t base, float (&xh)[kVec], float (&gw)[kVec]) {
@@ -215,37 +222,90 @@ __global__ void __launch_bounds__(kLanes)
   }
 }
 
+// Adds leaf i (0-based, a constant once unrolled) of an aligned run of 32 to the pending complete
+// subtrees of 1, 2, 4, ..., 32 leaves: it merges, as the right child, with the pending subtree of
+// every level where i has a 1 bit below its lowest 0 bit (the walk of detmath::tree_fold).
+template <int kWidth>
+__device__ __forceinline__ void insert_leaf(int i, float (&v)[kWidth], float (&pending)[6][kWidth]) {
+#pragma unroll
+  for (int level = 0; level < 6; ++level) {
+    if (level == 5 || ((i >> level) & 1) == 0) {
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) pending[level][j] = v[j];
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < kWidth; ++j) v[j] = dm::add(pending[level][j], v[j]);
+  }
+}
+
+// The root of the padded tree over the m (1 ... 32) leaves inserted: the pending subtrees (one per
+// 1 bit of m) folded from the smallest, each as the left child of the fold so far.
+template <int kWidth>
+__device__ __forceinline__ void fold_pending(int m, const float (&pending)[6][kWidth], float (&out)[kWidth]) {
+  bool have = false;
+#pragma unroll
+  for (int level = 0; level < 6; ++level) {
+    if ((m >> level) & 1) {
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) out[j] = have ? dm::add(pending[level][j], out[j]) : pending[level][j];
+      have = true;
+    }
+  }
+}
+
 // The parameter-gradient partials: per (group, aligned block of kGradBlock tokens, column), the
-// canonical tree over the block's tokens of g * xhat (and of g). grid.x: column tiles of kLanes
+// canonical tree over the block's tokens of g * xhat (and of g): norm::block_tree's tree, evaluated
+// as the tokens arrive (insert_leaf), so a thread holds six partials per column rather than 32
+// terms and takes kVec consecutive columns with vector loads. grid.x: column tiles of kLanes * kVec
 // columns; grid.y: (group, token block) pairs, grid-stride.
 template <typename S>
 __global__ void __launch_bounds__(kLanes)
     NormParamGradKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
                         const typename S::Bits* __restrict__ g, float* __restrict__ pw, float* __restrict__ pb,
                         int64_t groups, int64_t rows, int64_t n) {
+  using Bits = typename S::Bits;
   constexpr int kB = norm::kGradBlock;
-  const int64_t j = int64_t{blockIdx.x} * kLanes + threadIdx.x;
-  if (j >= n) return;
+  static_assert(kB == 32, "insert_leaf holds the subtrees of a run of 32");
+  const int64_t c0 = (int64_t{blockIdx.x} * kLanes + threadIdx.x) * kVec;
+  if (c0 >= n) return;
+  // Every row's column c0 is vector aligned when n is a multiple of kVec and the bases are.
+  const bool vec = n % kVec == 0 && dm::vec_aligned<Bits>(x) && dm::vec_aligned<Bits>(g);
+  const bool out_vec = n % kVec == 0 && dm::vec_aligned<float>(pw) && (pb == nullptr || dm::vec_aligned<float>(pb));
   const int64_t blocks = (rows + kB - 1) / kB;
   for (int64_t q = blockIdx.y; q < groups * blocks; q += gridDim.y) {
     const int64_t grp = q / blocks, blk = q % blocks;
-    const int64_t t0 = blk * kB;
-    const int m = static_cast<int>(min(int64_t{kB}, rows - t0));
-    float vw[kB], vb[kB];
+    const int64_t row0 = grp * rows + blk * kB;
+    const int m = static_cast<int>(min(int64_t{kB}, rows - blk * kB));
+    const Bits* xr = x + row0 * n;
+    const Bits* gr = g + row0 * n;
+    float sw[6][kVec], sb[6][kVec];
+    auto leaf = [&](int i) {
+      float xv[kVec], gv[kVec];
+      dm::load_lane<S>(xr + i * n, c0, n, vec, 0.0f, xv);
+      dm::load_lane<S>(gr + i * n, c0, n, vec, 0.0f, gv);
+      const float mean = stats[2 * (row0 + i)], rstd = stats[2 * (row0 + i) + 1];
 #pragma unroll
-    for (int i = 0; i < kB; ++i) {
-      if (i < m) {
-        const int64_t row = grp * rows + t0 + i;
-        const float gv = S::load(g[row * n + j]);
-        vw[i] = norm::scale_grad_term(S::load(x[row * n + j]), gv, stats[2 * row], stats[2 * row + 1]);
-        vb[i] = gv;
-      } else {
-        vw[i] = 0.0f;
-        vb[i] = 0.0f;
+      for (int j = 0; j < kVec; ++j) xv[j] = norm::scale_grad_term(xv[j], gv[j], mean, rstd);
+      insert_leaf<kVec>(i, xv, sw);
+      if (pb != nullptr) insert_leaf<kVec>(i, gv, sb);
+    };
+    if (m == kB) {  // a whole run: no guard, so the loads of many tokens are in flight at once
+#pragma unroll
+      for (int i = 0; i < kB; ++i) leaf(i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kB; ++i) {
+        if (i < m) leaf(i);
       }
     }
-    pw[q * n + j] = norm::block_tree(vw, m);
-    if (pb) pb[q * n + j] = norm::block_tree(vb, m);
+    float out[kVec];
+    fold_pending<kVec>(m, sw, out);
+    dm::store_lane<F32Storage>(reinterpret_cast<uint32_t*>(pw + q * n), c0, n, out_vec, out);
+    if (pb != nullptr) {
+      fold_pending<kVec>(m, sb, out);
+      dm::store_lane<F32Storage>(reinterpret_cast<uint32_t*>(pb + q * n), c0, n, out_vec, out);
+    }
   }
 }
 
@@ -275,6 +335,17 @@ unsigned RowGrid(int64_t rows) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{current_sm_count()} * 32)));
 }
 
+// Whether every row of n elements and the parameter vectors are whole aligned vectors (n a multiple
+// of kVec and aligned bases): then a row of exactly kSteps * kStep elements runs NormFwdKernel's /
+// NormBwdKernel's kExact variant.
+bool AllVectorAligned(int64_t n, std::initializer_list<const void*> bases) {
+  if (n % kVec != 0) return false;
+  for (const void* p : bases) {
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
 template <typename S>
 void LaunchFwd(cudaStream_t stream, const void* x, const float* w, const float* b, void* y, float* stats,
                const RowArgs& a, float eps, bool center, bool has_bias) {
@@ -282,17 +353,25 @@ void LaunchFwd(cudaStream_t stream, const void* x, const float* w, const float* 
   const auto* xp = static_cast<const Bits*>(x);
   auto* yp = static_cast<Bits*>(y);
   const unsigned grid = RowGrid(a.rows);
+  const bool aligned = AllVectorAligned(a.n, {x, y, w, b});
+#define JAXDET_NORM_FWD(STEPS)                                                                               \
+  if (aligned && a.n == (STEPS) * kStep) {                                                                  \
+    NormFwdKernel<S, STEPS, true><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias); \
+  } else {                                                                                                   \
+    NormFwdKernel<S, STEPS><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);       \
+  }
   if (a.n <= 1 * kStep) {
-    NormFwdKernel<S, 1><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+    JAXDET_NORM_FWD(1)
   } else if (a.n <= 2 * kStep) {
-    NormFwdKernel<S, 2><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+    JAXDET_NORM_FWD(2)
   } else if (a.n <= 4 * kStep) {
-    NormFwdKernel<S, 4><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+    JAXDET_NORM_FWD(4)
   } else if (a.n <= 8 * kStep) {
-    NormFwdKernel<S, 8><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
+    JAXDET_NORM_FWD(8)
   } else {
     NormFwdKernel<S, 0><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);
   }
+#undef JAXDET_NORM_FWD
 }
 
 template <typename S>
@@ -303,15 +382,23 @@ void LaunchBwd(cudaStream_t stream, const void* x, const float* w, const float* 
   const auto* gp = static_cast<const Bits*>(g);
   auto* dp = static_cast<Bits*>(dx);
   const unsigned grid = RowGrid(a.rows);
+  const bool aligned = AllVectorAligned(a.n, {x, w, g, dx});
+#define JAXDET_NORM_BWD(STEPS)                                                                  \
+  if (aligned && a.n == (STEPS) * kStep) {                                                     \
+    NormBwdKernel<S, STEPS, true><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center); \
+  } else {                                                                                      \
+    NormBwdKernel<S, STEPS><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);       \
+  }
   if (a.n <= 1 * kStep) {
-    NormBwdKernel<S, 1><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);
+    JAXDET_NORM_BWD(1)
   } else if (a.n <= 2 * kStep) {
-    NormBwdKernel<S, 2><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);
+    JAXDET_NORM_BWD(2)
   } else if (a.n <= 4 * kStep) {
-    NormBwdKernel<S, 4><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);
+    JAXDET_NORM_BWD(4)
   } else {
     NormBwdKernel<S, 0><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);
   }
+#undef JAXDET_NORM_BWD
 }
 
 ffi::Error Dims(const ffi::AnyBuffer& x, RowArgs& a, const char* op) {
@@ -378,8 +465,9 @@ void LaunchParamGrad(cudaStream_t stream, const void* x, const float* stats, con
   float* pw = count == 1 ? dw : ws_w;
   float* pb = db == nullptr ? nullptr : count == 1 ? db : ws_b;
   const unsigned columns = static_cast<unsigned>((n + kLanes - 1) / kLanes);
+  const unsigned vec_columns = static_cast<unsigned>((n + kLanes * kVec - 1) / (kLanes * kVec));
   NormParamGradKernel<S>
-      <<<dim3(columns, static_cast<unsigned>(std::min<int64_t>(groups * count, 65535))), kLanes, 0, stream>>>(
+      <<<dim3(vec_columns, static_cast<unsigned>(std::min<int64_t>(groups * count, 65535))), kLanes, 0, stream>>>(
           static_cast<const Bits*>(x), stats, static_cast<const Bits*>(g), pw, pb, groups, rows, n);
   while (count > 1) {
     const int64_t next = (count + norm::kGradBlock - 1) / norm::kGradBlock;

@@ -19,22 +19,6 @@ namespace {
 namespace dm = ::jaxdet::detmath;
 namespace sm = ::jaxdet::softmax;
 
-template <typename S>
-dm::MaxSum RowStats(const typename S::Bits* x, int64_t n) {
-  return dm::tree_fold<dm::MaxSum>(
-      sm::segment_count(n),
-      [&](int64_t seg) {
-        const typename S::Bits* xs = x + seg * sm::kSegment;
-        const int64_t len = sm::segment_length(n, seg);
-        float m = dm::neg_inf();
-        for (int64_t e = 0; e < len; ++e) m = dm::max(m, S::load(xs[e]));
-        dm::HostLanes lanes;
-        for (int64_t e = 0; e < len; ++e) lanes.add_term(e, sm::exp_term(S::load(xs[e]), m));
-        return sm::segment_stats(m, lanes.tree());
-      },
-      [](dm::MaxSum a, dm::MaxSum b) { return dm::merge(a, b); });
-}
-
 // The row sum of term(e) by segments, lanes and the segment tree.
 template <typename Term>
 float RowSum(int64_t n, Term term) {
@@ -49,20 +33,33 @@ float RowSum(int64_t n, Term term) {
       [](float a, float b) { return dm::add(a, b); });
 }
 
+struct RowStatistics {
+  float M;
+  float S;
+};
+
+// M = the row's max; S = the row sum of e^(x - M).
+template <typename S>
+RowStatistics RowStats(const typename S::Bits* x, int64_t n) {
+  float M = dm::neg_inf();
+  for (int64_t e = 0; e < n; ++e) M = dm::max(M, S::load(x[e]));
+  return RowStatistics{M, RowSum(n, [&](int64_t e) { return sm::exp_term(S::load(x[e]), M); })};
+}
+
 template <typename S>
 void SoftmaxRows(const void* x, void* y, float* stats, int64_t rows, int64_t n, int32_t mode) {
   using Bits = typename S::Bits;
   for (int64_t r = 0; r < rows; ++r) {
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
     Bits* yr = static_cast<Bits*>(y) + r * n;
-    const dm::MaxSum st = RowStats<S>(xr, n);
-    stats[2 * r] = st.m;
-    stats[2 * r + 1] = st.s;
+    const RowStatistics st = RowStats<S>(xr, n);
+    stats[2 * r] = st.M;
+    stats[2 * r + 1] = st.S;
     if (mode == sm::kSoftmax) {
-      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::prob(S::load(xr[e]), st.m, st.s));
+      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::prob(S::load(xr[e]), st.M, st.S));
     } else {
-      const float log_s = dm::log(st.s);
-      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::log_prob(S::load(xr[e]), st.m, log_s));
+      const float log_s = dm::log(st.S);
+      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::log_prob(S::load(xr[e]), st.M, log_s));
     }
   }
 }
@@ -118,15 +115,15 @@ void XentRows(const void* x, const int32_t* labels, float* out, float* stats, in
   using Bits = typename S::Bits;
   for (int64_t r = 0; r < rows; ++r) {
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
-    const dm::MaxSum st = RowStats<S>(xr, n);
-    stats[2 * r] = st.m;
-    stats[2 * r + 1] = st.s;
+    const RowStatistics st = RowStats<S>(xr, n);
+    stats[2 * r] = st.M;
+    stats[2 * r + 1] = st.S;
     const int32_t label = labels[r];
     const bool valid = label >= 0 && label < n;
     const float x_label = valid ? S::load(xr[label]) : 0.0f;
-    const float log_s = dm::log(st.s);
-    out[r] = log_prob ? sm::label_log_prob(x_label, st.m, log_s, valid)
-                      : sm::cross_entropy(x_label, st.m, log_s, valid);
+    const float log_s = dm::log(st.S);
+    out[r] = log_prob ? sm::label_log_prob(x_label, st.M, log_s, valid)
+                      : sm::cross_entropy(x_label, st.M, log_s, valid);
   }
 }
 

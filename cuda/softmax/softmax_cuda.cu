@@ -4,30 +4,37 @@
 //
 //   rows of one segment (n <= 8192): one fused kernel per call; the row is held in registers, so
 //     x is read once (forward) or x and g once (backward).
-//   rows of several segments: a statistics pass writes each segment's (m, s) (forward) or partial
-//     sum (backward) to the workspace; the segments' partials are combined by the canonical tree,
-//     one warp per row (forward; in the backward every output block's first warp redoes its
-//     row's small tree of plain sums, in the same order); an output pass writes every segment.
-//     x is read twice, and segments of one row run in parallel, so a single long row (one
-//     token's vocabulary) still spreads over many SMs.
+//   rows of 2 to 16 segments on GPUs with thread block clusters (Hopper and later): one cluster per
+//     row, block r holding segment r in registers; the segments' maxima and partial sums meet in
+//     distributed shared memory, where every block combines them by the same tree. x is read once
+//     and e^(x - M) computed once per element (forward); x and g read once (backward).
+//   other rows of several segments: passes over the row with the partials in a float32 workspace
+//     (maxima, then sums of e^(x - M), then each row's (M, S), then the outputs; in the backward
+//     partial sums, then the outputs), segments of one row in parallel.
 //
 // Layouts as in softmax_cpu.cc; the workspace is float32 [R, segments, 2] (forward) or
-// [R, segments] (backward) when rows have several segments, else empty.
+// [R, segments] (backward) when rows have several segments, else empty (the cluster kernels leave
+// it untouched).
 #include <cuda_runtime.h>
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "common/cuda_common.h"
 #include "common/det_math.h"
 #include "common/det_reduce_cuda.cuh"
+#include "common/testing.h"
 #include "softmax/softmax_ffi.h"
 #include "softmax/softmax_math.h"
 
 namespace jaxdet {
 namespace {
 
+namespace cg = ::cooperative_groups;
 namespace dm = ::jaxdet::detmath;
 namespace sm = ::jaxdet::softmax;
 
@@ -47,14 +54,14 @@ __device__ __forceinline__ void load_span(const typename S::Bits* __restrict__ p
   for (int k = 0; k < kSteps; ++k) dm::load_lane<S>(p, k * kStep + threadIdx.x * kVec, len, vec, 0.0f, v[k]);
 }
 
+// (A span has at most kSegment elements: int arithmetic.)
 __device__ __forceinline__ bool in_span(int k, int j, int64_t len) {
-  return k * kStep + static_cast<int64_t>(threadIdx.x) * kVec + j < len;
+  return k * kStep + static_cast<int>(threadIdx.x) * kVec + j < static_cast<int>(len);
 }
 
-// (m, s) of the span held in v (len elements). Every thread gets it. With keep_exp, v's elements
-// are replaced by their terms e^(x - m) (softmax's numerators when the span is the whole row).
+// The maximum of the span held in v (len elements). Every thread gets it.
 template <int kSteps>
-__device__ __forceinline__ dm::MaxSum span_stats(float (&v)[kSteps][kVec], int64_t len, float* sh, bool keep_exp) {
+__device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_t len, float* sh) {
   float m = dm::neg_inf();
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
@@ -63,18 +70,25 @@ __device__ __forceinline__ dm::MaxSum span_stats(float (&v)[kSteps][kVec], int64
       if (in_span(k, j, len)) m = dm::max(m, v[k][j]);
     }
   }
-  m = dm::block_max(m, sh);
+  return dm::block_max(m, sh);
+}
+
+// The span's sum of e^(x - M) (its part of S). Every thread gets it. With keep_exp, v's elements
+// are replaced by their terms e^(x - M) (softmax's numerators).
+template <int kSteps>
+__device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t len, float M, float* sh,
+                                              bool keep_exp) {
   float acc = 0.0f;
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float e = sm::exp_term(v[k][j], m);
+      const float e = sm::exp_term(v[k][j], M);
       if (in_span(k, j, len)) acc = dm::add(acc, e);
       if (keep_exp) v[k][j] = e;
     }
   }
-  return sm::segment_stats(m, dm::block_tree_sum(acc, sh));
+  return dm::block_tree_sum(acc, sh);
 }
 
 // The row's sum from its segments' partial sums by the canonical tree, computed by warp 0 and
@@ -123,78 +137,19 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     typename S::Bits* yr = y + row * n;
     float v[kSteps][kVec];
     load_span<S, kSteps>(xr, n, dm::vec_aligned<typename S::Bits>(xr), v);
-    // The row is one span, so its max is M and softmax's numerators are the sum's terms: kept.
+    const float M = span_max<kSteps>(v, n, sh);
+    // softmax's numerators are the sum's terms: kept.
     const bool numerators = mode == sm::kSoftmax;
-    const dm::MaxSum st = span_stats<kSteps>(v, n, sh, numerators);
+    const float Ssum = span_exp_sum<kSteps>(v, n, M, sh, numerators);
     if (threadIdx.x == 0) {
-      stats[2 * row] = st.m;
-      stats[2 * row + 1] = st.s;
+      stats[2 * row] = M;
+      stats[2 * row + 1] = Ssum;
     }
-    write_outputs<S, kSteps>(v, yr, n, dm::vec_aligned<typename S::Bits>(yr), st.m, st.s, mode, numerators);
+    write_outputs<S, kSteps>(v, yr, n, dm::vec_aligned<typename S::Bits>(yr), M, Ssum, mode, numerators);
   }
 }
 
-// ---- Rows of several segments, pass 1: each (row, segment)'s (m, s). ----
-template <typename S>
-__global__ void __launch_bounds__(kLanes, kMinBlocks)
-    SegmentStatsKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
-  constexpr int kSteps = sm::kSegmentSteps;
-  __shared__ float sh[kLanes];
-  const int64_t segments = sm::segment_count(n);
-  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const int64_t row = q / segments, seg = q % segments;
-    const typename S::Bits* xs = x + row * n + seg * sm::kSegment;
-    const int64_t len = sm::segment_length(n, seg);
-    float v[kSteps][kVec];
-    load_span<S, kSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
-    const dm::MaxSum st = span_stats<kSteps>(v, len, sh, false);
-    if (threadIdx.x == 0) ws[q] = make_float2(st.m, st.s);
-  }
-}
-
-// The row's (M, S) from its segments' pairs: the canonical tree over the segments, by one warp
-// (valid in lane 0).
-__device__ __forceinline__ dm::MaxSum row_stats(const float2* __restrict__ pairs, int64_t segments) {
-  return dm::warp_tree_fold<dm::MaxSum>(
-      segments, [&](int64_t i) { return dm::MaxSum{pairs[i].x, pairs[i].y}; },
-      [](dm::MaxSum a, dm::MaxSum b) { return dm::merge(a, b); });
-}
-
-// Warps of a grid-stride loop over rows: one warp per row.
-__device__ __forceinline__ int64_t first_warp() { return (int64_t{blockIdx.x} * kLanes + threadIdx.x) / 32; }
-__device__ __forceinline__ int64_t warp_stride() { return int64_t{gridDim.x} * (kLanes / 32); }
-
-// ---- Rows of several segments, between the passes: each row's (M, S) into `stats`. ----
-__global__ void __launch_bounds__(kLanes)
-    RowStatsKernel(const float2* __restrict__ ws, float* __restrict__ stats, int64_t rows, int64_t segments) {
-  for (int64_t row = first_warp(); row < rows; row += warp_stride()) {
-    const dm::MaxSum st = row_stats(ws + row * segments, segments);
-    if ((threadIdx.x & 31) == 0) {
-      stats[2 * row] = st.m;
-      stats[2 * row + 1] = st.s;
-    }
-  }
-}
-
-// ---- Rows of several segments, pass 2: softmax / log_softmax outputs of each (row, segment). ----
-template <typename S>
-__global__ void __launch_bounds__(kLanes, kMinBlocks)
-    SoftmaxOutKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
-                     typename S::Bits* __restrict__ y, int64_t rows, int64_t n, int32_t mode) {
-  constexpr int kSteps = sm::kSegmentSteps;
-  const int64_t segments = sm::segment_count(n);
-  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const int64_t row = q / segments, seg = q % segments;
-    const int64_t offset = row * n + seg * sm::kSegment;
-    const int64_t len = sm::segment_length(n, seg);
-    float v[kSteps][kVec];
-    load_span<S, kSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
-    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), stats[2 * row],
-                             stats[2 * row + 1], mode, false);
-  }
-}
-
-// ---- Cross-entropy forward. Rows of one segment: fused. ----
+// ---- Cross-entropy's value from the row statistics. ----
 template <typename S>
 __device__ __forceinline__ float xent_value(const typename S::Bits* __restrict__ xr, int32_t label, int64_t n,
                                             float M, float Ssum, bool log_prob) {
@@ -213,29 +168,191 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     const typename S::Bits* xr = x + row * n;
     float v[kSteps][kVec];
     load_span<S, kSteps>(xr, n, dm::vec_aligned<typename S::Bits>(xr), v);
-    const dm::MaxSum st = span_stats<kSteps>(v, n, sh, false);
+    const float M = span_max<kSteps>(v, n, sh);
+    const float Ssum = span_exp_sum<kSteps>(v, n, M, sh, false);
     if (threadIdx.x == 0) {
-      stats[2 * row] = st.m;
-      stats[2 * row + 1] = st.s;
-      out[row] = xent_value<S>(xr, labels[row], n, st.m, st.s, log_prob);
+      stats[2 * row] = M;
+      stats[2 * row + 1] = Ssum;
+      out[row] = xent_value<S>(xr, labels[row], n, M, Ssum, log_prob);
     }
   }
 }
 
-// Rows of several segments, pass 2: one warp per row.
+// ---- Rows of 2 to 16 segments, GPUs with thread block clusters: one cluster per row. ----
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define JAXDET_SOFTMAX_CLUSTERS 1
+
+// The maximum (order-free) of the cluster blocks' `slot` values; every thread of the block gets it.
+__device__ __forceinline__ float cluster_max(const cg::cluster_group& cluster, float* slot, int blocks,
+                                             float* bcast) {
+  if (threadIdx.x < 32) {
+    float m = threadIdx.x < blocks ? *cluster.map_shared_rank(slot, threadIdx.x) : dm::neg_inf();
+#pragma unroll
+    for (int s = 16; s >= 1; s >>= 1) m = dm::max(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+    if (threadIdx.x == 0) *bcast = m;
+  }
+  __syncthreads();
+  return *bcast;
+}
+
+// The canonical tree (warp_tree) over the cluster blocks' `slot` values in rank (= segment) order;
+// every block computes it, and every thread of the block gets it.
+__device__ __forceinline__ float cluster_tree_sum(const cg::cluster_group& cluster, float* slot, int blocks,
+                                                  float* bcast) {
+  if (threadIdx.x < 32) {
+    const unsigned lane = threadIdx.x;
+    float v = *cluster.map_shared_rank(slot, lane < static_cast<unsigned>(blocks) ? lane : 0u);
+    v = dm::warp_tree(v, blocks, [](float a, float b) { return dm::add(a, b); });
+    if (lane == 0) *bcast = v;
+  }
+  __syncthreads();
+  return *bcast;
+}
+#endif
+
+// Block r of a row's cluster holds segment r: its max, then (after the cluster's M) its sum of
+// e^(x - M), meet in distributed shared memory. Softmax / log_softmax outputs, or (kXent) the
+// cross-entropy (mode: 1 for the label's log-prob). Two cluster barriers per row: a block writes
+// its next row's max only after every block has read this row's (the second barrier), and its
+// next sum only after every block has read this one (the next row's first barrier).
+template <typename S, bool kXent>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    ClusterFwdKernel(const typename S::Bits* __restrict__ x, typename S::Bits* __restrict__ y,
+                     const int32_t* __restrict__ labels, float* __restrict__ out, float* __restrict__ stats,
+                     int64_t rows, int64_t n, int32_t mode) {
+#ifdef JAXDET_SOFTMAX_CLUSTERS
+  using Bits = typename S::Bits;
+  constexpr int kSteps = sm::kSegmentSteps;
+  __shared__ float sh[kLanes];
+  __shared__ float slot_max, slot_sum, bcast;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int segments = static_cast<int>(cluster.num_blocks());
+  const int seg = static_cast<int>(cluster.block_rank());
+  const int64_t len = sm::segment_length(n, seg);
+  const bool numerators = !kXent && mode == sm::kSoftmax;
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+    const int64_t offset = row * n + seg * sm::kSegment;
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(x + offset, len, dm::vec_aligned<Bits>(x + offset), v);
+    const float m = span_max<kSteps>(v, len, sh);
+    if (threadIdx.x == 0) slot_max = m;
+    cluster.sync();
+    const float M = cluster_max(cluster, &slot_max, segments, &bcast);
+    const float part = span_exp_sum<kSteps>(v, len, M, sh, numerators);
+    if (threadIdx.x == 0) slot_sum = part;
+    cluster.sync();
+    const float Ssum = cluster_tree_sum(cluster, &slot_sum, segments, &bcast);
+    if (seg == 0 && threadIdx.x == 0) {
+      stats[2 * row] = M;
+      stats[2 * row + 1] = Ssum;
+      if (kXent) out[row] = xent_value<S>(x + row * n, labels[row], n, M, Ssum, mode != 0);
+    }
+    if (!kXent) {
+      write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<Bits>(y + offset), M, Ssum, mode, numerators);
+    }
+  }
+  cluster.sync();  // no block leaves while another may still read its slots
+#endif
+}
+
+// ---- Other rows of several segments: passes, partials in the workspace [R, segments] of float2
+// (max, sum of e^(x - M)). ----
+
+// Pass 1: each (row, segment)'s max.
 template <typename S>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SegmentMaxKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
+  constexpr int kSteps = sm::kSegmentSteps;
+  __shared__ float sh[kLanes];
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const int64_t row = q / segments, seg = q % segments;
+    const typename S::Bits* xs = x + row * n + seg * sm::kSegment;
+    const int64_t len = sm::segment_length(n, seg);
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
+    const float m = span_max<kSteps>(v, len, sh);
+    if (threadIdx.x == 0) ws[q].x = m;
+  }
+}
+
+// The row's max from its segments' maxima (order-free), by one warp; every lane gets it.
+__device__ __forceinline__ float warp_row_max(const float2* __restrict__ pairs, int64_t segments) {
+  float m = dm::neg_inf();
+  for (int64_t i = threadIdx.x & 31; i < segments; i += 32) m = dm::max(m, pairs[i].x);
+#pragma unroll
+  for (int s = 16; s >= 1; s >>= 1) m = dm::max(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+  return m;
+}
+
+// The row's S from its segments' sums: the canonical tree, by one warp (valid in lane 0).
+__device__ __forceinline__ float warp_row_sum(const float2* __restrict__ pairs, int64_t segments) {
+  return dm::warp_tree_fold<float>(
+      segments, [&](int64_t i) { return pairs[i].y; }, [](float a, float b) { return dm::add(a, b); });
+}
+
+// Pass 2: each (row, segment)'s sum of e^(x - M); every block first takes M from the row's maxima.
+template <typename S>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SegmentExpSumKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
+  constexpr int kSteps = sm::kSegmentSteps;
+  __shared__ float sh[kLanes];
+  __shared__ float bcast;
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const int64_t row = q / segments, seg = q % segments;
+    const typename S::Bits* xs = x + row * n + seg * sm::kSegment;
+    const int64_t len = sm::segment_length(n, seg);
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
+    __syncthreads();  // the previous item's readers of bcast are done
+    if (threadIdx.x < 32) {
+      const float M = warp_row_max(ws + row * segments, segments);
+      if (threadIdx.x == 0) bcast = M;
+    }
+    __syncthreads();
+    const float part = span_exp_sum<kSteps>(v, len, bcast, sh, false);
+    if (threadIdx.x == 0) ws[q].y = part;
+  }
+}
+
+// Warps of a grid-stride loop over rows: one warp per row.
+__device__ __forceinline__ int64_t first_warp() { return (int64_t{blockIdx.x} * kLanes + threadIdx.x) / 32; }
+__device__ __forceinline__ int64_t warp_stride() { return int64_t{gridDim.x} * (kLanes / 32); }
+
+// Pass 3: each row's (M, S) into `stats` (softmax, log_softmax) or with the cross-entropy (kXent).
+template <typename S, bool kXent>
 __global__ void __launch_bounds__(kLanes)
-    XentOutKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
-                  const float2* __restrict__ ws, float* __restrict__ out, float* __restrict__ stats, int64_t rows,
-                  int64_t n, bool log_prob) {
+    RowStatsKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
+                   const float2* __restrict__ ws, float* __restrict__ out, float* __restrict__ stats, int64_t rows,
+                   int64_t n, bool log_prob) {
   const int64_t segments = sm::segment_count(n);
   for (int64_t row = first_warp(); row < rows; row += warp_stride()) {
-    const dm::MaxSum st = row_stats(ws + row * segments, segments);
+    const float M = warp_row_max(ws + row * segments, segments);
+    const float Ssum = warp_row_sum(ws + row * segments, segments);
     if ((threadIdx.x & 31) == 0) {
-      stats[2 * row] = st.m;
-      stats[2 * row + 1] = st.s;
-      out[row] = xent_value<S>(x + row * n, labels[row], n, st.m, st.s, log_prob);
+      stats[2 * row] = M;
+      stats[2 * row + 1] = Ssum;
+      if (kXent) out[row] = xent_value<S>(x + row * n, labels[row], n, M, Ssum, log_prob);
     }
+  }
+}
+
+// Pass 4 (softmax, log_softmax): the outputs of each (row, segment).
+template <typename S>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    SoftmaxOutKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
+                     typename S::Bits* __restrict__ y, int64_t rows, int64_t n, int32_t mode) {
+  constexpr int kSteps = sm::kSegmentSteps;
+  const int64_t segments = sm::segment_count(n);
+  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const int64_t row = q / segments, seg = q % segments;
+    const int64_t offset = row * n + seg * sm::kSegment;
+    const int64_t len = sm::segment_length(n, seg);
+    float v[kSteps][kVec];
+    load_span<S, kSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
+    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), stats[2 * row],
+                             stats[2 * row + 1], mode, false);
   }
 }
 
@@ -347,6 +464,41 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   }
 }
 
+// Rows of 2 to 16 segments, GPUs with clusters: block r of a row's cluster holds segment r of x
+// and g; the segments' partial sums meet in distributed shared memory. The slots alternate between
+// rows: a block writes row i + 1's partial before the others have necessarily read row i's.
+template <typename S>
+__global__ void __launch_bounds__(kLanes, kMinBlocks)
+    ClusterBwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
+                     const typename S::Bits* __restrict__ g, typename S::Bits* __restrict__ dx, int64_t rows,
+                     int64_t n, int32_t mode) {
+#ifdef JAXDET_SOFTMAX_CLUSTERS
+  using Bits = typename S::Bits;
+  constexpr int kSteps = sm::kSegmentSteps;
+  __shared__ float sh[kLanes];
+  __shared__ float slot[2], bcast;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int segments = static_cast<int>(cluster.num_blocks());
+  const int seg = static_cast<int>(cluster.block_rank());
+  const int64_t len = sm::segment_length(n, seg);
+  int parity = 0;
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y, parity ^= 1) {
+    const int64_t offset = row * n + seg * sm::kSegment;
+    const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
+    float v[kSteps][kVec], gv[kSteps][kVec];
+    load_span<S, kSteps>(x + offset, len, vec, v);
+    load_span<S, kSteps>(g + offset, len, vec, gv);
+    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    const float part = span_bwd_sum<kSteps>(v, gv, len, mode, sh);
+    if (threadIdx.x == 0) slot[parity] = part;
+    cluster.sync();
+    const float total = cluster_tree_sum(cluster, &slot[parity], segments, &bcast);
+    write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
+  }
+  cluster.sync();  // no block leaves while another may still read its slots
+#endif
+}
+
 // ---- Cross-entropy backward: elementwise, one block per (row, segment). ----
 template <typename S, int kSteps>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
@@ -409,6 +561,85 @@ unsigned GridFor(int64_t items) {
     CALL;                          \
   }
 
+// The most segments a row may have to run as one cluster (16 blocks: a non-portable cluster size,
+// which Hopper allows).
+constexpr int kMaxClusterSegments = 16;
+
+template <typename Kernel>
+bool ClusterLaunchable(Kernel kernel, int segments, int device) {
+  int supported = 0;
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device) != cudaSuccess || !supported) {
+    cudaGetLastError();
+    return false;
+  }
+  if (segments > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(segments);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(segments), 1, 1);
+  cfg.blockDim = dim3(kLanes, 1, 1);
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return clusters > 0;
+}
+
+// Whether rows of `segments` segments run as one cluster of kKernel's blocks per row on the current
+// device: clusters supported and schedulable, and not turned off by JAXDET_TESTING=softmax=passes
+// (which makes a Hopper GPU run the pass kernels, as an Ampere GPU does). Asked once per (device,
+// segment count). Either path computes the same bits.
+template <auto kKernel>
+bool UseClusters(int64_t segments) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices][kMaxClusterSegments + 1];  // 0 unknown, 1 yes, 2 no
+  static const bool passes_forced = [] {
+    const std::string* v = testing_override("softmax");
+    return v != nullptr && *v == "passes";
+  }();
+  if (passes_forced || segments < 2 || segments > kMaxClusterSegments) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  std::atomic<int>& state = known[device][segments];
+  if (state.load(std::memory_order_relaxed) == 0) {
+    state.store(ClusterLaunchable(kKernel, static_cast<int>(segments), device) ? 1 : 2, std::memory_order_relaxed);
+  }
+  return state.load(std::memory_order_relaxed) == 1;
+}
+
+// Rows per cluster grid (more take a grid-stride loop): thousands of clusters, many waves.
+constexpr int64_t kClusterGridRows = 2048;
+
+// One cluster of `segments` blocks per row (grid-stride over rows in y).
+template <typename... Params, typename... Args>
+void LaunchClusters(void (*kernel)(Params...), int64_t segments, int64_t rows, cudaStream_t stream,
+                    Args... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(segments);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(segments), static_cast<unsigned>(std::min(rows, kClusterGridRows)), 1);
+  cfg.blockDim = dim3(kLanes, 1, 1);
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  cudaLaunchKernelEx(&cfg, kernel, args...);  // an error is left for last_launch_error
+}
+
 template <typename S>
 void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats, float* ws, int64_t rows,
                       int64_t n, int32_t mode) {
@@ -421,9 +652,16 @@ void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats,
         n, (SoftmaxFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, yp, stats, rows, n, mode)));
     return;
   }
+  if (UseClusters<ClusterFwdKernel<S, false>>(segments)) {
+    LaunchClusters(ClusterFwdKernel<S, false>, segments, rows, stream, xp, yp, static_cast<const int32_t*>(nullptr),
+                   static_cast<float*>(nullptr), stats, rows, n, mode);
+    return;
+  }
   auto* pairs = reinterpret_cast<float2*>(ws);
-  SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  RowStatsKernel<<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(pairs, stats, rows, segments);
+  SegmentMaxKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
+  SegmentExpSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
+  RowStatsKernel<S, false><<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(xp, nullptr, pairs, nullptr, stats,
+                                                                           rows, n, false);
   SoftmaxOutKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, yp, rows, n, mode);
 }
 
@@ -438,6 +676,10 @@ void LaunchSoftmaxBwd(cudaStream_t stream, const void* x, const float* stats, co
   if (segments == 1) {
     JAXDET_WITH_STEPS(n, (SoftmaxBwdFusedKernel<S, kSteps>
                           <<<GridFor(rows), kLanes, 0, stream>>>(xp, stats, gp, dp, rows, n, mode)));
+    return;
+  }
+  if (UseClusters<ClusterBwdKernel<S>>(segments)) {
+    LaunchClusters(ClusterBwdKernel<S>, segments, rows, stream, xp, stats, gp, dp, rows, n, mode);
     return;
   }
   SegmentBwdSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, gp, ws, rows, n, mode);
@@ -455,9 +697,15 @@ void LaunchXentFwd(cudaStream_t stream, const void* x, const int32_t* labels, fl
                           <<<GridFor(rows), kLanes, 0, stream>>>(xp, labels, out, stats, rows, n, log_prob)));
     return;
   }
+  if (UseClusters<ClusterFwdKernel<S, true>>(segments)) {
+    LaunchClusters(ClusterFwdKernel<S, true>, segments, rows, stream, xp, static_cast<Bits*>(nullptr), labels, out,
+                   stats, rows, n, static_cast<int32_t>(log_prob));
+    return;
+  }
   auto* pairs = reinterpret_cast<float2*>(ws);
-  SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  XentOutKernel<S>
+  SegmentMaxKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
+  SegmentExpSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
+  RowStatsKernel<S, true>
       <<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(xp, labels, pairs, out, stats, rows, n, log_prob);
 }
 

@@ -2,11 +2,13 @@
 // for host and device (docs/softmax.md states them; jaxdet/_row_reference.py re-implements them).
 //
 // A row of n elements is cut into segments of kSegment elements (the last may be short; a row of
-// at most kSegment elements is one segment). Per segment: m = max (order-free, detmath::max) and
-// s = the canonical span sum (det_math.h) of e^(x - m) (s = 0 when m = -inf). The segments' (m, s)
-// pairs are combined by the canonical padded tree (detmath::tree_fold) with detmath::merge, giving
-// the row's (M, S). Sums in the backward (of g * p, or of g) use the same segments and tree, with
-// plain addition. Everything is float32, rounded after every operation.
+// at most kSegment elements is one segment). M = the row's max (order-free, detmath::max). Per
+// segment, s = the canonical span sum (det_math.h) of e^(x - M) (every term 0 when M = -inf); the
+// segments' sums are combined by the canonical padded tree (detmath::tree_fold) with plain
+// addition, giving S. Every other row sum (of g * p, or of g, in the backward) uses the same
+// segments and tree. Everything is float32, rounded after every operation. M first and one
+// exponential per element (not per-segment maxima merged by rescaling): a kernel that holds a
+// segment computes each e^(x - M) once and keeps it for softmax's output.
 #pragma once
 
 #include <cstdint>
@@ -63,13 +65,8 @@ JAXDET_HD float xent_bwd(float g, float p, bool is_label, bool valid) {
   return dm::mul(g, is_label ? dm::sub(p, 1.0f) : p);
 }
 
-// The (m, s) of one segment from its max m and its lane sum (already reduced).
-JAXDET_HD dm::MaxSum segment_stats(float m, float lane_sum) {
-  return dm::MaxSum{m, m == dm::neg_inf() ? 0.0f : lane_sum};
-}
-
-// The term a segment's sum folds for element x: e^(x - m) (0 for a segment whose max is -inf).
-JAXDET_HD float exp_term(float x, float m) { return m == dm::neg_inf() ? 0.0f : dm::exp(dm::sub(x, m)); }
+// The term S sums for element x: e^(x - M) (0 for a row whose max is -inf).
+JAXDET_HD float exp_term(float x, float M) { return M == dm::neg_inf() ? 0.0f : dm::exp(dm::sub(x, M)); }
 
 }  // namespace softmax
 }  // namespace jaxdet
