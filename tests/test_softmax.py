@@ -286,8 +286,18 @@ def test_bad_inputs_raise_clear_errors():
 # Up to 8192: one segment; 8193 ... 131072: 2-16 segments (one cluster per row on Hopper); 140001:
 # 18 segments (the pass kernels everywhere).
 GPU_SHAPES = (
-    (1, 1), (3, 5), (5, 300), (64, 1024), (9, 1027), (130, 4096), (9, 8192), (4, 8193), (70, 40961),
-    (3, 128256), (2, 131072), (2, 140001),
+    (1, 1),
+    (3, 5),
+    (5, 300),
+    (64, 1024),
+    (9, 1027),
+    (130, 4096),
+    (9, 8192),
+    (4, 8193),
+    (70, 40961),
+    (3, 128256),
+    (2, 131072),
+    (2, 140001),
 )
 # Rows of 2-16 segments, including more rows than one cluster grid has (2048: a grid-stride loop).
 CLUSTER_SHAPES = ((4, 8193), (2100, 8200), (5, 57345), (3, 128256), (2, 131072))
@@ -335,7 +345,11 @@ def test_gpu_cluster_and_pass_kernels_agree(on_gpu):
         here.append(hashlib.sha1(np.asarray(out).tobytes() + np.asarray(dx).tobytes()).hexdigest())
     env = dict(os.environ, JAXDET_TESTING="softmax=passes")
     r = subprocess.run(
-        [sys.executable, "-c", _PASSES_SCRIPT, repr(cases)], env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", _PASSES_SCRIPT, repr(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
         cwd=tempfile.gettempdir(),
     )
     assert r.returncode == 0, r.stderr[-3000:]

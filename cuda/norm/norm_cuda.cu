@@ -271,7 +271,8 @@ __global__ void __launch_bounds__(kLanes)
   if (c0 >= n) return;
   // Every row's column c0 is vector aligned when n is a multiple of kVec and the bases are.
   const bool vec = n % kVec == 0 && dm::vec_aligned<Bits>(x) && dm::vec_aligned<Bits>(g);
-  const bool out_vec = n % kVec == 0 && dm::vec_aligned<float>(pw) && (pb == nullptr || dm::vec_aligned<float>(pb));
+  const bool out_vec =
+      n % kVec == 0 && dm::vec_aligned<float>(pw) && (pb == nullptr || dm::vec_aligned<float>(pb));
   const int64_t blocks = (rows + kB - 1) / kB;
   for (int64_t q = blockIdx.y; q < groups * blocks; q += gridDim.y) {
     const int64_t grp = q / blocks, blk = q % blocks;
@@ -354,10 +355,10 @@ void LaunchFwd(cudaStream_t stream, const void* x, const float* w, const float* 
   auto* yp = static_cast<Bits*>(y);
   const unsigned grid = RowGrid(a.rows);
   const bool aligned = AllVectorAligned(a.n, {x, y, w, b});
-#define JAXDET_NORM_FWD(STEPS)                                                                               \
-  if (aligned && a.n == (STEPS) * kStep) {                                                                  \
+#define JAXDET_NORM_FWD(STEPS)                                                                                 \
+  if (aligned && a.n == (STEPS) * kStep) {                                                                     \
     NormFwdKernel<S, STEPS, true><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias); \
-  } else {                                                                                                   \
+  } else {                                                                                                     \
     NormFwdKernel<S, STEPS><<<grid, kLanes, 0, stream>>>(xp, w, b, yp, stats, a, eps, center, has_bias);       \
   }
   if (a.n <= 1 * kStep) {
@@ -383,10 +384,10 @@ void LaunchBwd(cudaStream_t stream, const void* x, const float* w, const float* 
   auto* dp = static_cast<Bits*>(dx);
   const unsigned grid = RowGrid(a.rows);
   const bool aligned = AllVectorAligned(a.n, {x, w, g, dx});
-#define JAXDET_NORM_BWD(STEPS)                                                                  \
-  if (aligned && a.n == (STEPS) * kStep) {                                                     \
+#define JAXDET_NORM_BWD(STEPS)                                                                   \
+  if (aligned && a.n == (STEPS) * kStep) {                                                       \
     NormBwdKernel<S, STEPS, true><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center); \
-  } else {                                                                                      \
+  } else {                                                                                       \
     NormBwdKernel<S, STEPS><<<grid, kLanes, 0, stream>>>(xp, w, stats, gp, dp, a, center);       \
   }
   if (a.n <= 1 * kStep) {

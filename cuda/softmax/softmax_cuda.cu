@@ -15,9 +15,8 @@
 // Layouts as in softmax_cpu.cc; the workspace is float32 [R, segments, 2] (forward) or
 // [R, segments] (backward) when rows have several segments, else empty (the cluster kernels leave
 // it untouched).
-#include <cuda_runtime.h>
-
 #include <cooperative_groups.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
@@ -572,7 +571,8 @@ bool ClusterLaunchable(Kernel kernel, int segments, int device) {
     cudaGetLastError();
     return false;
   }
-  if (segments > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+  if (segments > 8 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
@@ -624,8 +624,7 @@ constexpr int64_t kClusterGridRows = 2048;
 
 // One cluster of `segments` blocks per row (grid-stride over rows in y).
 template <typename... Params, typename... Args>
-void LaunchClusters(void (*kernel)(Params...), int64_t segments, int64_t rows, cudaStream_t stream,
-                    Args... args) {
+void LaunchClusters(void (*kernel)(Params...), int64_t segments, int64_t rows, cudaStream_t stream, Args... args) {
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim.x = static_cast<unsigned>(segments);
@@ -653,15 +652,15 @@ void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats,
     return;
   }
   if (UseClusters<ClusterFwdKernel<S, false>>(segments)) {
-    LaunchClusters(ClusterFwdKernel<S, false>, segments, rows, stream, xp, yp, static_cast<const int32_t*>(nullptr),
-                   static_cast<float*>(nullptr), stats, rows, n, mode);
+    LaunchClusters(ClusterFwdKernel<S, false>, segments, rows, stream, xp, yp,
+                   static_cast<const int32_t*>(nullptr), static_cast<float*>(nullptr), stats, rows, n, mode);
     return;
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
   SegmentMaxKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
   SegmentExpSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  RowStatsKernel<S, false><<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(xp, nullptr, pairs, nullptr, stats,
-                                                                           rows, n, false);
+  RowStatsKernel<S, false>
+      <<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(xp, nullptr, pairs, nullptr, stats, rows, n, false);
   SoftmaxOutKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, yp, rows, n, mode);
 }
 
