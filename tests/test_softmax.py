@@ -299,7 +299,7 @@ GPU_SHAPES = (
     (2, 131072),
     (2, 140001),
 )
-# Rows of 2-16 segments, including more rows than one cluster grid has (2048: a grid-stride loop).
+# Rows of 2-16 segments, including more rows than clusters run at once (each walks several rows).
 CLUSTER_SHAPES = ((4, 8193), (2100, 8200), (5, 57345), (3, 128256), (2, 131072))
 
 

@@ -58,18 +58,35 @@ __device__ __forceinline__ bool in_span(int k, int j, int64_t len) {
   return k * kStep + static_cast<int>(threadIdx.x) * kVec + j < static_cast<int>(len);
 }
 
-// The maximum of the span held in v (len elements). Every thread gets it.
+// The maximum of the span held in v (len elements), as detmath::max defines it. Every thread gets
+// it. fmaxf (one instruction) finds the value with NaN tracked apart; only a zero maximum, whose
+// sign fmaxf may get wrong (+0 if any element is +0), is settled by the exact walk.
 template <int kSteps>
 __device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_t len, float* sh) {
   float m = dm::neg_inf();
+  bool any_nan = false;
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      if (in_span(k, j, len)) m = dm::max(m, v[k][j]);
+      if (in_span(k, j, len)) {
+        m = fmaxf(m, v[k][j]);
+        any_nan |= v[k][j] != v[k][j];
+      }
     }
   }
-  return dm::block_max(m, sh);
+  if (__syncthreads_or(any_nan)) return dm::nan();
+  m = dm::block_max(m, sh);
+  if (m != 0.0f) return m;
+  float exact = dm::neg_inf();
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (in_span(k, j, len)) exact = dm::max(exact, v[k][j]);
+    }
+  }
+  return dm::block_max(exact, sh);
 }
 
 // The span's sum of e^(x - M) (its part of S). Every thread gets it. With keep_exp, v's elements
@@ -207,6 +224,49 @@ __device__ __forceinline__ float cluster_tree_sum(const cg::cluster_group& clust
   __syncthreads();
   return *bcast;
 }
+
+// The next row's segment is copied into shared memory (cp.async) while this row is computed: each
+// thread stages exactly the vectors it will read itself, so it waits for its own copies only, and
+// it issues the next copy into the same buffer after converting this row's values to registers.
+template <typename Bits>
+__device__ __forceinline__ void stage_span(typename dm::Vec<Bits>* __restrict__ stage,
+                                           const Bits* __restrict__ src, int64_t len) {
+  constexpr int kSteps = sm::kSegmentSteps;
+  if (dm::vec_aligned<Bits>(src)) {
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
+      if (base + kVec <= len) {
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + base / kVec));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src + base),
+                     "n"(sizeof(dm::Vec<Bits>)));
+      }
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// The staged span into v (elements past len read as 0); vectors that were not staged (a short
+// vector at the end, a misaligned row) come from global memory.
+template <typename S>
+__device__ __forceinline__ void load_staged(const typename dm::Vec<typename S::Bits>* __restrict__ stage,
+                                            const typename S::Bits* __restrict__ src, int64_t len,
+                                            float (&v)[sm::kSegmentSteps][kVec]) {
+  using Bits = typename S::Bits;
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  const bool vec = dm::vec_aligned<Bits>(src);
+#pragma unroll
+  for (int k = 0; k < sm::kSegmentSteps; ++k) {
+    const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
+    if (vec && base + kVec <= len) {
+      const dm::Vec<Bits> t = stage[base / kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[k][j] = S::load(t.e[j]);
+    } else {
+      dm::load_lane<S>(src, base, len, false, 0.0f, v[k]);
+    }
+  }
+}
 #endif
 
 // Block r of a row's cluster holds segment r: its max, then (after the cluster's M) its sum of
@@ -224,15 +284,18 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
   __shared__ float slot_max, slot_sum, bcast;
+  __shared__ dm::Vec<Bits> stage[sm::kSegment / kVec];
   const cg::cluster_group cluster = cg::this_cluster();
   const int segments = static_cast<int>(cluster.num_blocks());
   const int seg = static_cast<int>(cluster.block_rank());
   const int64_t len = sm::segment_length(n, seg);
   const bool numerators = !kXent && mode == sm::kSoftmax;
+  if (blockIdx.y < rows) stage_span<Bits>(stage, x + int64_t{blockIdx.y} * n + seg * sm::kSegment, len);
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const int64_t offset = row * n + seg * sm::kSegment;
     float v[kSteps][kVec];
-    load_span<S, kSteps>(x + offset, len, dm::vec_aligned<Bits>(x + offset), v);
+    load_staged<S>(stage, x + offset, len, v);
+    if (row + gridDim.y < rows) stage_span<Bits>(stage, x + offset + int64_t{gridDim.y} * n, len);
     const float m = span_max<kSteps>(v, len, sh);
     if (threadIdx.x == 0) slot_max = m;
     cluster.sync();
@@ -476,17 +539,28 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
   __shared__ float slot[2], bcast;
+  extern __shared__ __align__(16) unsigned char stage_bytes[];  // x's segment, then g's
+  auto* stage_x = reinterpret_cast<dm::Vec<Bits>*>(stage_bytes);
+  dm::Vec<Bits>* stage_g = stage_x + sm::kSegment / kVec;
   const cg::cluster_group cluster = cg::this_cluster();
   const int segments = static_cast<int>(cluster.num_blocks());
   const int seg = static_cast<int>(cluster.block_rank());
   const int64_t len = sm::segment_length(n, seg);
+  if (blockIdx.y < rows) {
+    const int64_t first = int64_t{blockIdx.y} * n + seg * sm::kSegment;
+    stage_span<Bits>(stage_x, x + first, len);
+    stage_span<Bits>(stage_g, g + first, len);
+  }
   int parity = 0;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y, parity ^= 1) {
     const int64_t offset = row * n + seg * sm::kSegment;
-    const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
     float v[kSteps][kVec], gv[kSteps][kVec];
-    load_span<S, kSteps>(x + offset, len, vec, v);
-    load_span<S, kSteps>(g + offset, len, vec, gv);
+    load_staged<S>(stage_x, x + offset, len, v);
+    load_staged<S>(stage_g, g + offset, len, gv);
+    if (row + gridDim.y < rows) {
+      stage_span<Bits>(stage_x, x + offset + int64_t{gridDim.y} * n, len);
+      stage_span<Bits>(stage_g, g + offset + int64_t{gridDim.y} * n, len);
+    }
     to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
     const float part = span_bwd_sum<kSteps>(v, gv, len, mode, sh);
     if (threadIdx.x == 0) slot[parity] = part;
@@ -564,17 +638,25 @@ unsigned GridFor(int64_t items) {
 // which Hopper allows).
 constexpr int kMaxClusterSegments = 16;
 
+// Dynamic shared memory of ClusterBwdKernel: the staged segments of x and g.
+template <typename S>
+constexpr size_t kBwdStageBytes = 2 * sm::kSegment * sizeof(typename S::Bits);
+
+// How many clusters of `segments` blocks of `kernel` (with `smem` bytes of dynamic shared memory)
+// the current device runs at once; 0 if it cannot run them.
 template <typename Kernel>
-bool ClusterLaunchable(Kernel kernel, int segments, int device) {
+int ActiveClusters(Kernel kernel, int segments, size_t smem, int device) {
   int supported = 0;
   if (cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device) != cudaSuccess || !supported) {
     cudaGetLastError();
-    return false;
+    return 0;
   }
-  if (segments > 8 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+  if ((segments > 8 &&
+       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) ||
+      (smem > 0 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)) != cudaSuccess)) {
     cudaGetLastError();
-    return false;
+    return 0;
   }
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -584,55 +666,56 @@ bool ClusterLaunchable(Kernel kernel, int segments, int device) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(segments), 1, 1);
   cfg.blockDim = dim3(kLanes, 1, 1);
+  cfg.dynamicSmemBytes = smem;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
     cudaGetLastError();
-    return false;
+    return 0;
   }
-  return clusters > 0;
+  return std::max(clusters, 0);
 }
 
-// Whether rows of `segments` segments run as one cluster of kKernel's blocks per row on the current
-// device: clusters supported and schedulable, and not turned off by JAXDET_TESTING=softmax=passes
-// (which makes a Hopper GPU run the pass kernels, as an Ampere GPU does). Asked once per (device,
-// segment count). Either path computes the same bits.
+// How many clusters of kKernel's blocks to launch for rows of `segments` segments on the current
+// device (as many as run at once: each walks its rows, staging the next while computing this one),
+// or 0 for the pass kernels: clusters not supported or not schedulable, or turned off by
+// JAXDET_TESTING=softmax=passes (which makes a Hopper GPU run the pass kernels, as an Ampere GPU
+// does). Asked once per (device, segment count). Either path computes the same bits.
 template <auto kKernel>
-bool UseClusters(int64_t segments) {
+int ClusterGrid(int64_t segments, size_t smem) {
   constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices][kMaxClusterSegments + 1];  // 0 unknown, 1 yes, 2 no
+  static std::atomic<int> known[kDevices][kMaxClusterSegments + 1];  // 0 unknown, else 1 + clusters
   static const bool passes_forced = [] {
     const std::string* v = testing_override("softmax");
     return v != nullptr && *v == "passes";
   }();
-  if (passes_forced || segments < 2 || segments > kMaxClusterSegments) return false;
+  if (passes_forced || segments < 2 || segments > kMaxClusterSegments) return 0;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) {
     cudaGetLastError();
-    return false;
+    return 0;
   }
   std::atomic<int>& state = known[device][segments];
   if (state.load(std::memory_order_relaxed) == 0) {
-    state.store(ClusterLaunchable(kKernel, static_cast<int>(segments), device) ? 1 : 2, std::memory_order_relaxed);
+    state.store(1 + ActiveClusters(kKernel, static_cast<int>(segments), smem, device), std::memory_order_relaxed);
   }
-  return state.load(std::memory_order_relaxed) == 1;
+  return state.load(std::memory_order_relaxed) - 1;
 }
 
-// Rows per cluster grid (more take a grid-stride loop): thousands of clusters, many waves.
-constexpr int64_t kClusterGridRows = 2048;
-
-// One cluster of `segments` blocks per row (grid-stride over rows in y).
+// `clusters` clusters of `segments` blocks (at most one per row), grid-stride over rows in y.
 template <typename... Params, typename... Args>
-void LaunchClusters(void (*kernel)(Params...), int64_t segments, int64_t rows, cudaStream_t stream, Args... args) {
+void LaunchClusters(void (*kernel)(Params...), int64_t segments, int64_t rows, int clusters, size_t smem,
+                    cudaStream_t stream, Args... args) {
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim.x = static_cast<unsigned>(segments);
   attr.val.clusterDim.y = 1;
   attr.val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(segments), static_cast<unsigned>(std::min(rows, kClusterGridRows)), 1);
+  cfg.gridDim = dim3(static_cast<unsigned>(segments), static_cast<unsigned>(std::min<int64_t>(rows, clusters)), 1);
   cfg.blockDim = dim3(kLanes, 1, 1);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
@@ -651,8 +734,8 @@ void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats,
         n, (SoftmaxFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, yp, stats, rows, n, mode)));
     return;
   }
-  if (UseClusters<ClusterFwdKernel<S, false>>(segments)) {
-    LaunchClusters(ClusterFwdKernel<S, false>, segments, rows, stream, xp, yp,
+  if (const int clusters = ClusterGrid<ClusterFwdKernel<S, false>>(segments, 0); clusters > 0) {
+    LaunchClusters(ClusterFwdKernel<S, false>, segments, rows, clusters, 0, stream, xp, yp,
                    static_cast<const int32_t*>(nullptr), static_cast<float*>(nullptr), stats, rows, n, mode);
     return;
   }
@@ -677,8 +760,9 @@ void LaunchSoftmaxBwd(cudaStream_t stream, const void* x, const float* stats, co
                           <<<GridFor(rows), kLanes, 0, stream>>>(xp, stats, gp, dp, rows, n, mode)));
     return;
   }
-  if (UseClusters<ClusterBwdKernel<S>>(segments)) {
-    LaunchClusters(ClusterBwdKernel<S>, segments, rows, stream, xp, stats, gp, dp, rows, n, mode);
+  if (const int clusters = ClusterGrid<ClusterBwdKernel<S>>(segments, kBwdStageBytes<S>); clusters > 0) {
+    LaunchClusters(ClusterBwdKernel<S>, segments, rows, clusters, kBwdStageBytes<S>, stream, xp, stats, gp, dp,
+                   rows, n, mode);
     return;
   }
   SegmentBwdSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, gp, ws, rows, n, mode);
@@ -696,9 +780,9 @@ void LaunchXentFwd(cudaStream_t stream, const void* x, const int32_t* labels, fl
                           <<<GridFor(rows), kLanes, 0, stream>>>(xp, labels, out, stats, rows, n, log_prob)));
     return;
   }
-  if (UseClusters<ClusterFwdKernel<S, true>>(segments)) {
-    LaunchClusters(ClusterFwdKernel<S, true>, segments, rows, stream, xp, static_cast<Bits*>(nullptr), labels, out,
-                   stats, rows, n, static_cast<int32_t>(log_prob));
+  if (const int clusters = ClusterGrid<ClusterFwdKernel<S, true>>(segments, 0); clusters > 0) {
+    LaunchClusters(ClusterFwdKernel<S, true>, segments, rows, clusters, 0, stream, xp, static_cast<Bits*>(nullptr),
+                   labels, out, stats, rows, n, static_cast<int32_t>(log_prob));
     return;
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
