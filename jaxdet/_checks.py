@@ -14,6 +14,19 @@ KEY_HELP = (
 )
 
 
+FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def float_dtype_of(x, name: str) -> np.dtype:
+    """The dtype of `x`, an array of float32/bfloat16/float16; else a TypeError naming `name`."""
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
+    dtype = np.dtype(x.dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype.name}")
+    return dtype
+
+
 def is_traced(value) -> bool:
     return isinstance(value, jax.core.Tracer)
 

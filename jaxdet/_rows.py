@@ -10,18 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdet import _ffi
-from jaxdet._checks import is_traced
-
-FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+from jaxdet._checks import float_dtype_of, is_traced
 
 
 def check_float_array(x, name: str):
     """`x` as a jax array of float32/bfloat16/float16, or a TypeError naming `name`."""
-    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
-        raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
-    dtype = np.dtype(x.dtype)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype.name}")
+    float_dtype_of(x, name)
     return jnp.asarray(x)
 
 

@@ -28,14 +28,14 @@ import numpy as np
 from jax import lax
 
 from jaxdet import _ffi
-from jaxdet._checks import check_static_float
+from jaxdet._checks import FLOAT_DTYPES, check_static_float, float_dtype_of
 
 __all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS"]
 
 KV_BLOCK = 64  # kBlock in cuda/attention/attention_math.h
 KV_SPLIT = 512  # kSplit in cuda/attention/attention_math.h
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+SUPPORTED_DTYPES = FLOAT_DTYPES
 _LOG2E = 1.4426950408889634
 
 
@@ -190,15 +190,6 @@ def _position_rows(B, T, S, causal, q_positions, kv_lengths):
 # ---- Checks. ----
 
 
-def _check_float_array(x, name):
-    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
-        raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
-    dtype = np.dtype(x.dtype)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype.name}")
-    return dtype
-
-
 def _check_int_array(x, name, shapes, help_):
     if not (hasattr(x, "dtype") and hasattr(x, "shape")):
         raise TypeError(f"{name} must be an integer array {help_}, got {type(x).__name__}")
@@ -237,7 +228,7 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     """
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a Python bool, got {type(causal).__name__}")
-    dtypes = [_check_float_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    dtypes = [float_dtype_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     if len(set(dtypes)) != 1:
         raise TypeError(
             f"q, k and v must have the same dtype, got {dtypes[0].name}, {dtypes[1].name} and {dtypes[2].name}"

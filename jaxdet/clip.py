@@ -30,12 +30,15 @@ import numpy as np
 
 from jaxdet import _clip_kernels as _kernels
 from jaxdet import _clip_parallel as _parallel
-from jaxdet._checks import is_traced  # noqa: F401 (re-exported for jaxdet.optax)
+from jaxdet._checks import (
+    FLOAT_DTYPES,
+    is_traced,  # noqa: F401 (re-exported for jaxdet.optax)
+)
 
 __all__ = ["clip_by_global_norm", "global_norm", "CHUNK_SIZE", "NONFINITE_POLICIES"]
 
 CHUNK_SIZE = _kernels.CHUNK_SIZE  # elements per chunk (cuda/clip/clip_math.h kChunk)
-SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+SUPPORTED_DTYPES = FLOAT_DTYPES
 NONFINITE_POLICIES = {"propagate": 0, "skip": 1}  # cuda/clip/clip_math.h Policy
 _LEAF_FORM = "a float32, bfloat16 or float16 array"
 

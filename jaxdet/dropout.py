@@ -21,6 +21,7 @@ from jaxdet._checks import (
     check_philox_key,
     check_static_float,
     check_static_int,
+    float_dtype_of,
     is_traced,
 )
 
@@ -239,11 +240,7 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
     Under sharded ``jax.jit``, a sharded ``x`` draws the unsharded mask with no collective
     (docs/sharding.md).
     """
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not hasattr(x, "shape"):
-        raise TypeError(f"x must be a JAX or NumPy array, got {type(x).__name__}")
-    if not any(np.dtype(dtype) == np.dtype(d) for d in SUPPORTED_DTYPES):
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {np.dtype(dtype).name}")
+    float_dtype_of(x, "x")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a Python bool, got {type(deterministic).__name__}")
     rate = check_static_float(rate, "rate")

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdet import _ffi
+from jaxdet._checks import FLOAT_DTYPES, float_dtype_of
 
 __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
 
@@ -41,7 +42,7 @@ __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYP
 # bitwise (see matmul_weight_grad).
 WGRAD_CHUNK_TOKENS = 8192
 
-SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+SUPPORTED_DTYPES = FLOAT_DTYPES
 _F32 = np.dtype(jnp.float32)
 
 
@@ -460,15 +461,6 @@ def _matmul_rows(a, b, out_dtype):
 # ---- Checks shared by the public functions. ----
 
 
-def _check_array(x, name):
-    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
-        raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
-    dtype = np.dtype(x.dtype)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype.name}")
-    return dtype
-
-
 def _check_same_dtype(a_dtype, b_dtype, names):
     if a_dtype != b_dtype:
         raise TypeError(
@@ -508,8 +500,8 @@ def matmul(a, b, *, preferred_element_type=None):
     Raises TypeError for unsupported or mixed dtypes and a bad ``preferred_element_type``,
     ValueError for ranks below 2 and for mismatched K (naming both shapes).
     """
-    a_dtype = _check_array(a, "a")
-    b_dtype = _check_array(b, "b")
+    a_dtype = float_dtype_of(a, "a")
+    b_dtype = float_dtype_of(b, "b")
     _check_same_dtype(a_dtype, b_dtype, ("a", "b"))
     out_dtype = _out_dtype(a_dtype, preferred_element_type)
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
@@ -563,8 +555,8 @@ def matmul_weight_grad(a, dc, acc=None):
     micro-batches of one chunk each gives the same bits too. Appending zero rows (padding tokens)
     to ``a`` and ``dc`` does not change the result.
     """
-    a_dtype = _check_array(a, "a")
-    dc_dtype = _check_array(dc, "dc")
+    a_dtype = float_dtype_of(a, "a")
+    dc_dtype = float_dtype_of(dc, "dc")
     _check_same_dtype(a_dtype, dc_dtype, ("a", "dc"))
     a_shape, dc_shape = tuple(a.shape), tuple(dc.shape)
     if len(a_shape) < 1 or len(dc_shape) < 1 or a_shape[:-1] != dc_shape[:-1]:
