@@ -2,6 +2,7 @@
 plain JAX, side by side (Step 8's full-model ratio; docs/reference_decoder.md).
 
     python benchmarks/decoder_step_bench.py                    # GPU: d=2048, 16 layers, seq 2048, batch 8, bf16
+    python benchmarks/decoder_step_bench.py --remat            # each block under jax.checkpoint (both)
     python benchmarks/decoder_step_bench.py --allow-cpu --small  # smoke test without a GPU
 
 Both models have the parameters of ``jaxdet.models.decoder.init`` and the same architecture
@@ -31,7 +32,7 @@ from jaxdet.models import decoder  # noqa: E402
 LR = 1e-3
 
 
-def plain_losses(params, tokens, targets, cfg):
+def plain_losses(params, tokens, targets, cfg, remat=False):
     """The reference decoder's architecture in plain JAX: per-token losses [batch, seq]."""
 
     def rms_norm(x, scale):
@@ -39,27 +40,30 @@ def plain_losses(params, tokens, targets, cfg):
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.eps)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
-    b, s = tokens.shape
-    x = params["tok"][tokens] + params["pos"][jnp.arange(s)][None]
-    dh = cfg.d_model // cfg.heads
-    for block in params["blocks"]:
-        qkv = (rms_norm(x, block["norm1"]) @ block["qkv"]).reshape(b, s, 3, cfg.heads, dh)
+    def block_forward(x, block):
+        b, s, _ = x.shape
+        qkv = (rms_norm(x, block["norm1"]) @ block["qkv"]).reshape(b, s, 3, cfg.heads, cfg.d_model // cfg.heads)
         out = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
         x = x + out.reshape(b, s, cfg.d_model) @ block["proj"]
-        x = x + jax.nn.gelu(rms_norm(x, block["norm2"]) @ block["up"]) @ block["down"]
+        return x + jax.nn.gelu(rms_norm(x, block["norm2"]) @ block["up"]) @ block["down"]
+
+    step = jax.checkpoint(block_forward) if remat else block_forward
+    x = params["tok"][tokens] + params["pos"][jnp.arange(tokens.shape[1])][None]
+    for block in params["blocks"]:
+        x = step(x, block)
     hidden = rms_norm(x, params["norm"])
     logits = jnp.dot(hidden, params["out"], preferred_element_type=jnp.float32)
     logp = jax.nn.log_softmax(logits)
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def jaxdet_losses(params, tokens, targets, cfg):
-    return decoder.token_losses(params, decoder.embed(params, tokens, cfg), targets, cfg)
+def jaxdet_losses(params, tokens, targets, cfg, remat=False):
+    return decoder.token_losses(params, decoder.embed(params, tokens, cfg), targets, cfg, remat=remat)
 
 
-def make_step(losses, cfg):
+def make_step(losses, cfg, remat):
     def loss(params, tokens, targets):
-        return jnp.mean(losses(params, tokens, targets, cfg))
+        return jnp.mean(losses(params, tokens, targets, cfg, remat))
 
     def step(params, tokens, targets):
         value, grads = jax.value_and_grad(loss)(params, tokens, targets)
@@ -75,6 +79,7 @@ def main():
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--remat", action="store_true", help="each block under jax.checkpoint, in both models")
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
     device = jax.devices()[0]
@@ -100,12 +105,13 @@ def main():
     print(
         f"device: {device.device_kind}; jax {jax.__version__}; d_model {cfg.d_model}, {cfg.layers} layers, "
         f"heads {cfg.heads}, d_ff {cfg.d_ff}, vocab {cfg.vocab}, batch {batch}, seq {seq}, "
-        f"{jnp.dtype(cfg.dtype).name}; SGD step, median of {args.reps} x 2 steps\n"
+        f"{jnp.dtype(cfg.dtype).name}; SGD step{', blocks rematerialized' if args.remat else ''}, "
+        f"median of {args.reps} x 2 steps\n"
     )
     print("| model | step ms |\n|---|---|", flush=True)
     times = {}
     for name, losses in (("plain JAX", plain_losses), ("jaxdet", jaxdet_losses)):
-        step = make_step(losses, cfg)
+        step = make_step(losses, cfg, args.remat)
         # (init shares one array among the norm scales: a distinct buffer each, for donation)
         state = {"params": jax.tree.map(jnp.copy, decoder.init(key, cfg))}
 

@@ -151,6 +151,23 @@ def test_extend_with_per_sequence_positions(norms):
     assert_bitwise_equal(logits[1, 0], train[1, 6])
 
 
+def test_remat_gives_the_same_bits(norms):
+    """Each block under jax.checkpoint (forward(remat=True)): the same losses and gradients, bitwise."""
+    cfg, params, tokens = _setup(jnp.bfloat16)
+    x = decoder.embed(params, tokens[:8, :-1], cfg)
+
+    def loss_and_grads(remat):
+        def loss(params, x):
+            return jnp.sum(decoder.token_losses(params, x, tokens[:8, 1:], cfg, remat=remat))
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+    got, want = jax.tree.leaves(loss_and_grads(True)), jax.tree.leaves(loss_and_grads(False))
+    assert len(got) == len(want) > 2
+    for a, b in zip(got, want):
+        assert_bitwise_equal(a, b, "remat vs plain")
+
+
 def test_deterministic(norms):
     cfg, params, tokens = _setup()
     assert_deterministic(lambda p, t: decoder.token_log_probs(p, t, cfg), params, tokens[:16], runs=2, recompile=True)

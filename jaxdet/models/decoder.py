@@ -27,6 +27,7 @@ __all__ = [
     "DecoderConfig",
     "init",
     "embed",
+    "block_forward",
     "forward",
     "logits",
     "token_losses",
@@ -130,13 +131,20 @@ def _mlp(x, block):
     return jaxdet.matmul(jax.nn.gelu(jaxdet.matmul(x, block["up"])), block["down"])
 
 
-def forward(params, x, cfg: DecoderConfig):
+def block_forward(x, block, cfg: DecoderConfig):
+    """One pre-norm transformer block (causal attention, then the MLP) on ``[batch, seq, d_model]``."""
+    q, k, v = _qkv(jaxdet.rms_norm(x, block["norm1"], cfg.eps), block, cfg)
+    x = x + _attention_out(jaxdet.attention(q, k, v), block)
+    return x + _mlp(jaxdet.rms_norm(x, block["norm2"], cfg.eps), block)
+
+
+def forward(params, x, cfg: DecoderConfig, *, remat: bool = False):
     """Pre-norm transformer blocks over embeddings ``x`` ``[batch, seq, d_model]``; returns the
-    final hidden states (normalized), ``[batch, seq, d_model]``."""
+    final hidden states (normalized), ``[batch, seq, d_model]``. ``remat``: each block under
+    ``jax.checkpoint`` (its activations recomputed in the backward; the same bits)."""
+    step = jax.checkpoint(block_forward, static_argnums=2) if remat else block_forward
     for block in params["blocks"]:
-        q, k, v = _qkv(jaxdet.rms_norm(x, block["norm1"], cfg.eps), block, cfg)
-        x = x + _attention_out(jaxdet.attention(q, k, v), block)
-        x = x + _mlp(jaxdet.rms_norm(x, block["norm2"], cfg.eps), block)
+        x = step(x, block, cfg)
     return jaxdet.rms_norm(x, params["norm"], cfg.eps)
 
 
@@ -146,10 +154,10 @@ def logits(params, tokens, cfg: DecoderConfig):
     return jaxdet.matmul(hidden, params["out"], preferred_element_type=jnp.float32)
 
 
-def token_losses(params, x, targets, cfg: DecoderConfig):
+def token_losses(params, x, targets, cfg: DecoderConfig, *, remat: bool = False):
     """Per-token cross-entropy ``[batch, seq]`` of ``targets`` given embeddings ``x`` (differentiable
-    in ``x``: the input gradient whose rows the tests compare)."""
-    hidden = forward(params, x, cfg)
+    in ``x``: the input gradient whose rows the tests compare); ``remat`` as in ``forward``."""
+    hidden = forward(params, x, cfg, remat=remat)
     out = jaxdet.matmul(hidden, params["out"], preferred_element_type=jnp.float32)
     return jaxdet.softmax_cross_entropy(out, targets)
 
