@@ -60,11 +60,12 @@ def test_norm_param_grads_in_shard_map_are_device_count_invariant(kind, dtype):
 
 
 @on_devices
+@pytest.mark.parametrize("n", [300, 8200], ids=["one-segment", "two-segments"])
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax", "cross_entropy", "label_log_probs"])
-def test_softmax_family_in_shard_map(mode):
+def test_softmax_family_in_shard_map(mode, n):
     m = mesh()
-    x = rand((16, 3, 300), seed=4) * 3
-    labels = jnp.asarray(np.random.default_rng(5).integers(0, 300, (16, 3)), jnp.int32)
+    x = rand((16, 3, n), seed=4) * 3
+    labels = jnp.asarray(np.random.default_rng(5).integers(0, n, (16, 3)), jnp.int32)
     fns = {
         "softmax": lambda x, lab: jaxdet.softmax(x),
         "log_softmax": lambda x, lab: jaxdet.log_softmax(x),

@@ -186,10 +186,11 @@ def test_cross_entropy_gradient_is_softmax_minus_one_hot():
 # ---- transformations and shapes ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("n", [300, 8200], ids=["one-segment", "two-segments"])
 @pytest.mark.parametrize("mode", MODES)
-def test_vmap_equals_loop(mode):
-    x, labels, g, gl = contracts.make_inputs(4 * 5, 300, jnp.bfloat16)
-    x, labels, g, gl = x.reshape(4, 5, 300), labels.reshape(4, 5), g.reshape(4, 5, 300), gl.reshape(4, 5)
+def test_vmap_equals_loop(mode, n):
+    x, labels, g, gl = contracts.make_inputs(4 * 5, n, jnp.bfloat16)
+    x, labels, g, gl = x.reshape(4, 5, n), labels.reshape(4, 5), g.reshape(4, 5, n), gl.reshape(4, 5)
     f = lambda x, lab, g, gl: contracts.value_and_grad(mode, x, lab, g, gl)
     loops = [f(x[i], labels[i], g[i], gl[i]) for i in range(4)]
     vm = jax.vmap(f)(x, labels, g, gl)
@@ -200,11 +201,12 @@ def test_vmap_equals_loop(mode):
         assert_bitwise(shared, jnp.stack([jaxdet.label_log_probs(x[0], labels[i]) for i in range(4)]))
 
 
-def test_remat_and_scan_give_the_plain_bits():
+@pytest.mark.parametrize("n", [300, 8200], ids=["one-segment", "two-segments"])
+def test_remat_and_scan_give_the_plain_bits(n):
     """Under jax.checkpoint and inside lax.scan (micro-batches), values and gradients keep their bits."""
     rng = np.random.default_rng(7)
-    logits = jnp.asarray(rng.standard_normal((4, 6, 300)), jnp.float32)
-    labels = jnp.asarray(rng.integers(0, 300, (4, 6)), jnp.int32)
+    logits = jnp.asarray(rng.standard_normal((4, 6, n)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, n, (4, 6)), jnp.int32)
 
     def loss(x, y):
         return jnp.sum(jaxdet.softmax_cross_entropy_with_integer_labels(x, y)) + jnp.sum(
