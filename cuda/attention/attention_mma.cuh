@@ -10,7 +10,7 @@
 // probabilities feed the P.V product without leaving registers.
 //
 // Shared-memory tiles are row-major with a pitch of D + 8 elements (16 bytes of padding), which
-// makes the 32-bit fragment loads and ldmatrix conflict-free.
+// makes ldmatrix conflict-free.
 #pragma once
 
 namespace jaxdet {
@@ -54,16 +54,43 @@ struct MmaElem<__half> {
   }
 };
 
-template <class Elem>
-__device__ __forceinline__ uint32_t lds32(const Elem* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
-
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* smem) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// The A fragment of the 16 rows at A (pitch P), columns k0 .. k0 + 15 (the layout above), in one
+// ldmatrix.
+template <int P, class Elem>
+__device__ __forceinline__ void load_a_frag(uint32_t (&a)[4], const Elem* A, int k0, int lane) {
+  ldsm_x4(a, A + ((lane & 7) + ((lane >> 3) & 1) * 8) * P + k0 + (lane >> 4) * 8);
+}
+
+// The B fragments of two adjacent 8-column tiles, n0 .. n0 + 7 (b[0], b[1]) and n0 + 8 .. n0 + 15
+// (b[2], b[3]), at k0 .. k0 + 15, from a row-major tile of B^T (row n holds column n of B).
+template <int P, class Elem>
+__device__ __forceinline__ void load_b_frags(uint32_t (&b)[4], const Elem* Bt, int n0, int k0, int lane) {
+  ldsm_x4(b, Bt + (n0 + (lane >> 4) * 8 + (lane & 7)) * P + k0 + ((lane >> 3) & 1) * 8);
+}
+
+// max_nan (attention_math.h) in one instruction: max.NaN gives the canonical NaN when either input
+// is NaN (every NaN these kernels compute is canonical already) and +0 for (+0, -0), where
+// max_nan keeps the first of two equal values. A block maximum can so differ only in the sign of
+// a zero, which no result sees: m enters as exp2(x - m) and exp2(m_old - m), the same for +0 and
+// -0, and as lse2 = m + log2(l) with log2(l) >= +0 (l >= 1: the maximum's own term is 1).
+__device__ __forceinline__ float max_nan_dev(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
 
 // 16 bytes from global to shared memory; `valid` false writes zeros and reads nothing.
@@ -80,16 +107,68 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Copies `rows` rows of D elements into a tile of pitch D + kPad; row i comes from src_row(i), or
-// is zero-filled when src_row(i) is null (`any` is then the address given to the copy, which reads
-// nothing from it).
-template <class Elem, int D, int kThreads, class RowPtr>
-__device__ __forceinline__ void load_tile(Elem* tile, int rows, const Elem* any, RowPtr src_row) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int c = threadIdx.x; c < rows * kChunks; c += kThreads) {
-    const int i = c / kChunks, col = (c - i * kChunks) * 8;
-    const Elem* src = src_row(i);
-    cp_async16(tile + i * (D + kPad) + col, src ? src + col : any, src != nullptr);
+// Copies the kBlock key/value rows first_row, first_row + row_stride, ... into a tile of pitch
+// D + kPad; rows from `valid_rows` on are zero-filled (`any` is then the address given to the
+// copy, which reads nothing from it). Each thread copies one 16-byte column chunk of every
+// (kThreads / (D / 8))-th row, so its addresses advance by a constant.
+template <class Elem, int D, int kThreads>
+__device__ __forceinline__ void load_rows_tile(Elem* tile, const Elem* first_row, int64_t row_stride,
+                                               int valid_rows, const Elem* any) {
+  constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kBlock % kStep == 0, "whole rows per pass of the threads");
+  const int i0 = static_cast<int>(threadIdx.x) / kChunks, col = (static_cast<int>(threadIdx.x) % kChunks) * 8;
+  const Elem* src = first_row + i0 * row_stride + col;
+  Elem* dst = tile + i0 * (D + kPad) + col;
+  if (valid_rows >= kBlock) {
+#pragma unroll
+    for (int n = 0; n < kBlock / kStep; ++n) {
+      cp_async16(dst + n * kStep * (D + kPad), src, true);
+      src += kStep * row_stride;
+    }
+    return;
+  }
+#pragma unroll
+  for (int n = 0; n < kBlock / kStep; ++n) {
+    const bool valid = i0 + n * kStep < valid_rows;
+    cp_async16(dst + n * kStep * (D + kPad), valid ? src : any, valid);
+    src += kStep * row_stride;
+  }
+}
+
+// t = r / G for a query row r (r < 2^31 + 64: check_grid bounds R), in 32-bit arithmetic.
+__device__ __forceinline__ int64_t row_time(const Problem& p, int64_t r) {
+  return static_cast<int64_t>(static_cast<uint32_t>(r) / static_cast<uint32_t>(p.G));
+}
+
+// Copies the query rows r0 .. r0 + kQueryRows - 1 of (b, h) (row r is (t, g) = (r / G, r % G), at
+// q_index) from `base` (q or dO) into a tile of pitch D + kPad; rows from R on are zero-filled. As in
+// load_rows_tile each thread copies one column chunk of every kStep-th row; (t, g) advances by
+// (kStep / G, kStep % G) with a carry, so the thread divides once per tile and its address moves
+// by one of two constants per row.
+template <class Elem, int D, int kThreads, int kQueryRows>
+__device__ __forceinline__ void load_query_tile(Elem* tile, const Elem* base, const Problem& p, int64_t b,
+                                                int64_t h, int64_t r0) {
+  constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kQueryRows % kStep == 0, "whole rows per pass of the threads");
+  const int i0 = static_cast<int>(threadIdx.x) / kChunks, col = (static_cast<int>(threadIdx.x) % kChunks) * 8;
+  const int G = static_cast<int>(p.G);
+  const int dg = kStep % G;
+  const int64_t time_stride = p.H * p.G * D;  // elements between the rows of consecutive times
+  const int64_t step = (kStep / G) * time_stride + int64_t{dg} * D, carry = time_stride - int64_t{G} * D;
+  const int64_t t = row_time(p, r0 + i0);
+  int g = static_cast<int>(r0 + i0 - t * G);
+  const Elem* src = base + ((b * p.T + t) * p.H + h) * G * D + int64_t{g} * D + col;
+  Elem* dst = tile + i0 * (D + kPad) + col;
+#pragma unroll
+  for (int n = 0; n < kQueryRows / kStep; ++n) {
+    const bool valid = r0 + i0 + n * kStep < p.R;
+    cp_async16(dst + n * kStep * (D + kPad), valid ? src : base, valid);
+    g += dg;
+    src += step;
+    if (g >= G) {
+      g -= G;
+      src += carry;
+    }
   }
 }
 
@@ -98,17 +177,18 @@ __device__ __forceinline__ void load_tile(Elem* tile, int rows, const Elem* any,
 template <class Elem, int D>
 __device__ __forceinline__ void rows_dot_tile(const Elem* A, const Elem* Bt, float (&s)[8][4], int lane) {
   constexpr int P = D + kPad;
-  const int grp = lane >> 2, q4 = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
-    const Elem* a0 = A + grp * P + ks * 16 + 2 * q4;
-    const uint32_t a[4] = {lds32(a0), lds32(a0 + 8 * P), lds32(a0 + 8), lds32(a0 + 8 * P + 8)};
+    uint32_t a[4];
+    load_a_frag<P>(a, A, ks * 16, lane);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const Elem* b0 = Bt + (nt * 8 + grp) * P + ks * 16 + 2 * q4;
-      MmaElem<Elem>::mma(s[nt], a, lds32(b0), lds32(b0 + 8));
+    for (int np = 0; np < 4; ++np) {
+      uint32_t bf[4];
+      load_b_frags<P>(bf, Bt, np * 16, ks * 16, lane);
+      MmaElem<Elem>::mma(s[2 * np], a, bf[0], bf[1]);
+      MmaElem<Elem>::mma(s[2 * np + 1], a, bf[2], bf[3]);
     }
   }
 }
@@ -150,7 +230,7 @@ __device__ __forceinline__ void load_row_info(const Problem& p, int64_t b, int64
   for (int i = threadIdx.x; i < kRows; i += kThreads) {
     const int64_t r = r0 + i;
     if (r < p.R) {
-      const RowKeys k = row_keys(p.rows, p.T, p.S, b, r / p.G);
+      const RowKeys k = row_keys(p.rows, p.T, p.S, b, row_time(p, r));
       rows.start[i] = static_cast<int>(k.start);
       rows.limit[i] = static_cast<int>(k.limit);
     } else {
@@ -189,7 +269,7 @@ struct FwdGeom {
   static constexpr int kP = D + kPad;
   static constexpr int kRows = 16 * kGroups * kWarps;
   static constexpr size_t kQ = size_t{kRows} * kP * sizeof(Elem);
-  static constexpr size_t kKV = size_t{2} * kBlock * kP * sizeof(Elem);  // K or V, two stages
+  static constexpr size_t kKV = size_t{kBlock} * kP * sizeof(Elem);  // K or V
   static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
   // The running totals: per lane G * D / 2 accumulator elements and (m, l) of its 2 G rows.
   static constexpr int kStashPerLane = kGroups * D / 2 + 4 * kGroups;
@@ -203,7 +283,6 @@ struct FwdGeom {
 template <class Elem, int D, int G>
 __device__ __forceinline__ void groups_dot_tile(const Elem* A, const Elem* Bt, float (&s)[G][8][4], int lane) {
   constexpr int P = D + kPad;
-  const int grp = lane >> 2, q4 = lane & 3;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -213,19 +292,16 @@ __device__ __forceinline__ void groups_dot_tile(const Elem* A, const Elem* Bt, f
   for (int ks = 0; ks < D / 16; ++ks) {
     uint32_t a[G][4];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const Elem* a0 = A + (g * 16 + grp) * P + ks * 16 + 2 * q4;
-      a[g][0] = lds32(a0);
-      a[g][1] = lds32(a0 + 8 * P);
-      a[g][2] = lds32(a0 + 8);
-      a[g][3] = lds32(a0 + 8 * P + 8);
-    }
+    for (int g = 0; g < G; ++g) load_a_frag<P>(a[g], A + g * 16 * P, ks * 16, lane);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const Elem* b0 = Bt + (nt * 8 + grp) * P + ks * 16 + 2 * q4;
-      const uint32_t lo = lds32(b0), hi = lds32(b0 + 8);
+    for (int np = 0; np < 4; ++np) {
+      uint32_t bf[4];
+      load_b_frags<P>(bf, Bt, np * 16, ks * 16, lane);
 #pragma unroll
-      for (int g = 0; g < G; ++g) MmaElem<Elem>::mma(s[g][nt], a[g], lo, hi);
+      for (int g = 0; g < G; ++g) {
+        MmaElem<Elem>::mma(s[g][2 * np], a[g], bf[0], bf[1]);
+        MmaElem<Elem>::mma(s[g][2 * np + 1], a[g], bf[2], bf[3]);
+      }
     }
   }
 }
@@ -263,12 +339,14 @@ __device__ __forceinline__ void groups_times_rows(const float (&x)[G][8][4], con
 
 // One block of the online softmax for the warp's row groups (16 rows each, two per lane: grp and
 // grp + 8), keys at positions pos0 .. pos0 + 63 of the pass; lim[g][] are the lane's rows' limits.
-template <class Elem, int D, int G>
-__device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const Elem* Vb, int pos0,
-                                          const int (&lim)[G][2], float c, float (&m)[G][2], float (&l)[G][2],
-                                          float (&acc)[G][D / 8][4], int lane) {
+// Leaves the block's probabilities in s for the P.V product (groups_times_rows), which ends the
+// block. kMasked false: every key of the block is visible to every row of the warp, where the
+// mask would keep every score (the same bits without the compares).
+template <class Elem, int D, int G, bool kMasked>
+__device__ __forceinline__ void fwd_scores(const Elem* Qw, const Elem* Kb, int pos0, const int (&lim)[G][2],
+                                           float c, float (&m)[G][2], float (&l)[G][2], float (&acc)[G][D / 8][4],
+                                           float (&s)[G][8][4], int lane) {
   const int q4 = lane & 3;
-  float s[G][8][4];
   groups_dot_tile<Elem, D, G>(Qw, Kb, s, lane);
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -278,17 +356,17 @@ __device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
-        const float x = key < lim[g][i >> 1] ? dm::mul(s[g][nt][i], c) : dm::neg_inf();
+        const float x = !kMasked || key < lim[g][i >> 1] ? dm::mul(s[g][nt][i], c) : dm::neg_inf();
         s[g][nt][i] = x;
-        bm[i >> 1] = max_nan(bm[i >> 1], x);
+        bm[i >> 1] = max_nan_dev(bm[i >> 1], x);
       }
     }
     float mn[2], alpha[2];
     bool empty[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
-      bm[rr] = max_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
+      bm[rr] = max_nan_dev(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
+      bm[rr] = max_nan_dev(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
       mn[rr] = max_nan(m[g][rr], bm[rr]);
       empty[rr] = mn[rr] == dm::neg_inf();
       alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(dm::sub(m[g][rr], mn[rr]));
@@ -313,19 +391,22 @@ __device__ __forceinline__ void fwd_block(const Elem* Qw, const Elem* Kb, const 
       l[g][rr] = dm::add(dm::mul(l[g][rr], alpha[rr]), ts[rr]);
       m[g][rr] = mn[rr];
     }
+    // x * 1 == x for every float (NaN stays the canonical NaN): a warp whose rows kept their
+    // maxima skips the rescale.
+    if (__any_sync(kFullMask, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      acc[g][dt][0] = dm::mul(acc[g][dt][0], alpha[0]);
-      acc[g][dt][1] = dm::mul(acc[g][dt][1], alpha[0]);
-      acc[g][dt][2] = dm::mul(acc[g][dt][2], alpha[1]);
-      acc[g][dt][3] = dm::mul(acc[g][dt][3], alpha[1]);
+      for (int dt = 0; dt < D / 8; ++dt) {
+        acc[g][dt][0] = dm::mul(acc[g][dt][0], alpha[0]);
+        acc[g][dt][1] = dm::mul(acc[g][dt][1], alpha[0]);
+        acc[g][dt][2] = dm::mul(acc[g][dt][2], alpha[1]);
+        acc[g][dt][3] = dm::mul(acc[g][dt][3], alpha[1]);
+      }
     }
   }
-  groups_times_rows<Elem, D, G>(s, Vb, acc, lane);
 }
 
 // A CTA: kWarps warps of kGroups row groups of 16 rows (in final mode), or one warp of one group
-// (split mode). Either way every row runs fwd_block's operations on the same blocks.
+// (split mode). Either way every row runs fwd_scores and P.V's operations on the same blocks.
 template <class Elem, int D, int kWarps, int kGroups>
 __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, float* lse2, SplitOut ws) {
   using Geo = FwdGeom<Elem, D, kWarps, kGroups>;
@@ -349,10 +430,10 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
   const Elem* q = static_cast<const Elem*>(p.q);
   const Elem* k = static_cast<const Elem*>(p.k);
   const Elem* v = static_cast<const Elem*>(p.v);
+  const int64_t kv_stride = p.H * p.D;  // elements between consecutive key positions
 
   load_row_info<kRows, kThreads>(p, b, r0, rows);
-  load_tile<Elem, D, kThreads>(
-      Qs, kRows, q, [&](int i) -> const Elem* { return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr; });
+  load_query_tile<Elem, D, kThreads, kRows>(Qs, q, p, b, h, r0);
   cp_async_commit();
   // The running totals, lane-interleaved so that each access is conflict-free: the lane's
   // accumulator elements (per group: D/8 tiles x 4), then m and l of its rows.
@@ -403,31 +484,32 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
     const int blk_end = split_mode ? min(nblocks, blk_begin + kBlocksPerSplit) : nblocks;
     if (blk_begin >= blk_end) continue;
     const int pass_start = cur, pass_limit = plimit;
-    auto load_kv = [&](int stage, int blk) {
-      const int pos0 = blk * kBlock;
-      auto src = [&](const Elem* base) {
-        return [&, base](int j) -> const Elem* {
-          return pos0 + j < pass_limit ? base + kv_index(p, b, h, pass_start + pos0 + j) : nullptr;
-        };
-      };
-      load_tile<Elem, D, kThreads>(Ks + stage * kBlock * P, kBlock, k, src(k));
-      load_tile<Elem, D, kThreads>(Vs + stage * kBlock * P, kBlock, v, src(v));
+    auto load_block = [&](Elem* tile, const Elem* base, int blk) {
+      load_rows_tile<Elem, D, kThreads>(tile, base + kv_index(p, b, h, pass_start + blk * kBlock), kv_stride,
+                                        pass_limit - blk * kBlock, base);
       cp_async_commit();
     };
+    // One buffer each for K and V: V's copy runs under the scores, the next K's under P.V.
     reset();
-    load_kv(0, blk_begin);
+    load_block(Ks, k, blk_begin);
     for (int blk = blk_begin; blk < blk_end; ++blk) {
-      const int stage = (blk - blk_begin) & 1;
-      if (blk + 1 < blk_end) {
-        load_kv(stage ^ 1, blk + 1);
-        cp_async_wait<1>();
+      cp_async_wait<0>();
+      __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1)
+      load_block(Vs, v, blk);
+      const int pos0 = blk * kBlock;
+      bool unmasked = true;
+#pragma unroll
+      for (int g = 0; g < G; ++g) unmasked = unmasked && pos0 + kBlock <= min(lim[g][0], lim[g][1]);
+      float s[G][8][4];
+      if (__all_sync(kFullMask, unmasked)) {
+        fwd_scores<Elem, D, G, false>(Qw, Ks, pos0, lim, p.c, m, l, acc, s, lane);
       } else {
-        cp_async_wait<0>();
+        fwd_scores<Elem, D, G, true>(Qw, Ks, pos0, lim, p.c, m, l, acc, s, lane);
       }
-      __syncthreads();
-      fwd_block<Elem, D, G>(Qw, Ks + stage * kBlock * P, Vs + stage * kBlock * P, blk * kBlock, lim, p.c, m, l,
-                            acc, lane);
-      __syncthreads();
+      cp_async_wait<0>();
+      __syncthreads();  // V(blk) is in, and every warp is done with K(blk)
+      if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
+      groups_times_rows<Elem, D, G>(s, Vs, acc, lane);
       const bool split_done = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
       if (split_done && !split_mode) {
         // Merge the split into the running total (the stash), rows whose split saw a key only.
@@ -506,7 +588,7 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
     const int64_t e = i % p.D, rest = i / p.D;
     const int64_t r = rest % p.R, bh = rest / p.R;
     const int64_t h = bh % p.H, b = bh / p.H;
-    const int64_t limit = row_keys(p.rows, p.T, p.S, b, r / p.G).limit;
+    const int64_t limit = row_keys(p.rows, p.T, p.S, b, row_time(p, r)).limit;
     float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;
     for (int64_t z = 0; z * kSplit < limit; ++z) {
       const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
@@ -604,6 +686,23 @@ struct DqGeom {
   static constexpr size_t bytes() { return 2 * kQ + 2 * kKV + kRowInfo; }
 };
 
+// ds = p * (dp - delta) with p = exp2(x - lse2) for the keys of block blk a row sees, 0 for the
+// others; kMasked false when every key of the block is visible to the rows (the same bits).
+template <bool kMasked>
+__device__ __forceinline__ void dq_terms(float (&s)[8][4], const float (&dp)[8][4], int blk, const int (&lim)[2],
+                                         const float (&lse)[2], const float (&delta)[2], float c, int q4) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int rr = i >> 1;
+      const bool visible = !kMasked || blk * kBlock + nt * 8 + 2 * q4 + (i & 1) < lim[rr];
+      const float pr = visible ? FastMath::exp2(dm::sub(dm::mul(s[nt][i], c), lse[rr])) : 0.0f;
+      s[nt][i] = visible ? dm::mul(pr, dm::sub(dp[nt][i], delta[rr])) : 0.0f;
+    }
+  }
+}
+
 template <class Elem, int D, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOut out) {
   using Geo = DqGeom<Elem, D, kWarps>;
@@ -624,13 +723,11 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
   const Elem* k = static_cast<const Elem*>(p.k);
   const Elem* v = static_cast<const Elem*>(p.v);
   const Elem* dout = static_cast<const Elem*>(out.dout);
+  const int64_t kv_stride = p.H * p.D;  // elements between consecutive key positions
 
   load_row_info<kRows, kThreads>(p, b, r0, rows);
-  load_tile<Elem, D, kThreads>(
-      Qs, kRows, q, [&](int i) -> const Elem* { return r0 + i < p.R ? q + q_index(p, b, h, r0 + i) : nullptr; });
-  load_tile<Elem, D, kThreads>(dOs, kRows, dout, [&](int i) -> const Elem* {
-    return r0 + i < p.R ? dout + q_index(p, b, h, r0 + i) : nullptr;
-  });
+  load_query_tile<Elem, D, kThreads, kRows>(Qs, q, p, b, h, r0);
+  load_query_tile<Elem, D, kThreads, kRows>(dOs, dout, p, b, h, r0);
   cp_async_commit();
   const int row_local[2] = {warp * 16 + grp, warp * 16 + grp + 8};
   float lse[2], delta[2];
@@ -658,13 +755,9 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
     const int pass_start = cur, pass_limit = plimit;
     auto load_kv = [&](int stage, int blk) {
       const int pos0 = blk * kBlock;
-      auto src = [&](const Elem* base) {
-        return [&, base](int j) -> const Elem* {
-          return pos0 + j < pass_limit ? base + kv_index(p, b, h, pass_start + pos0 + j) : nullptr;
-        };
-      };
-      load_tile<Elem, D, kThreads>(Ks + stage * kBlock * P, kBlock, k, src(k));
-      load_tile<Elem, D, kThreads>(Vs + stage * kBlock * P, kBlock, v, src(v));
+      const int64_t first = kv_index(p, b, h, pass_start + pos0);
+      load_rows_tile<Elem, D, kThreads>(Ks + stage * kBlock * P, k + first, kv_stride, pass_limit - pos0, k);
+      load_rows_tile<Elem, D, kThreads>(Vs + stage * kBlock * P, v + first, kv_stride, pass_limit - pos0, v);
       cp_async_commit();
     };
     load_kv(0, 0);
@@ -681,15 +774,10 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
       float s[8][4], dp[8][4];
       rows_dot_tile<Elem, D>(Qw, Kb, s, lane);
       rows_dot_tile<Elem, D>(dOw, Vs + stage * kBlock * P, dp, lane);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int rr = i >> 1;
-          const bool visible = blk * kBlock + nt * 8 + 2 * q4 + (i & 1) < lim[rr];
-          const float pr = visible ? FastMath::exp2(dm::sub(dm::mul(s[nt][i], p.c), lse[rr])) : 0.0f;
-          s[nt][i] = visible ? dm::mul(pr, dm::sub(dp[nt][i], delta[rr])) : 0.0f;
-        }
+      if (__all_sync(kFullMask, (blk + 1) * kBlock <= min(lim[0], lim[1]))) {
+        dq_terms<false>(s, dp, blk, lim, lse, delta, p.c, q4);  // every key visible to the warp's rows
+      } else {
+        dq_terms<true>(s, dp, blk, lim, lse, delta, p.c, q4);
       }
       tile_times_rows<Elem, D>(s, Kb, dq, lane);
       __syncthreads();
@@ -722,7 +810,7 @@ __global__ void __launch_bounds__(256) TileRangeKernel(Problem p, int2* ranges, 
     int lo = INT_MAX, hi = 0;
     const int64_t r_end = min(p.R, (tile + 1) * kQueryTile);
     for (int64_t r = tile * kQueryTile; r < r_end; r += (r % p.G == 0 ? p.G : 1)) {
-      const RowKeys k = row_keys(p.rows, p.T, p.S, b, r / p.G);
+      const RowKeys k = row_keys(p.rows, p.T, p.S, b, row_time(p, r));
       if (k.limit == 0) continue;
       lo = min(lo, static_cast<int>(k.start));
       hi = max(hi, static_cast<int>(k.start + k.limit));
@@ -745,6 +833,25 @@ struct DkdvGeom {
   static constexpr size_t kRowInfo = size_t{kStages} * kQueryTile * (2 * sizeof(int) + 2 * sizeof(float));
   static constexpr size_t bytes() { return 2 * kKV + 2 * kQ + kRowInfo; }
 };
+
+// p^T and ds^T = p^T * (dp^T - delta) of the lane's keys (j, j + 8) against the tile's rows: 0
+// where a row does not see the key; kMasked false when every row sees every key (the same bits).
+template <bool kDk, bool kMasked>
+__device__ __forceinline__ void dkdv_terms(float (&st)[8][4], float (&dpt)[8][4], const int* ts, const int* tl,
+                                           const float* tlse, const float* tdelta, int j_lane, float c, int q4) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = j_lane + 8 * (i >> 1);
+      const int row = nt * 8 + 2 * q4 + (i & 1);
+      const bool visible = !kMasked || (ts[row] <= j && j - ts[row] < tl[row]);
+      const float pr = visible ? FastMath::exp2(dm::sub(dm::mul(st[nt][i], c), tlse[row])) : 0.0f;
+      if (kDk) dpt[nt][i] = visible ? dm::mul(pr, dm::sub(dpt[nt][i], tdelta[row])) : 0.0f;
+      st[nt][i] = pr;
+    }
+  }
+}
 
 template <class Elem, int D, int kWhich, int kStages>
 __global__ void __launch_bounds__(128)
@@ -773,10 +880,8 @@ __global__ void __launch_bounds__(128)
   const Elem* dout = static_cast<const Elem*>(out.dout);
   const int2* my_ranges = ranges + b * tiles;
 
-  load_tile<Elem, D, kThreads>(
-      Ks, kBlock, k, [&](int j) -> const Elem* { return j0 + j < p.S ? k + kv_index(p, b, h, j0 + j) : nullptr; });
-  load_tile<Elem, D, kThreads>(
-      Vs, kBlock, v, [&](int j) -> const Elem* { return j0 + j < p.S ? v + kv_index(p, b, h, j0 + j) : nullptr; });
+  load_rows_tile<Elem, D, kThreads>(Ks, k + kv_index(p, b, h, j0), p.H * p.D, static_cast<int>(p.S - j0), k);
+  load_rows_tile<Elem, D, kThreads>(Vs, v + kv_index(p, b, h, j0), p.H * p.D, static_cast<int>(p.S - j0), v);
   cp_async_commit();
 
   // The next tile at or after `from` whose key range meets [j0, j_end): the same on every thread.
@@ -792,30 +897,34 @@ __global__ void __launch_bounds__(128)
     }
     return tiles;
   };
+  int full_bits = 0;  // bit s: this thread's row of the tile in stage s sees every key of the CTA
   auto load_rows = [&](int stage, int64_t tile) {
     const int64_t r0 = tile * kQueryTile;
-    auto src = [&](const Elem* base) {
-      return [&, base](int i) -> const Elem* { return r0 + i < p.R ? base + q_index(p, b, h, r0 + i) : nullptr; };
-    };
-    load_tile<Elem, D, kThreads>(Qs + stage * kQueryTile * P, kQueryTile, q, src(q));
-    load_tile<Elem, D, kThreads>(dOs + stage * kQueryTile * P, kQueryTile, dout, src(dout));
+    load_query_tile<Elem, D, kThreads, kQueryTile>(Qs + stage * kQueryTile * P, q, p, b, h, r0);
+    load_query_tile<Elem, D, kThreads, kQueryTile>(dOs + stage * kQueryTile * P, dout, p, b, h, r0);
     cp_async_commit();
-    for (int i = threadIdx.x; i < kQueryTile; i += kThreads) {
+    static_assert(kQueryTile <= kThreads, "one row per thread");
+    bool sees_all = true;  // this thread's row sees every key of the CTA
+    if (threadIdx.x < kQueryTile) {
+      const int i = threadIdx.x;
       const int64_t r = r0 + i;
       const int s = stage * kQueryTile + i;
       if (r < p.R) {
-        const RowKeys rk = row_keys(p.rows, p.T, p.S, b, r / p.G);
+        const RowKeys rk = row_keys(p.rows, p.T, p.S, b, row_time(p, r));
         rstart[s] = static_cast<int>(rk.start);
         rlimit[s] = static_cast<int>(rk.limit);
         rlse[s] = out.lse2[stat_index(p, b, h, r)];
         rdelta[s] = out.delta[stat_index(p, b, h, r)];
+        sees_all = rk.start <= j0 && j0 + kBlock - 1 - rk.start < rk.limit;
       } else {
         rstart[s] = INT_MAX;
         rlimit[s] = 0;
         rlse[s] = 0.0f;
         rdelta[s] = 0.0f;
+        sees_all = false;
       }
     }
+    full_bits = sees_all ? full_bits | (1 << stage) : full_bits & ~(1 << stage);
   };
 
   float dk[D / 8][4], dv[D / 8][4];
@@ -837,7 +946,8 @@ __global__ void __launch_bounds__(128)
     } else {
       cp_async_wait<0>();
     }
-    __syncthreads();
+    // Every row of the tile sees every key of the CTA: no visibility test per term (same bits).
+    const bool all_visible = __syncthreads_and((full_bits >> stage) & 1);
     const Elem* Qt = Qs + stage * kQueryTile * P;
     const Elem* dOt = dOs + stage * kQueryTile * P;
     const int* ts = rstart + stage * kQueryTile;
@@ -845,19 +955,12 @@ __global__ void __launch_bounds__(128)
     float st[8][4], dpt[8][4];
     rows_dot_tile<Elem, D>(Kw, Qt, st, lane);
     if (kDk) rows_dot_tile<Elem, D>(Vw, dOt, dpt, lane);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int j = j0 + warp * 16 + grp + 8 * (i >> 1);
-        const int row = nt * 8 + 2 * q4 + (i & 1);
-        const int rs = ts[row];
-        const bool visible = rs <= j && j - rs < tl[row];
-        const float pr =
-            visible ? FastMath::exp2(dm::sub(dm::mul(st[nt][i], p.c), rlse[stage * kQueryTile + row])) : 0.0f;
-        if (kDk) dpt[nt][i] = visible ? dm::mul(pr, dm::sub(dpt[nt][i], rdelta[stage * kQueryTile + row])) : 0.0f;
-        st[nt][i] = pr;
-      }
+    const float* tlse = rlse + stage * kQueryTile;
+    const float* tdelta = rdelta + stage * kQueryTile;
+    if (all_visible) {
+      dkdv_terms<kDk, false>(st, dpt, ts, tl, tlse, tdelta, j0 + warp * 16 + grp, p.c, q4);
+    } else {
+      dkdv_terms<kDk, true>(st, dpt, ts, tl, tlse, tdelta, j0 + warp * 16 + grp, p.c, q4);
     }
     if (kDv) tile_times_rows<Elem, D>(st, dOt, dv, lane);
     if (kDk) tile_times_rows<Elem, D>(dpt, Qt, dk, lane);
