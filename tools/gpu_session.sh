@@ -11,7 +11,8 @@
 #   benchmark); SANITIZE=0 skips the sanitizers; BENCH=0 skips every benchmark.
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
-#   to diff between two builds: benchmarks/gemm_schedule_bits.py), buckets (the M-bucket tests,
+#   to diff between two builds: benchmarks/gemm_schedule_bits.py), attention-bits (the same for
+#   attention: benchmarks/attention_schedule_bits.py), buckets (the M-bucket tests,
 #   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
 #   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
 #   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
@@ -213,6 +214,10 @@ if asked matmul-sm80; then
   JAXDET_TESTING=gemm=sm80 timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${SM80_BENCH_ARGS:-} \
     --out "$LOGS/bench_matmul_sm80.md" > "$LOGS/bench_matmul_sm80.log" 2>&1; echo "rc=$?"
   grep -E "^\|" "$LOGS/bench_matmul_sm80.log" | head -120
+fi
+if asked attention-bits; then
+  python3 benchmarks/attention_schedule_bits.py > "$LOGS/attention_bits.txt" 2>&1; echo "rc=$?"
+  cat "$LOGS/attention_bits.txt"
 fi
 if asked gemm-bits; then
   python3 benchmarks/gemm_schedule_bits.py > "$LOGS/gemm_bits.txt" 2>&1; echo "rc=$?"
