@@ -43,16 +43,33 @@ def _pow2(k):
     return ((k.astype(np.int64) + 127) << 23).astype(np.uint32).view(F32)
 
 
+def fma(a, b, c):
+    """float32 a * b + c with one rounding (det_math.h's fma): a * b is exact in float64, the
+    float64 sum is rounded to odd (its error by TwoSum), and rounding that to float32 is then the
+    correctly rounded result (53 >= 24 + 2 bits)."""
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in np.broadcast_arrays(a, b, c))
+    with np.errstate(all="ignore"):
+        p = a * b
+        s = p + c
+        bb = s - p
+        err = (p - (s - bb)) + (c - bb)
+        even = (s.view(np.uint64) & np.uint64(1)) == 0
+        toward = np.where(err > 0, np.inf, -np.inf)
+        s = np.where((err != 0) & even & np.isfinite(s), np.nextafter(s, toward), s)
+    return s.astype(F32)
+
+
 def exp(x):
-    """e^x as det_math.h computes it (Cody-Waite reduction, degree-7 Taylor, two-step scaling)."""
+    """e^x as det_math.h computes it (Cody-Waite reduction, degree-7 Taylor by fused multiply-adds,
+    two-step scaling)."""
     x = _f32(x)
     with np.errstate(all="ignore"):
         xc = np.where((x > F32(89.0)) | (x < F32(-104.0)) | np.isnan(x), F32(0.0), x)
-        kf = ((xc * _LOG2E) + _SHIFT) - _SHIFT
-        r = (xc - kf * _LN2_HI) - kf * _LN2_LO
+        kf = fma(xc, _LOG2E, _SHIFT) - _SHIFT
+        r = fma(-kf, _LN2_LO, fma(-kf, _LN2_HI, xc))
         p = np.full_like(r, _EXP_POLY[0])
         for c in _EXP_POLY[1:]:
-            p = p * r + c
+            p = fma(p, r, c)
         k = kf.astype(np.int64)
         k1 = np.where(k < 0, -((-k) // 2), k // 2)  # C++ division truncates toward zero
         out = (p * _pow2(k1)) * _pow2(k - k1)

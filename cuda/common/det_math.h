@@ -62,6 +62,16 @@ JAXDET_HD float div(float a, float b) {
 #endif
 }
 
+// a * b + c with one rounding (IEEE fusedMultiplyAdd): correctly rounded on both sides, so the
+// same bits (std::fmaf is the C library's correctly rounded fma, whatever the CPU).
+JAXDET_HD float fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fmaf(a, b, c);
+#endif
+}
+
 JAXDET_HD float sqrt(float a) {
 #if defined(__CUDA_ARCH__)
   return __fsqrt_rn(a);
@@ -93,8 +103,9 @@ JAXDET_HD float max(float a, float b) {
 JAXDET_HD float pow2(int k) { return f32_from_bits(static_cast<uint32_t>(k + 127) << 23); }
 
 // e^x. Range reduction x = k ln2 + r with k = nearest integer to x * log2(e) and |r| <= ~ln2/2
-// (Cody-Waite: k * kLn2Hi is exact for |k| <= 150, and x - k * kLn2Hi is exact by Sterbenz); e^r
-// by its Taylor polynomial of degree 7 in Horner form (truncation below 0.1 ulp); then the scale
+// (Cody-Waite: x - k * kLn2Hi is exact by Sterbenz, then k * kLn2Lo subtracted in one fused
+// multiply-add); e^r by its Taylor polynomial of degree 7 in Horner form with fused multiply-adds
+// (truncation below 0.1 ulp); then the scale
 // 2^k applied as two multiplies by 2^(k/2) and 2^(k - k/2): the first exact, the second rounding
 // once (into the subnormal range, or to inf, when the result is there). x > 89 gives +inf (e^89 >
 // FLT_MAX), x < -104 gives +0 (e^-104 < 2^-150), NaN gives NaN. Written without branches (the
@@ -107,16 +118,16 @@ JAXDET_HD float exp(float x) {
   constexpr float kLn2Hi = 0.693145751953125f;            // 0x3F317200: 15 significant bits
   constexpr float kLn2Lo = 0x1.7f7d1cp-20f;  // float32(ln2 - kLn2Hi)
   const float xc = fminf(fmaxf(x, -104.0f), 89.0f);  // (NaN -> -104: any finite value will do)
-  const float kf = sub(add(mul(xc, kLog2e), kShift), kShift);  // integer in [-150, 128]
-  const float r = sub(sub(xc, mul(kf, kLn2Hi)), mul(kf, kLn2Lo));
+  const float kf = sub(fma(xc, kLog2e, kShift), kShift);  // integer in [-150, 128]
+  const float r = fma(-kf, kLn2Lo, fma(-kf, kLn2Hi, xc));  // the inner one exact (Sterbenz)
   float p = 0x1.a01a02p-13f;  // float32(1/k!), k = 7 ... 2
-  p = add(mul(p, r), 0x1.6c16c2p-10f);
-  p = add(mul(p, r), 0x1.111112p-7f);
-  p = add(mul(p, r), 0x1.555556p-5f);
-  p = add(mul(p, r), 0x1.555556p-3f);
-  p = add(mul(p, r), 0.5f);
-  p = add(mul(p, r), 1.0f);
-  p = add(mul(p, r), 1.0f);
+  p = fma(p, r, 0x1.6c16c2p-10f);
+  p = fma(p, r, 0x1.111112p-7f);
+  p = fma(p, r, 0x1.555556p-5f);
+  p = fma(p, r, 0x1.555556p-3f);
+  p = fma(p, r, 0.5f);
+  p = fma(p, r, 1.0f);
+  p = fma(p, r, 1.0f);
   const int k = static_cast<int>(kf);
   const int k1 = k / 2;  // truncation toward zero: k1, k - k1 in [-75, 64]
   // p is in [0.70, 1.42]: p * 2^k1 is a normal float, exact.
