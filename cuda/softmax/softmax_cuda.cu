@@ -320,20 +320,28 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 // ---- Other rows of several segments: passes, partials in the workspace [R, segments] of float2
 // (max, sum of e^(x - M)). ----
 
+// Item q = row * segments + seg of a pass: the segment's elements into v (the canonical lanes);
+// returns its length.
+template <typename S>
+__device__ __forceinline__ int64_t load_segment(const typename S::Bits* __restrict__ x, int64_t q,
+                                                int64_t segments, int64_t n, float (&v)[sm::kSegmentSteps][kVec]) {
+  const int64_t row = q / segments, seg = q % segments;
+  const typename S::Bits* xs = x + row * n + seg * sm::kSegment;
+  const int64_t len = sm::segment_length(n, seg);
+  load_span<S, sm::kSegmentSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
+  return len;
+}
+
 // Pass 1: each (row, segment)'s max.
 template <typename S>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     SegmentMaxKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
-  constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const int64_t row = q / segments, seg = q % segments;
-    const typename S::Bits* xs = x + row * n + seg * sm::kSegment;
-    const int64_t len = sm::segment_length(n, seg);
-    float v[kSteps][kVec];
-    load_span<S, kSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
-    const float m = span_max<kSteps>(v, len, sh);
+    float v[sm::kSegmentSteps][kVec];
+    const int64_t len = load_segment<S>(x, q, segments, n, v);
+    const float m = span_max<sm::kSegmentSteps>(v, len, sh);
     if (threadIdx.x == 0) ws[q].x = m;
   }
 }
@@ -357,23 +365,20 @@ __device__ __forceinline__ float warp_row_sum(const float2* __restrict__ pairs, 
 template <typename S>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     SegmentExpSumKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
-  constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
   __shared__ float bcast;
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const int64_t row = q / segments, seg = q % segments;
-    const typename S::Bits* xs = x + row * n + seg * sm::kSegment;
-    const int64_t len = sm::segment_length(n, seg);
-    float v[kSteps][kVec];
-    load_span<S, kSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
-    __syncthreads();  // the previous item's readers of bcast are done
+    float v[sm::kSegmentSteps][kVec];
+    const int64_t len = load_segment<S>(x, q, segments, n, v);
+    // (Every thread read the previous item's bcast before the first barrier of its
+    // block_tree_sum, which thread 0 passed before writing bcast again.)
     if (threadIdx.x < 32) {
-      const float M = warp_row_max(ws + row * segments, segments);
+      const float M = warp_row_max(ws + (q / segments) * segments, segments);
       if (threadIdx.x == 0) bcast = M;
     }
     __syncthreads();
-    const float part = span_exp_sum<kSteps>(v, len, bcast, sh, false);
+    const float part = span_exp_sum<sm::kSegmentSteps>(v, len, bcast, sh, false);
     if (threadIdx.x == 0) ws[q].y = part;
   }
 }
