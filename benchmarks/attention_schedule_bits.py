@@ -14,19 +14,20 @@ configuration. On a GPU it is `tools/gpu_session.sh attention-bits`.
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxdet
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_bench import rand  # noqa: E402
+
+import jaxdet  # noqa: E402
 
 # (B, T, query heads, KV heads); head dimension 256 only at the small shapes
 SHAPES = [(2, 70, 4, 2), (1, 300, 8, 2), (2, 1030, 4, 4)]
-
-
-def rand(seed, shape, dtype):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
 
 
 def sha(*xs):

@@ -82,34 +82,29 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
   return sh[0];
 }
 
-// The canonical tree (detmath::tree_fold's padded tree) over up to 32 leaves held by lanes
-// 0 .. count-1 of a warp: at stride s = 1, 2, ..., 16 lane i (a multiple of 2s) combines with lane
+// The canonical tree sum (detmath::tree_fold's padded tree with add) over up to 32 leaves held by
+// lanes 0 .. count-1 of a warp: at stride s = 1, 2, ..., 16 lane i (a multiple of 2s) adds lane
 // i + s when that lane holds a leaf, lower index first. The root is in lane 0. Every lane of the
-// warp must call it (shuffles). `Combine(left, right)`; T is float.
-__device__ __forceinline__ float shfl_down(float v, int s) { return __shfl_down_sync(0xFFFFFFFFu, v, s); }
-
-template <typename T, typename Combine>
-__device__ __forceinline__ T warp_tree(T v, int count, Combine combine) {
+// warp must call it (shuffles).
+__device__ __forceinline__ float warp_tree_sum(float v, int count) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int s = 1; s < 32; s *= 2) {
-    const T other = shfl_down(v, s);
-    if ((lane & (2 * s - 1)) == 0 && lane + s < count) v = combine(v, other);
+    const float other = __shfl_down_sync(0xFFFFFFFFu, v, s);
+    if ((lane & (2 * s - 1)) == 0 && lane + s < count) v = add(v, other);
   }
   return v;
 }
 
-// The canonical tree over `count` values: by warp_tree when count <= 32 (lane i loads leaf i), else
-// walked by lane 0 alone. The result is valid in lane 0. Every lane of the warp must call it.
-template <typename T, typename Load, typename Combine>
-__device__ __forceinline__ T warp_tree_fold(int64_t count, Load load, Combine combine) {
+// The canonical tree sum of load(0) .. load(count - 1): by warp_tree_sum when count <= 32 (lane i
+// loads leaf i), else walked by lane 0 alone. The result is valid in lane 0. Every lane of the
+// warp must call it.
+template <typename Load>
+__device__ __forceinline__ float warp_tree_sum_of(int64_t count, Load load) {
   const int lane = threadIdx.x & 31;
-  if (count <= 32) {
-    T v = lane < count ? load(lane) : load(0);
-    return warp_tree(v, static_cast<int>(count), combine);
-  }
-  T r = load(0);
-  if (lane == 0) r = tree_fold<T>(count, load, combine);
+  if (count <= 32) return warp_tree_sum(lane < count ? load(lane) : load(0), static_cast<int>(count));
+  float r = load(0);
+  if (lane == 0) r = tree_fold<float>(count, load, [](float a, float b) { return add(a, b); });
   return r;
 }
 

@@ -112,8 +112,7 @@ __device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t 
 __device__ __forceinline__ float row_sum_from(const float* __restrict__ ws, int64_t segments, float* shared) {
   __syncthreads();
   if (threadIdx.x < 32) {
-    const float r = dm::warp_tree_fold<float>(
-        segments, [&](int64_t i) { return ws[i]; }, [](float a, float b) { return dm::add(a, b); });
+    const float r = dm::warp_tree_sum_of(segments, [&](int64_t i) { return ws[i]; });
     if (threadIdx.x == 0) *shared = r;
   }
   __syncthreads();
@@ -211,14 +210,14 @@ __device__ __forceinline__ float cluster_max(const cg::cluster_group& cluster, f
   return *bcast;
 }
 
-// The canonical tree (warp_tree) over the cluster blocks' `slot` values in rank (= segment) order;
+// The canonical tree sum (warp_tree_sum) over the cluster blocks' `slot` values in rank (= segment) order;
 // every block computes it, and every thread of the block gets it.
 __device__ __forceinline__ float cluster_tree_sum(const cg::cluster_group& cluster, float* slot, int blocks,
                                                   float* bcast) {
   if (threadIdx.x < 32) {
     const unsigned lane = threadIdx.x;
     float v = *cluster.map_shared_rank(slot, lane < static_cast<unsigned>(blocks) ? lane : 0u);
-    v = dm::warp_tree(v, blocks, [](float a, float b) { return dm::add(a, b); });
+    v = dm::warp_tree_sum(v, blocks);
     if (lane == 0) *bcast = v;
   }
   __syncthreads();
@@ -320,16 +319,15 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 // ---- Other rows of several segments: passes, partials in the workspace [R, segments] of float2
 // (max, sum of e^(x - M)). ----
 
-// Item q = row * segments + seg of a pass: the segment's elements into v (the canonical lanes);
-// returns its length.
-template <typename S>
-__device__ __forceinline__ int64_t load_segment(const typename S::Bits* __restrict__ x, int64_t q,
-                                                int64_t segments, int64_t n, float (&v)[sm::kSegmentSteps][kVec]) {
+// Item q = row * segments + seg of a pass kernel's grid-stride loop: its row, the segment's
+// offset in the [rows, n] arrays and its length.
+struct SegmentItem {
+  int64_t row, offset, len;
+};
+
+__device__ __forceinline__ SegmentItem segment_item(int64_t q, int64_t segments, int64_t n) {
   const int64_t row = q / segments, seg = q % segments;
-  const typename S::Bits* xs = x + row * n + seg * sm::kSegment;
-  const int64_t len = sm::segment_length(n, seg);
-  load_span<S, sm::kSegmentSteps>(xs, len, dm::vec_aligned<typename S::Bits>(xs), v);
-  return len;
+  return SegmentItem{row, row * n + seg * sm::kSegment, sm::segment_length(n, seg)};
 }
 
 // Pass 1: each (row, segment)'s max.
@@ -339,8 +337,9 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   __shared__ float sh[kLanes];
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const auto [row, offset, len] = segment_item(q, segments, n);
     float v[sm::kSegmentSteps][kVec];
-    const int64_t len = load_segment<S>(x, q, segments, n, v);
+    load_span<S, sm::kSegmentSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
     const float m = span_max<sm::kSegmentSteps>(v, len, sh);
     if (threadIdx.x == 0) ws[q].x = m;
   }
@@ -357,8 +356,7 @@ __device__ __forceinline__ float warp_row_max(const float2* __restrict__ pairs, 
 
 // The row's S from its segments' sums: the canonical tree, by one warp (valid in lane 0).
 __device__ __forceinline__ float warp_row_sum(const float2* __restrict__ pairs, int64_t segments) {
-  return dm::warp_tree_fold<float>(
-      segments, [&](int64_t i) { return pairs[i].y; }, [](float a, float b) { return dm::add(a, b); });
+  return dm::warp_tree_sum_of(segments, [&](int64_t i) { return pairs[i].y; });
 }
 
 // Pass 2: each (row, segment)'s sum of e^(x - M); every block first takes M from the row's maxima.
@@ -369,12 +367,13 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   __shared__ float bcast;
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+    const auto [row, offset, len] = segment_item(q, segments, n);
     float v[sm::kSegmentSteps][kVec];
-    const int64_t len = load_segment<S>(x, q, segments, n, v);
+    load_span<S, sm::kSegmentSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
     // (Every thread read the previous item's bcast before the first barrier of its
     // block_tree_sum, which thread 0 passed before writing bcast again.)
     if (threadIdx.x < 32) {
-      const float M = warp_row_max(ws + (q / segments) * segments, segments);
+      const float M = warp_row_max(ws + row * segments, segments);
       if (threadIdx.x == 0) bcast = M;
     }
     __syncthreads();
@@ -413,9 +412,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   constexpr int kSteps = sm::kSegmentSteps;
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const int64_t row = q / segments, seg = q % segments;
-    const int64_t offset = row * n + seg * sm::kSegment;
-    const int64_t len = sm::segment_length(n, seg);
+    const auto [row, offset, len] = segment_item(q, segments, n);
     float v[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
     write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), stats[2 * row],
@@ -494,9 +491,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   __shared__ float sh[kLanes];
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const int64_t row = q / segments, seg = q % segments;
-    const int64_t offset = row * n + seg * sm::kSegment;
-    const int64_t len = sm::segment_length(n, seg);
+    const auto [row, offset, len] = segment_item(q, segments, n);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
     float v[kSteps][kVec], gv[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, vec, v);
@@ -518,9 +513,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   __shared__ float shared;
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const int64_t row = q / segments, seg = q % segments;
-    const int64_t offset = row * n + seg * sm::kSegment;
-    const int64_t len = sm::segment_length(n, seg);
+    const auto [row, offset, len] = segment_item(q, segments, n);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
     const float total = row_sum_from(ws + row * segments, segments, &shared);
     float v[kSteps][kVec], gv[kSteps][kVec];
@@ -586,15 +579,14 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   using Bits = typename S::Bits;
   const int64_t segments = sm::segment_count(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const int64_t row = q / segments, seg = q % segments;
-    const int64_t offset = row * n + seg * sm::kSegment;
-    const int64_t len = sm::segment_length(n, seg);
+    const auto [row, offset, len] = segment_item(q, segments, n);
     float v[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<Bits>(x + offset), v);
     const int32_t label = labels[row];
     const bool valid = label >= 0 && label < n;
     const float M = stats[2 * row], Ssum = stats[2 * row + 1], gr = g[row];
     const bool vec = dm::vec_aligned<Bits>(dx + offset);
+    const int64_t first = offset - row * n;  // the segment's first column
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) {
       const int64_t base = k * kStep + threadIdx.x * kVec;
@@ -602,7 +594,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
       float out[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const int64_t e = seg * sm::kSegment + base + j;
+        const int64_t e = first + base + j;
         out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], M, Ssum), e == label, valid);
       }
       dm::store_lane<S>(dx + offset, base, len, vec, out);
@@ -647,6 +639,25 @@ constexpr int kMaxClusterSegments = 16;
 template <typename S>
 constexpr size_t kBwdStageBytes = 2 * sm::kSegment * sizeof(typename S::Bits);
 
+// A launch of `clusters` clusters of `segments` blocks of kLanes threads (cluster c in grid row
+// c); the config points at `attr`, which must outlive it.
+cudaLaunchConfig_t ClusterLaunch(cudaLaunchAttribute& attr, int64_t segments, int64_t clusters, size_t smem,
+                                 cudaStream_t stream) {
+  attr = cudaLaunchAttribute{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(segments);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(segments), static_cast<unsigned>(clusters), 1);
+  cfg.blockDim = dim3(kLanes, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // How many clusters of `segments` blocks of `kernel` (with `smem` bytes of dynamic shared memory)
 // the current device runs at once; 0 if it cannot run them.
 template <typename Kernel>
@@ -663,17 +674,8 @@ int ActiveClusters(Kernel kernel, int segments, size_t smem, int device) {
     cudaGetLastError();
     return 0;
   }
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(segments);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(segments), 1, 1);
-  cfg.blockDim = dim3(kLanes, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = ClusterLaunch(attr, segments, 1, smem, nullptr);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
     cudaGetLastError();
@@ -712,18 +714,8 @@ int ClusterGrid(int64_t segments, size_t smem) {
 template <typename... Params, typename... Args>
 void LaunchClusters(void (*kernel)(Params...), int64_t segments, int64_t rows, int clusters, size_t smem,
                     cudaStream_t stream, Args... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(segments);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(segments), static_cast<unsigned>(std::min<int64_t>(rows, clusters)), 1);
-  cfg.blockDim = dim3(kLanes, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = ClusterLaunch(attr, segments, std::min<int64_t>(rows, clusters), smem, stream);
   cudaLaunchKernelEx(&cfg, kernel, args...);  // an error is left for last_launch_error
 }
 
