@@ -16,10 +16,14 @@ dB = jaxdet_gemm_wgrad(acc=0 f32, A, dC, chunk_tokens=2048) (f32 result). The jn
 jnp.dot(A, B), jnp.dot(dC, B.T) and jnp.dot(A.T, dC) (bfloat16 out, what jax's gradient of jnp.dot
 computes), or the VJP of jnp.dot when jaxdet.matmul is used.
 
-Timing: jitted functions, warm-up, then the median over `--reps` timings of `--inner` back-to-back
-calls each (block_until_ready at the end), the jnp and jaxdet repetitions alternating (so that a
-clock or power drift during a long cell hits both sides alike); inputs rotate among several copies
-when they are small enough, so that repeated calls do not run from L2. The "tile" column is the
+Timing: one jitted program runs `--calls` products in sequence (each on its own copy of the
+small operand, B rotating among copies when it is small enough that a repeated B would run from
+L2; fewer calls where their outputs would not fit in a few GB), so the host's dispatch cost is paid
+once per program, not per product: a product at M = 1 takes 10-20 us on the GPU, less than one
+dispatch. The time per product is the median over `--reps` timings of `--inner` back-to-back
+programs (block_until_ready at the end) divided by the calls per program, the jnp and jaxdet
+repetitions alternating (so that a clock or power drift during a long cell hits both sides alike).
+`--calls 1` times one product per dispatch, as a user's eager call would run. The "tile" column is the
 output tile the bucket rule picked (forward and dA); "HBM" the fraction of the device's peak memory
 bandwidth (--hbm-tbs, H100 SXM: 3.35 TB/s) that jaxdet reached moving the fewest bytes the product
 needs (each operand read once, the result written once), for M <= 16. Row bits: how many elements
@@ -59,6 +63,7 @@ def parse():
     p.add_argument("--ops", default="fwd,dA,dB")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--inner", type=int, default=5)
+    p.add_argument("--calls", type=int, default=16, help="products per jitted program (at most)")
     p.add_argument("--raw", action="store_true")
     p.add_argument("--out", default="")
     p.add_argument(
@@ -167,11 +172,25 @@ def _inputs(key, K, N, ms, dt):
     return key, bs, a_all, dc_all
 
 
-def _sets(bs, a_all, dc_all, M):
+# What the copies of the small operands and the outputs of one program may take.
+PROGRAM_BYTES = 4e9
+
+
+def _sets(bs, a_all, dc_all, M, calls):
+    """`calls` argument tuples (a, b, dc) for one program, no two alike (XLA would merge equal
+    products): a and dc are copied per call, b rotates among the copies in bs. Fewer tuples when
+    their operands and outputs would pass PROGRAM_BYTES."""
     nb = len(bs)
+    K, N = bs[0].shape
+    per_call = 2 * (2 * M * K + 2 * M * N + K * N)  # a, dc, and the largest output of fwd/dA/dB
+    n = max(1, min(calls, int(PROGRAM_BYTES // per_call)))
     a, dc = a_all[:M] + 0, dc_all[:M] + 0
-    na = 3 if (M * a.shape[1] + M * dc.shape[1]) * 2 < 200e6 and nb > 1 else 1
-    return [(a + 0 if i else a, bs[i % nb], dc + 0 if i else dc) for i in range(na)]
+    return [(a + 0 if i else a, bs[i % nb], dc + 0 if i else dc) for i in range(n)]
+
+
+def _program(fn):
+    """One jitted program applying fn to every argument tuple of its list, in order."""
+    return jax.jit(lambda argsets: [fn(*s) for s in argsets])
 
 
 def sweep_child(args):
@@ -191,11 +210,10 @@ def sweep_child(args):
     for K, N in shapes:
         key, bs, a_all, dc_all = _inputs(key, K, N, ms, jnp.bfloat16)
         for M in ms:
-            sets = _sets(bs, a_all, dc_all, M)
+            sets = _sets(bs, a_all, dc_all, M, args.calls)
             for op in args.ops.split(","):
-                fn = fns[op][side]
                 argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
-                t = timeit(fn, argsets, args.reps, args.inner)
+                t = timeit(_program(fns[op][side]), [(argsets,)], args.reps, args.inner) / len(argsets)
                 tile = "jnp" if side == 0 else _tile_of(op, K, N, M)
                 print(json.dumps({"op": op, "K": K, "N": N, "M": M, "ms": t, "tile": tile}), flush=True)
             del sets
@@ -223,6 +241,8 @@ def tile_sweep(args):
             str(args.reps),
             "--inner",
             str(args.inner),
+            "--calls",
+            str(args.calls),
         ]
         r = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
         if r.returncode != 0:
@@ -286,7 +306,8 @@ def main():
         f"# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\ndevice: {dev.device_kind}; jax {jax.__version__}; "
         f"{datetime.date.today()}; jaxdet via {'jaxdet.matmul' if use_api else 'raw FFI targets'}; "
         f"dB chunk_tokens {chunk_tokens}; JAXDET_TESTING {os.environ.get('JAXDET_TESTING') or '-'}; "
-        f"median of {args.reps} x {args.inner} back-to-back calls, jnp and jaxdet repetitions alternating; "
+        f"median of {args.reps} x {args.inner} back-to-back programs of up to {args.calls} products each, "
+        "jnp and jaxdet repetitions alternating; "
         f"HBM fraction of {args.hbm_tbs} TB/s\n"
     )
     print(head, flush=True)
@@ -303,7 +324,7 @@ def main():
         if use_api:
             row0["dA"] = [u(f(a_all[:1], b, dc_all[:1])[0]) for f in fns["dA"]]
         for M in ms:
-            sets = _sets(bs, a_all, dc_all, M)
+            sets = _sets(bs, a_all, dc_all, M, args.calls)
             a, dc = sets[0][0], sets[0][2]
             for op, ref in row0.items():
                 if op in ops:
@@ -313,10 +334,10 @@ def main():
             for op in ops:
                 flops = 2.0 * M * K * N
                 fn_ref, fn_det = fns[op]
-                if op == "fwd":
-                    t_ref, t_det = timeit_pair(fn_ref, fn_det, [(s[0], s[1]) for s in sets], args.reps, args.inner)
-                elif op == "dA" or use_api:
-                    t_ref, t_det = timeit_pair(fn_ref, fn_det, sets, args.reps, args.inner)
+                if op == "fwd" or op == "dA" or use_api:
+                    argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
+                    t_ref, t_det = timeit_pair(_program(fn_ref), _program(fn_det), [(argsets,)], args.reps, args.inner)
+                    t_ref, t_det = t_ref / len(argsets), t_det / len(argsets)
                 else:
                     t_ref = timeit(fn_ref, sets, args.reps, args.inner)
                     acc = jnp.zeros((K, N), jnp.float32)

@@ -125,8 +125,11 @@ constexpr int64_t kBucketMaxRows = 256;
 // so a problem with fewer tiles than SMs leaves SMs idle (at M = 1 the 128x256 tile gives a
 // 4096-wide output 16 CTAs on 132 SMs, and each streams its 1/16 of B alone). For M <= 256
 // the rule takes the largest tile (the set's first) that still yields at least 4/5 as many CTAs
-// as there are SMs, else the one that yields the most (the last); above, the first. The choice
-// cannot change a bit (every tile of a set has the same K sequence), only the speed.
+// as there are SMs, else the smallest (the most CTAs); above, the first. A tile of more rows than
+// max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply). More CTAs
+// than that buy nothing: a CTA's time is its K steps, each one MMA's latency, so tiles narrower
+// than 64 columns measured slower (benchmarks/RESULTS.md). The choice cannot change a bit (every
+// tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
   if (d.force_m != 0) {
@@ -137,6 +140,7 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
   if (m > kBucketMaxRows) return set.tiles[0];
   for (int i = 0; i < set.count; ++i) {
     const TileKernel& t = set.tiles[i];
+    if (t.tile_m > std::max<int64_t>(m, 64)) continue;
     const int64_t ctas = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
     if (5 * ctas >= 4 * int64_t{d.sms}) return t;
   }
