@@ -334,7 +334,7 @@ def main():
             for op in ops:
                 flops = 2.0 * M * K * N
                 fn_ref, fn_det = fns[op]
-                if op == "fwd" or op == "dA" or use_api:
+                if op in {"fwd", "dA"} or use_api:
                     argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
                     t_ref, t_det = timeit_pair(_program(fn_ref), _program(fn_det), [(argsets,)], args.reps, args.inner)
                     t_ref, t_det = t_ref / len(argsets), t_det / len(argsets)
