@@ -12,7 +12,8 @@
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
 #   to diff between two builds: benchmarks/gemm_schedule_bits.py), attention-bits (the same for
-#   attention: benchmarks/attention_schedule_bits.py), buckets (the M-bucket tests,
+#   attention: benchmarks/attention_schedule_bits.py), mma-latency (clocks per dependent k16 step
+#   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), buckets (the M-bucket tests,
 #   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
 #   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
 #   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
@@ -218,6 +219,10 @@ fi
 if asked attention-bits; then
   python3 benchmarks/attention_schedule_bits.py > "$LOGS/attention_bits.txt" 2>&1; echo "rc=$?"
   cat "$LOGS/attention_bits.txt"
+fi
+if asked mma-latency; then
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/mma_chain_latency.cu -o /tmp/mma_chain_latency \
+    && /tmp/mma_chain_latency | tee "$LOGS/mma_chain_latency.txt"
 fi
 if asked gemm-bits; then
   python3 benchmarks/gemm_schedule_bits.py > "$LOGS/gemm_bits.txt" 2>&1; echo "rc=$?"

@@ -126,10 +126,10 @@ constexpr int64_t kBucketMaxRows = 256;
 // 4096-wide output 16 CTAs on 132 SMs, and each streams its 1/16 of B alone). For M <= 256
 // the rule takes the largest tile (the set's first) that still yields at least 4/5 as many CTAs
 // as there are SMs, else the smallest (the most CTAs); above, the first. A tile of more rows than
-// max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply). More CTAs
-// than that buy nothing: a CTA's time is its K steps, each one MMA's latency, so tiles narrower
-// than 64 columns measured slower (benchmarks/RESULTS.md). The choice cannot change a bit (every
-// tile of a set has the same K sequence), only the speed.
+// max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply). At small M
+// a 64-row CTA's time grows with K alone (not with its columns), so once every CTA runs at once
+// more CTAs buy nothing, and tiles narrower than 64 columns measured slower (docs/matmul_cuda.md).
+// The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
   if (d.force_m != 0) {
