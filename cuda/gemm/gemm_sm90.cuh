@@ -47,8 +47,10 @@ constexpr int kTileK = 64;
 using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
-// ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C.
-template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
+// ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C. LayoutD_ is
+// column-major only for the swapped operands of the few-row tile (launch, below).
+template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN,
+          class LayoutD_ = cutlass::layout::RowMajor>
 struct Config {
   static_assert(TileM == 64 || TileM == 128, "Hopper tiles have 64 (ping-pong) or 128 (cooperative) rows");
   static constexpr bool kCooperative = TileM == 128;
@@ -57,7 +59,7 @@ struct Config {
                                               cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using EpilogueSchedule = std::conditional_t<kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                               cutlass::epilogue::TmaWarpSpecialized>;
-  using LayoutD = cutlass::layout::RowMajor;
+  using LayoutD = LayoutD_;
   // Raster order of the persistent scheduler (which CTA takes which tile, never what a tile
   // computes: identical result hashes for every order, benchmarks/gemm_schedule_bits.py). The
   // cooperative (128-row) forward and dA kernels raster along N, its weight gradient takes CUTLASS's heuristic
@@ -145,8 +147,8 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
   // leading dimension lands in the other mode whatever the layout.
   const StrideA sa = make_stride3<StrideA>(g.lda, g.lda, g.batch_a);
   const StrideB sb = make_stride3<StrideB>(g.ldb, g.ldb, g.batch_b);
-  const StrideC sc = make_stride3<StrideC>(g.ldc, 1, g.batch_c);
-  const StrideD sd = make_stride3<StrideD>(g.ldd, 1, g.batch_d);
+  const StrideC sc = make_stride3<StrideC>(g.ldc, g.ldc, g.batch_c);
+  const StrideD sd = make_stride3<StrideD>(g.ldd, g.ldd, g.batch_d);
 
   cutlass::KernelHardwareInfo hw;
   hw.device_id = g.device;
@@ -196,10 +198,38 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
   return {};
 }
 
+template <class Layout>
+using Transposed = std::conditional_t<std::is_same_v<Layout, cutlass::layout::RowMajor>,
+                                      cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+
+// The few-row tile (16 rows of D by 64 columns) runs D^T = B^T A^T: B fills the 64 rows of the
+// wgmma (m64n16k16) and A its 16 columns, so a CTA stages 16 rows of A per K tile instead of 64.
+// Each element of D is still one float32 accumulator fed by the same products (a_mk * b_kn) in the
+// same k16 steps, K ascending; tests/test_gemm_buckets.py proves it gives the bits of every other
+// tile of its set.
+inline GemmArgs swapped_operands(const GemmArgs& g) {
+  GemmArgs t = g;
+  t.m = g.n;
+  t.n = g.m;
+  t.a = g.b;
+  t.lda = g.ldb;
+  t.batch_a = g.batch_b;
+  t.b = g.a;
+  t.ldb = g.lda;
+  t.batch_b = g.batch_a;
+  return t;  // D^T is D read column-major: the same pointer, leading dimension and batch stride
+}
+
 // The launcher of one generated unit (cuda/gemm/kernels.cmake).
 template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
 Status launch(const GemmArgs& args, cudaStream_t stream) {
-  return run<Config<ElementAB, LayoutA, LayoutB, ElementC, ElementD, TileM, TileN>>(args, stream);
+  if constexpr (TileM == 16) {
+    static_assert(TileN == 64 && std::is_void_v<ElementC>, "the swapped few-row tile is 16x64, with no source C");
+    return run<Config<ElementAB, Transposed<LayoutB>, Transposed<LayoutA>, ElementC, ElementD, 64, 16,
+                      cutlass::layout::ColumnMajor>>(swapped_operands(args), stream);
+  } else {
+    return run<Config<ElementAB, LayoutA, LayoutB, ElementC, ElementD, TileM, TileN>>(args, stream);
+  }
 }
 
 }  // namespace sm90

@@ -19,8 +19,9 @@
 #           same operations: the dispatcher may pick any of them from the shape (choose_tile in
 #           matmul_cuda.cu; proven bitwise by tests/test_gemm_buckets.py, docs/matmul_cuda.md).
 #           sm90: 128xN runs the cooperative schedule (two consumer warpgroups of 64 rows), 64xN
-#           the ping-pong schedule; sm80: the threadblock tile.
-set(JAXDET_GEMM_SM90_TILES "128x256 64x256 64x128 64x64")
+#           the ping-pong schedule, 16x64 the ping-pong schedule on swapped operands (D^T = B^T A^T,
+#           gemm_sm90.cuh); sm80: the threadblock tile.
+set(JAXDET_GEMM_SM90_TILES "128x256 64x256 64x128 64x64 16x64")
 set(JAXDET_GEMM_SM80_TILES "128x128 64x64 64x32")
 set(JAXDET_GEMM_KERNELS
   # Hopper forward (nn) and dA (nt), half or float32 output: M-bucketed.

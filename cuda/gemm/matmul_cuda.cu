@@ -125,8 +125,9 @@ constexpr int64_t kBucketMaxRows = 256;
 // so a problem with fewer tiles than SMs leaves SMs idle (at M = 1 the 128x256 tile gives a
 // 4096-wide output 16 CTAs on 132 SMs, and each streams its 1/16 of B alone). For M <= 256
 // the rule takes the largest tile (the set's first) that still yields at least 4/5 as many CTAs
-// as there are SMs, else the smallest (the most CTAs); above, the first. A tile of more rows than
-// max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply). At small M
+// as there are SMs, else the smallest of them (the most CTAs); above, the first. A tile of more rows than
+// max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply), and so is
+// one of fewer rows than min(M, 64) (the 16-row tile: B would be read once per 16 rows). At small M
 // a 64-row CTA's time grows with K alone (not with its columns), so once every CTA runs at once
 // more CTAs buy nothing, and tiles narrower than 64 columns measured slower (docs/matmul_cuda.md).
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
@@ -138,13 +139,15 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
     }
   }
   if (m > kBucketMaxRows) return set.tiles[0];
+  const TileKernel* smallest = &set.tiles[0];
   for (int i = 0; i < set.count; ++i) {
     const TileKernel& t = set.tiles[i];
-    if (t.tile_m > std::max<int64_t>(m, 64)) continue;
+    if (t.tile_m > std::max<int64_t>(m, 64) || t.tile_m < std::min<int64_t>(m, 64)) continue;
     const int64_t ctas = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
     if (5 * ctas >= 4 * int64_t{d.sms}) return t;
+    smallest = &t;
   }
-  return set.tiles[set.count - 1];
+  return *smallest;
 }
 
 // A forced tile (JAXDET_TESTING=gemm_tile) that `set` does not have: an error naming its tiles.
