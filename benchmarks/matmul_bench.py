@@ -19,7 +19,7 @@ computes), or the VJP of jnp.dot when jaxdet.matmul is used.
 Timing: one jitted program runs `--calls` products in sequence (each on its own copy of the
 small operand, B rotating among copies when it is small enough that a repeated B would run from
 L2; fewer calls where their outputs would not fit in a few GB), so the host's dispatch cost is paid
-once per program, not per product: a product at M = 1 takes 10-20 us on the GPU, less than one
+once per program, not per product: a product at M <= 16 takes 20-60 us on the GPU, less than one
 dispatch. The time per product is the median over `--reps` timings of `--inner` back-to-back
 programs (block_until_ready at the end) divided by the calls per program, the jnp and jaxdet
 repetitions alternating (so that a clock or power drift during a long cell hits both sides alike).
@@ -193,6 +193,15 @@ def _program(fn):
     return jax.jit(lambda argsets: [fn(*s) for s in argsets])
 
 
+def time_products(fns, argsets, reps, inner):
+    """Median ms per product of each function of fns (one, or a pair timed in alternating
+    repetitions) on every tuple of argsets, the tuples run by one jitted program per function."""
+    programs = [_program(fn) for fn in fns]
+    one = [(argsets,)]
+    ms = timeit_pair(*programs, one, reps, inner) if len(programs) == 2 else (timeit(programs[0], one, reps, inner),)
+    return tuple(t / len(argsets) for t in ms)
+
+
 def sweep_child(args):
     """One process of --tile-sweep: JSON lines {op, K, N, M, ms, tile} for jnp (tile 'jnp') or for
     jaxdet with whatever JAXDET_TESTING forces; 'tiles': the bucketed set's tiles and the device."""
@@ -213,7 +222,7 @@ def sweep_child(args):
             sets = _sets(bs, a_all, dc_all, M, args.calls)
             for op in args.ops.split(","):
                 argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
-                t = timeit(_program(fns[op][side]), [(argsets,)], args.reps, args.inner) / len(argsets)
+                (t,) = time_products([fns[op][side]], argsets, args.reps, args.inner)
                 tile = "jnp" if side == 0 else _tile_of(op, K, N, M)
                 print(json.dumps({"op": op, "K": K, "N": N, "M": M, "ms": t, "tile": tile}), flush=True)
             del sets
@@ -336,8 +345,7 @@ def main():
                 fn_ref, fn_det = fns[op]
                 if op in {"fwd", "dA"} or use_api:
                     argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
-                    t_ref, t_det = timeit_pair(_program(fn_ref), _program(fn_det), [(argsets,)], args.reps, args.inner)
-                    t_ref, t_det = t_ref / len(argsets), t_det / len(argsets)
+                    t_ref, t_det = time_products([fn_ref, fn_det], argsets, args.reps, args.inner)
                 else:
                     t_ref = timeit(fn_ref, sets, args.reps, args.inner)
                     acc = jnp.zeros((K, N), jnp.float32)
