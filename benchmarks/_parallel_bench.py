@@ -1,4 +1,5 @@
-"""Set-up and output shared by allreduce_bench.py and dp_step_bench.py (psum vs jaxdet.parallel).
+"""Set-up and output shared by the multi-device benchmarks (allreduce_bench.py, dp_step_bench.py,
+sharded_matmul_bench.py).
 
 Nothing here imports jax at module level: `--cpu-devices` must set XLA_FLAGS before jax starts.
 """
@@ -37,6 +38,14 @@ def mesh_of_all_devices():
 
     devices = jax.devices()
     return devices, jax.sharding.Mesh(np.array(devices), ("d",))
+
+
+def collectives_in(compiled_text):
+    """The collective ops a compiled HLO module runs (an async start/done pair counts as its op)."""
+    import re
+
+    ops = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+    return sorted(set(re.findall(r"\b(" + "|".join(ops) + r")(?:-start)?\(", compiled_text)))
 
 
 def devices_label(devices):

@@ -240,9 +240,12 @@ def run_train(steps, ds):
 
 
 def run_multi(process_id, num_processes, port, steps):
+    """One process of a multi-controller run on its local devices: simulated CPU devices (gloo
+    collectives), or the GPUs the caller left visible (NCCL across processes)."""
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if os.environ.get("JAX_PLATFORMS") == "cpu":  # (asking JAX for its backend would start it too early)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=f"localhost:{port}",
         num_processes=num_processes,
@@ -264,7 +267,8 @@ def run_multi(process_id, num_processes, port, steps):
 
 
 def run_gpu(steps):
-    """D=1 and D=2 on GPUs; the caller compares the hashes across NCCL settings."""
+    """D=1 and D=2 on GPUs, the jaxdet step (tree) and the lax.psum step (the negative control); the
+    caller compares the hashes across NCCL settings."""
     import jax
 
     from jaxdet.contracts import parallel as fp
@@ -273,8 +277,9 @@ def run_gpu(steps):
     result = {"nccl": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
     for d in (1, 2):
         m = jax.sharding.Mesh(np.array(jax.devices("gpu")[:d]), ("d",))
-        hashes, same = fp.train(m, batches)
-        result[f"tree{d}"] = {"hashes": hashes, "same_on_devices": all(same)}
+        for name, control in (("tree", False), ("psum", True)):
+            hashes, same = fp.train(m, batches, control=control)
+            result[f"{name}{d}"] = {"hashes": hashes, "same_on_devices": all(same)}
     return result
 
 

@@ -8,6 +8,9 @@ import socket
 import subprocess
 import sys
 
+import jax
+import pytest
+
 from jaxdet.contracts.parallel import subprocess_env
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel_worker.py")
@@ -25,17 +28,19 @@ def _last_json(text):
     return json.loads(text.strip().splitlines()[-1])
 
 
-def test_two_processes_equal_one_process_of_eight_devices():
+def _run_processes(count, steps, env_of):
+    """Starts `count` worker processes of one multi-controller run (env_of(i): process i's
+    environment) and returns their results."""
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, WORKER, "multi", str(i), "2", str(port), str(STEPS)],
-            env=subprocess_env(4),
+            [sys.executable, WORKER, "multi", str(i), str(count), str(port), str(steps)],
+            env=env_of(i),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for i in range(2)
+        for i in range(count)
     ]
     outs = []
     try:
@@ -47,18 +52,46 @@ def test_two_processes_equal_one_process_of_eight_devices():
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    single = subprocess.run(
-        [sys.executable, WORKER, "train", str(STEPS), "8"],
-        env=subprocess_env(8),
+    return outs
+
+
+def _run_single(mode, *args, env):
+    proc = subprocess.run(
+        [sys.executable, WORKER, mode, *map(str, args)],
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
-    assert single.returncode == 0, single.stderr[-4000:]
-    want = _last_json(single.stdout)["tree8"]["hashes"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _last_json(proc.stdout)
+
+
+def test_two_processes_equal_one_process_of_eight_devices():
+    outs = _run_processes(2, STEPS, lambda i: subprocess_env(4))
+    want = _run_single("train", STEPS, 8, env=subprocess_env(8))["tree8"]["hashes"]
     assert len(want) == STEPS
     for r in outs:
         assert (r["devices"], r["local_devices"]) == (8, 4)
         assert r["same_on_devices"], f"process {r['process']}: its devices differ"
         assert r["hashes"] == want, f"process {r['process']} differs from the single-process D=8 run"
+
+
+@pytest.mark.gpu
+def test_two_gpu_processes_equal_one_gpu():
+    """2 processes x 1 GPU (NCCL between processes, as across nodes) give the single-GPU bits."""
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs 2 GPUs")
+
+    def gpu_env(visible):
+        env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+        env.update(NCCL_NVLS_ENABLE="0", CUDA_VISIBLE_DEVICES=visible)
+        return env
+
+    steps = 5
+    outs = _run_processes(2, steps, lambda i: gpu_env(str(i)))
+    want = _run_single("gpu", steps, env=gpu_env("0,1"))["tree1"]["hashes"]
+    for r in outs:
+        assert (r["devices"], r["local_devices"]) == (2, 1)
+        assert r["hashes"] == want, f"process {r['process']} differs from the single-GPU run"

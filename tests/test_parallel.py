@@ -242,6 +242,8 @@ def test_gpu_device_count_and_nccl_settings_change_no_bit():
         env.update(setting, NCCL_NVLS_ENABLE="0")
         r = run_worker("gpu", 5, env=env)
         assert r["tree1"]["hashes"] == r["tree2"]["hashes"], f"D=1 vs D=2 under {setting}"
-        assert r["tree2"]["same_on_devices"]
+        assert r["tree2"]["same_on_devices"] and r["psum2"]["same_on_devices"]
+        # the negative control: the plain psum step on the same GPUs changes bits with D
+        assert r["psum1"]["hashes"][-1] != r["psum2"]["hashes"][-1], f"psum D=1 == D=2 under {setting}"
         results.append(r["tree2"]["hashes"])
     assert all(h == results[0] for h in results), "an NCCL setting changed the bits"

@@ -17,7 +17,9 @@
 #   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
 #   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
 #   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
-#   SM80_BENCH_ARGS), sanitize-sm80 (memcheck and racecheck of the sm_80 kernels, forced).
+#   SM80_BENCH_ARGS), sanitize-sm80 (memcheck and racecheck of the sm_80 kernels, forced), multi-gpu
+#   (two or more GPUs: the device-count and multi-process GPU tests, the all-reduce, sharded-matmul
+#   and data-parallel step benchmarks; NVLink multicast off).
 #   PYTEST_ARGS: options for the tests mode, as shell words (PYTEST_ARGS='-k "not every_tile"').
 #   Build cache: the build runs in /tmp/jaxdet-build from a copy of the tree in /tmp/jaxdet-src and
 #   leaves its objects and the sources' SHA-1s in $OUT/gpu-cache.txz.part-* (xz, 15 MiB pieces).
@@ -223,6 +225,21 @@ fi
 if asked mma-latency; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/mma_chain_latency.cu -o /tmp/mma_chain_latency \
     && /tmp/mma_chain_latency | tee "$LOGS/mma_chain_latency.txt"
+fi
+if asked multi-gpu; then  # nvidia-h200-x2 and larger: Step 5's device-count tests and benchmarks
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md: no multicast
+  nvidia-smi topo -m | tee "$LOGS/topology.txt"
+  rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
+    && cp pyproject.toml README.md /tmp/
+  echo "== multi-GPU tests"
+  run_pytest -v -m gpu /tmp/jaxdet-tests/test_parallel.py /tmp/jaxdet-tests/test_multiprocess.py 2>&1 \
+    | tee "$LOGS/pytest_multi_gpu.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tail -15
+  if benching multi-GPU; then
+    for b in allreduce_bench sharded_matmul_bench dp_step_bench; do
+      timeout ${MULTI_BENCH_TIMEOUT:-300} python3 benchmarks/$b.py --out "$LOGS/$b.md" > "$LOGS/$b.log" 2>&1
+      echo "$b: rc=$?"; grep -E "^\||^[A-Z]" "$LOGS/$b.log" | grep -v "^[A-Z][0-9]" | head -20
+    done
+  fi
 fi
 if asked gemm-bits; then
   python3 benchmarks/gemm_schedule_bits.py > "$LOGS/gemm_bits.txt" 2>&1; echo "rc=$?"
