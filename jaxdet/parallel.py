@@ -96,6 +96,9 @@ def _as_summand(x, names):
     return _varying(x, names)
 
 
+_OWN_BUFFER = 1 << 18  # elements (1 MiB of float32)
+
+
 def _tree_psum_flat(flat, axis, size):
     n = flat.shape[0]
     if n == 0:
@@ -127,9 +130,10 @@ def tree_psum(x, axis_name):
     ``out_specs=P()`` is allowed under ``check_vma=True``). A value that is not varying over an
     axis counts once per device, as with ``psum``. Only data moves between devices (all_to_all
     reduce-scatter, then all_gather; the traffic of a ring all-reduce); the adds run locally in
-    x's dtype (float32 for device-count-invariant gradients). Any shapes: the leaves of one dtype
-    travel as one flat buffer, zero-padded to a multiple of the device count (each element's sum
-    is the same tree whatever the packing). An axis of size 1 is the identity.
+    x's dtype (float32 for device-count-invariant gradients). Any shapes: large leaves travel
+    alone and the small leaves of one dtype as one flat buffer, each zero-padded to a multiple of
+    the device count (each element's sum is the same tree whatever the packing). An axis of size 1
+    is the identity.
     """
     names = _axis_names(axis_name)
     size = math.prod(lax.axis_size(n) for n in names)
@@ -137,9 +141,13 @@ def tree_psum(x, axis_name):
     axis = names if len(names) > 1 else names[0]
     leaves, treedef = jax.tree.flatten(x)
     leaves = [_as_summand(leaf, names) for leaf in leaves]
-    groups = {}  # one buffer per dtype and per set of other varying axes (which the result keeps)
+    # One buffer per dtype and per set of other varying axes (which the result keeps); a leaf of
+    # at least _OWN_BUFFER elements travels alone: packing it would copy it twice (concatenate,
+    # slice) and hold every collective back until the last gradient exists.
+    groups = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault((leaf.dtype, _varying_axes(leaf) - set(names)), []).append(i)
+        alone = (i,) if leaf.size >= _OWN_BUFFER else ()
+        groups.setdefault((leaf.dtype, _varying_axes(leaf) - set(names), alone), []).append(i)
     out = [None] * len(leaves)
     for members in groups.values():
         flats = [leaves[i].reshape(-1) for i in members]

@@ -85,11 +85,13 @@ def run_collectives(out_dir):
             arrays[f"{name}_D{d}"] = np.asarray(out)
             facts[f"{name}_D{d}_same_on_devices"] = same_on_devices(out)
 
-    # A pytree of mixed dtypes (packed into one buffer per dtype).
+    # A pytree of mixed dtypes (small leaves packed into one buffer per dtype; "d", large and not
+    # a multiple of 8 elements, travels alone, padded).
     tree_in = {
         "a": _summands(10, 8, (5, 7), np.float32),
         "b": _summands(11, 8, (3,), jnp.bfloat16),
         "c": _summands(12, 8, (), np.float32),
+        "d": _summands(13, 8, (jp._OWN_BUFFER + 3,), np.float32),
     }
     for k, v in tree_in.items():
         arrays[f"pytree_{k}_in"] = v

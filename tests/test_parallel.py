@@ -115,7 +115,7 @@ def test_tree_psum_is_the_tree_for_any_device_count(collectives, case):
 
 def test_tree_psum_pytree_of_mixed_dtypes(collectives):
     arrays, _ = collectives
-    for k in ("a", "b", "c"):
+    for k in ("a", "b", "c", "d"):
         want = reference_tree(list(arrays[f"pytree_{k}_in"]))
         for d in (1, 8):
             assert_bitwise(arrays[f"pytree_{k}_D{d}"], want, f"leaf {k} D={d}")
@@ -221,14 +221,16 @@ def test_psum_step_changes_bits_with_device_count(training):
 
 # ---- GPU: D=1 vs D=2 under NCCL algorithm/protocol settings ----
 
+# NCCL has Tree for all-reduce only (NCCL_ALGO=Tree alone makes its all-gathers fail), so Tree is
+# asked per function (NCCL >= 2.24 syntax, as vLLM's and SGLang's deterministic modes set it).
 NCCL_SWEEP = [
     {},
     {"NCCL_ALGO": "Ring"},
-    {"NCCL_ALGO": "Tree"},
+    {"NCCL_ALGO": "allreduce:tree"},
     {"NCCL_PROTO": "LL"},
     {"NCCL_PROTO": "Simple"},
     {"NCCL_ALGO": "Ring", "NCCL_PROTO": "LL"},
-    {"NCCL_ALGO": "Tree", "NCCL_PROTO": "Simple"},
+    {"NCCL_ALGO": "allreduce:tree", "NCCL_PROTO": "Simple"},
 ]
 
 
