@@ -82,16 +82,11 @@ __device__ __forceinline__ void load_b_frags(uint32_t (&b)[4], const Elem* Bt, i
   ldsm_x4(b, Bt + (n0 + (lane >> 4) * 8 + (lane & 7)) * P + k0 + ((lane >> 3) & 1) * 8);
 }
 
-// max_nan (attention_math.h) in one instruction: max.NaN gives the canonical NaN when either input
-// is NaN (every NaN these kernels compute is canonical already) and +0 for (+0, -0), where
-// max_nan keeps the first of two equal values. A block maximum can so differ only in the sign of
-// a zero, which no result sees: m enters as exp2(x - m) and exp2(m_old - m), the same for +0 and
-// -0, and as lse2 = m + log2(l) with log2(l) >= +0 (l >= 1: the maximum's own term is 1).
-__device__ __forceinline__ float max_nan_dev(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+// max_nan (attention_math.h) in one instruction (fmax_nan, cuda_common.h): the canonical NaN when
+// either input is NaN (every NaN these kernels compute is canonical already) and +0 for (+0, -0),
+// where max_nan keeps the first of two equal values. A block maximum can so differ only in the
+// sign of a zero, which no result sees: m enters as exp2(x - m) and exp2(m_old - m), the same for
+// +0 and -0, and as lse2 = m + log2(l) with log2(l) >= +0 (l >= 1: the maximum's own term is 1).
 
 // 16 bytes from global to shared memory; `valid` false writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -358,15 +353,15 @@ __device__ __forceinline__ void fwd_scores(const Elem* Qw, const Elem* Kb, int p
         const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
         const float x = !kMasked || key < lim[g][i >> 1] ? dm::mul(s[g][nt][i], c) : dm::neg_inf();
         s[g][nt][i] = x;
-        bm[i >> 1] = max_nan_dev(bm[i >> 1], x);
+        bm[i >> 1] = fmax_nan(bm[i >> 1], x);
       }
     }
     float mn[2], alpha[2];
     bool empty[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      bm[rr] = max_nan_dev(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
-      bm[rr] = max_nan_dev(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
+      bm[rr] = fmax_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
+      bm[rr] = fmax_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
       mn[rr] = max_nan(m[g][rr], bm[rr]);
       empty[rr] = mn[rr] == dm::neg_inf();
       alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(dm::sub(m[g][rr], mn[rr]));

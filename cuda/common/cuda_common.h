@@ -35,4 +35,15 @@ inline int current_sm_count() {
   return std::max(sms, 1);
 }
 
+#ifdef __CUDACC__
+// The maximum in one instruction (sm_80 and later): the canonical NaN when either input is NaN,
+// otherwise the larger value; a zero maximum's sign is not the canonical one (detmath::max), so
+// callers settle zeros apart or show that no result sees the sign.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+#endif
+
 }  // namespace jaxdet

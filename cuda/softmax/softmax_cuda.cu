@@ -59,23 +59,28 @@ __device__ __forceinline__ bool in_span(int k, int j, int64_t len) {
 }
 
 // The maximum of the span held in v (len elements), as detmath::max defines it. Every thread gets
-// it. fmaxf (one instruction) finds the value with NaN tracked apart; only a zero maximum, whose
-// sign fmaxf may get wrong (+0 if any element is +0), is settled by the exact walk.
+// it. A NaN-propagating maximum (one instruction) finds the value; only a zero maximum, whose sign
+// that instruction may get wrong, is settled by the exact walk. A full span (every lane holds
+// kSteps * kVec elements: all but a row's last segment) runs without the per-element masks.
 template <int kSteps>
 __device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_t len, float* sh) {
   float m = dm::neg_inf();
-  bool any_nan = false;
+  if (len == kSteps * kStep) {
 #pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
+    for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      if (in_span(k, j, len)) {
-        m = fmaxf(m, v[k][j]);
-        any_nan |= v[k][j] != v[k][j];
+      for (int j = 0; j < kVec; ++j) m = fmax_nan(m, v[k][j]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        if (in_span(k, j, len)) m = fmax_nan(m, v[k][j]);
       }
     }
   }
-  if (__syncthreads_or(any_nan)) return dm::nan();
+  if (__syncthreads_or(m != m)) return dm::nan();
   m = dm::block_max(m, sh);
   if (m != 0.0f) return m;
   float exact = dm::neg_inf();
@@ -90,18 +95,31 @@ __device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_
 }
 
 // The span's sum of e^(x - M) (its part of S). Every thread gets it. With keep_exp, v's elements
-// are replaced by their terms e^(x - M) (softmax's numerators).
+// are replaced by their terms e^(x - M) (softmax's numerators). (Full spans without masks, as in
+// span_max.)
 template <int kSteps>
 __device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t len, float M, float* sh,
                                               bool keep_exp) {
   float acc = 0.0f;
+  if (len == kSteps * kStep) {
 #pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
+    for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float e = sm::exp_term(v[k][j], M);
-      if (in_span(k, j, len)) acc = dm::add(acc, e);
-      if (keep_exp) v[k][j] = e;
+      for (int j = 0; j < kVec; ++j) {
+        const float e = sm::exp_term(v[k][j], M);
+        acc = dm::add(acc, e);
+        if (keep_exp) v[k][j] = e;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float e = sm::exp_term(v[k][j], M);
+        if (in_span(k, j, len)) acc = dm::add(acc, e);
+        if (keep_exp) v[k][j] = e;
+      }
     }
   }
   return dm::block_tree_sum(acc, sh);
@@ -436,11 +454,19 @@ template <int kSteps>
 __device__ __forceinline__ float span_bwd_sum(const float (&p)[kSteps][kVec], const float (&gv)[kSteps][kVec],
                                               int64_t len, int32_t mode, float* sh) {
   float acc = 0.0f;
+  if (len == kSteps * kStep) {  // (a full span: no masks, as in span_max)
 #pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
+    for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      if (in_span(k, j, len)) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
+      for (int j = 0; j < kVec; ++j) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        if (in_span(k, j, len)) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
+      }
     }
   }
   return dm::block_tree_sum(acc, sh);
