@@ -45,6 +45,10 @@ using dm::kVec;
 // per SM (<= 80 registers) keep more loads in flight than the two that 128 registers would allow.
 constexpr int kMinBlocks = 3;
 
+// The most segments a row may have to run as one cluster (16 blocks: a non-portable cluster size,
+// which Hopper allows).
+constexpr int kMaxClusterSegments = 16;
+
 // Loads the lane's elements of a span of `len` elements (NaN-free fill, masked by the callers).
 template <typename S, int kSteps>
 __device__ __forceinline__ void load_span(const typename S::Bits* __restrict__ p, int64_t len, bool vec,
@@ -215,31 +219,72 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define JAXDET_SOFTMAX_CLUSTERS 1
 
-// The maximum (order-free) of the cluster blocks' `slot` values; every thread of the block gets it.
-__device__ __forceinline__ float cluster_max(const cg::cluster_group& cluster, float* slot, int blocks,
-                                             float* bcast) {
-  if (threadIdx.x < 32) {
-    float m = threadIdx.x < blocks ? *cluster.map_shared_rank(slot, threadIdx.x) : dm::neg_inf();
-#pragma unroll
-    for (int s = 16; s >= 1; s >>= 1) m = dm::max(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
-    if (threadIdx.x == 0) *bcast = m;
-  }
-  __syncthreads();
-  return *bcast;
+// One value per block of a row's cluster, exchanged without a cluster-wide barrier: every block
+// writes its value into slot `rank` of every block's Slots by st.async, which counts its 4 bytes
+// on the receiver's mbarrier; a block waits for its own mbarrier only. (cluster.sync() would fence
+// at GPU scope, waiting for the block's outstanding memory operations, twice per row.) Two Slots
+// per exchange, used by alternate rows: a block can be at most one row ahead of another, so it
+// never writes a slot whose previous value its receiver has not yet read.
+struct Slots {
+  float value[kMaxClusterSegments];
+  alignas(8) uint64_t full;  // one arrival (the receiver's own, with the expected bytes) per use
+};
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// The canonical tree sum (warp_tree_sum) over the cluster blocks' `slot` values in rank (= segment) order;
-// every block computes it, and every thread of the block gets it.
-__device__ __forceinline__ float cluster_tree_sum(const cg::cluster_group& cluster, float* slot, int blocks,
-                                                  float* bcast) {
-  if (threadIdx.x < 32) {
-    const unsigned lane = threadIdx.x;
-    float v = *cluster.map_shared_rank(slot, lane < static_cast<unsigned>(blocks) ? lane : 0u);
-    v = dm::warp_tree_sum(v, blocks);
-    if (lane == 0) *bcast = v;
+// (Thread 0, before the cluster's first barrier.)
+__device__ __forceinline__ void slots_init(Slots& slots) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(&slots.full)));
+}
+
+// This block's value v (the same in every thread) to slot `rank` of every block; `blocks` values
+// will arrive here.
+__device__ __forceinline__ void slots_send(Slots& slots, float v, int rank, int blocks) {
+  if (threadIdx.x == 0) {  // (the bytes may land before this arrival: the phase waits for both)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(&slots.full)),
+                 "r"(static_cast<uint32_t>(blocks * sizeof(float)))
+                 : "memory");
   }
-  __syncthreads();
-  return *bcast;
+  if (threadIdx.x < blocks) {
+    uint32_t value, full;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(value) : "r"(shared_address(&slots.value[rank])), "r"(threadIdx.x));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(full) : "r"(shared_address(&slots.full)), "r"(threadIdx.x));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(value),
+                 "r"(__float_as_uint(v)), "r"(full)
+                 : "memory");
+  }
+}
+
+// Waits for use `use` (0, 1, 2, ...) of these slots to be complete.
+__device__ __forceinline__ void slots_wait(Slots& slots, uint32_t use) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(shared_address(&slots.full)), "r"(use & 1u)
+        : "memory");
+  } while (!done);
+}
+
+// The maximum (order-free) of the blocks' values; every warp computes it, every thread gets it.
+__device__ __forceinline__ float slots_max(const Slots& slots, int blocks) {
+  const int lane = threadIdx.x & 31;
+  float m = lane < blocks ? slots.value[lane] : dm::neg_inf();
+#pragma unroll
+  for (int s = 16; s >= 1; s >>= 1) m = dm::max(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+  return m;
+}
+
+// The canonical tree sum (warp_tree_sum) of the blocks' values in rank (= segment) order; every
+// warp computes it, every thread gets it.
+__device__ __forceinline__ float slots_tree_sum(const Slots& slots, int blocks) {
+  const int lane = threadIdx.x & 31;
+  const float v = dm::warp_tree_sum(slots.value[lane < blocks ? lane : 0], blocks);
+  return __shfl_sync(0xFFFFFFFFu, v, 0);
 }
 
 // The next row's segment is copied into shared memory (cp.async) while this row is computed: each
@@ -287,10 +332,8 @@ __device__ __forceinline__ void load_staged(const typename dm::Vec<typename S::B
 #endif
 
 // Block r of a row's cluster holds segment r: its max, then (after the cluster's M) its sum of
-// e^(x - M), meet in distributed shared memory. Softmax / log_softmax outputs, or (kXent) the
-// cross-entropy (mode: 1 for the label's log-prob). Two cluster barriers per row: a block writes
-// its next row's max only after every block has read this row's (the second barrier), and its
-// next sum only after every block has read this one (the next row's first barrier).
+// e^(x - M), reach every block of the cluster (Slots). Softmax / log_softmax outputs, or (kXent)
+// the cross-entropy (mode: 1 for the label's log-prob).
 template <typename S, bool kXent>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     ClusterFwdKernel(const typename S::Bits* __restrict__ x, typename S::Bits* __restrict__ y,
@@ -300,27 +343,33 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   using Bits = typename S::Bits;
   constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
-  __shared__ float slot_max, slot_sum, bcast;
+  __shared__ Slots maxima[2], sums[2];
   __shared__ dm::Vec<Bits> stage[sm::kSegment / kVec];
   const cg::cluster_group cluster = cg::this_cluster();
   const int segments = static_cast<int>(cluster.num_blocks());
   const int seg = static_cast<int>(cluster.block_rank());
   const int64_t len = sm::segment_length(n, seg);
   const bool numerators = !kXent && mode == sm::kSoftmax;
+  if (threadIdx.x == 0) {
+    for (Slots* s : {&maxima[0], &maxima[1], &sums[0], &sums[1]}) slots_init(*s);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  cluster.sync();  // every block's mbarriers exist before any value is sent
   if (blockIdx.y < rows) stage_span<Bits>(stage, x + int64_t{blockIdx.y} * n + seg * sm::kSegment, len);
-  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+  uint32_t it = 0;
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y, ++it) {
     const int64_t offset = row * n + seg * sm::kSegment;
+    Slots& row_maxima = maxima[it & 1];
+    Slots& row_sums = sums[it & 1];
     float v[kSteps][kVec];
     load_staged<S>(stage, x + offset, len, v);
     if (row + gridDim.y < rows) stage_span<Bits>(stage, x + offset + int64_t{gridDim.y} * n, len);
-    const float m = span_max<kSteps>(v, len, sh);
-    if (threadIdx.x == 0) slot_max = m;
-    cluster.sync();
-    const float M = cluster_max(cluster, &slot_max, segments, &bcast);
-    const float part = span_exp_sum<kSteps>(v, len, M, sh, numerators);
-    if (threadIdx.x == 0) slot_sum = part;
-    cluster.sync();
-    const float Ssum = cluster_tree_sum(cluster, &slot_sum, segments, &bcast);
+    slots_send(row_maxima, span_max<kSteps>(v, len, sh), seg, segments);
+    slots_wait(row_maxima, it >> 1);
+    const float M = slots_max(row_maxima, segments);
+    slots_send(row_sums, span_exp_sum<kSteps>(v, len, M, sh, numerators), seg, segments);
+    slots_wait(row_sums, it >> 1);
+    const float Ssum = slots_tree_sum(row_sums, segments);
     if (seg == 0 && threadIdx.x == 0) {
       stats[2 * row] = M;
       stats[2 * row + 1] = Ssum;
@@ -330,7 +379,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
       write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<Bits>(y + offset), M, Ssum, mode, numerators);
     }
   }
-  cluster.sync();  // no block leaves while another may still read its slots
+  cluster.sync();  // no block leaves while a value may still be on its way to it
 #endif
 }
 
@@ -562,7 +611,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   using Bits = typename S::Bits;
   constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
-  __shared__ float slot[2], bcast;
+  __shared__ Slots sums[2];
   extern __shared__ __align__(16) unsigned char stage_bytes[];  // x's segment, then g's
   auto* stage_x = reinterpret_cast<dm::Vec<Bits>*>(stage_bytes);
   dm::Vec<Bits>* stage_g = stage_x + sm::kSegment / kVec;
@@ -570,13 +619,19 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   const int segments = static_cast<int>(cluster.num_blocks());
   const int seg = static_cast<int>(cluster.block_rank());
   const int64_t len = sm::segment_length(n, seg);
+  if (threadIdx.x == 0) {
+    slots_init(sums[0]);
+    slots_init(sums[1]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  cluster.sync();  // every block's mbarriers exist before any value is sent
   if (blockIdx.y < rows) {
     const int64_t first = int64_t{blockIdx.y} * n + seg * sm::kSegment;
     stage_span<Bits>(stage_x, x + first, len);
     stage_span<Bits>(stage_g, g + first, len);
   }
-  int parity = 0;
-  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y, parity ^= 1) {
+  uint32_t it = 0;
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y, ++it) {
     const int64_t offset = row * n + seg * sm::kSegment;
     float v[kSteps][kVec], gv[kSteps][kVec];
     load_staged<S>(stage_x, x + offset, len, v);
@@ -586,13 +641,13 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
       stage_span<Bits>(stage_g, g + offset + int64_t{gridDim.y} * n, len);
     }
     to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
-    const float part = span_bwd_sum<kSteps>(v, gv, len, mode, sh);
-    if (threadIdx.x == 0) slot[parity] = part;
-    cluster.sync();
-    const float total = cluster_tree_sum(cluster, &slot[parity], segments, &bcast);
+    Slots& row_sums = sums[it & 1];
+    slots_send(row_sums, span_bwd_sum<kSteps>(v, gv, len, mode, sh), seg, segments);
+    slots_wait(row_sums, it >> 1);
+    const float total = slots_tree_sum(row_sums, segments);
     write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
   }
-  cluster.sync();  // no block leaves while another may still read its slots
+  cluster.sync();  // no block leaves while a value may still be on its way to it
 #endif
 }
 
@@ -656,10 +711,6 @@ unsigned GridFor(int64_t items) {
     constexpr int kSteps = 8;      \
     CALL;                          \
   }
-
-// The most segments a row may have to run as one cluster (16 blocks: a non-portable cluster size,
-// which Hopper allows).
-constexpr int kMaxClusterSegments = 16;
 
 // Dynamic shared memory of ClusterBwdKernel: the staged segments of x and g.
 template <typename S>
