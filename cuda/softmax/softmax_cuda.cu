@@ -5,9 +5,9 @@
 //   rows of one segment (n <= 8192): one fused kernel per call; the row is held in registers, so
 //     x is read once (forward) or x and g once (backward).
 //   rows of 2 to 16 segments on GPUs with thread block clusters (Hopper and later): one cluster per
-//     row, block r holding segment r in registers; the segments' maxima and partial sums meet in
-//     distributed shared memory, where every block combines them by the same tree. x is read once
-//     and e^(x - M) computed once per element (forward); x and g read once (backward).
+//     row, block r holding segment r in registers; the segments' maxima and partial sums reach
+//     every block's shared memory (Slots), where every block combines them by the same tree. x is
+//     read once and e^(x - M) computed once per element (forward); x and g read once (backward).
 //   other rows of several segments: passes over the row with the partials in a float32 workspace
 //     (maxima, then sums of e^(x - M), then each row's (M, S), then the outputs; in the backward
 //     partial sums, then the outputs), segments of one row in parallel.
@@ -249,8 +249,12 @@ __device__ __forceinline__ void slots_send(Slots& slots, float v, int rank, int 
   }
   if (threadIdx.x < blocks) {
     uint32_t value, full;
-    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(value) : "r"(shared_address(&slots.value[rank])), "r"(threadIdx.x));
-    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(full) : "r"(shared_address(&slots.full)), "r"(threadIdx.x));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n"
+        : "=r"(value)
+        : "r"(shared_address(&slots.value[rank])), "r"(threadIdx.x));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n"
+        : "=r"(full)
+        : "r"(shared_address(&slots.full)), "r"(threadIdx.x));
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(value),
                  "r"(__float_as_uint(v)), "r"(full)
                  : "memory");
@@ -600,8 +604,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 }
 
 // Rows of 2 to 16 segments, GPUs with clusters: block r of a row's cluster holds segment r of x
-// and g; the segments' partial sums meet in distributed shared memory. The slots alternate between
-// rows: a block writes row i + 1's partial before the others have necessarily read row i's.
+// and g; the segments' partial sums reach every block (Slots, alternating between rows).
 template <typename S>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     ClusterBwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
