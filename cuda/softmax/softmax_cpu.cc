@@ -56,8 +56,7 @@ void SoftmaxRows(const void* x, void* y, float* stats, int64_t rows, int64_t n, 
     stats[2 * r] = st.M;
     stats[2 * r + 1] = st.S;
     if (mode == sm::kSoftmax) {
-      const float inv = sm::reciprocal(st.S);
-      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::prob(S::load(xr[e]), st.M, st.S, inv));
+      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::prob(S::load(xr[e]), st.M, st.S));
     } else {
       const float log_s = dm::log(st.S);
       for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::log_prob(S::load(xr[e]), st.M, log_s));
@@ -85,11 +84,11 @@ void SoftmaxBwdRows(const void* x, const float* stats, const void* g, void* dx, 
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
     const Bits* gr = static_cast<const Bits*>(g) + r * n;
     Bits* dr = static_cast<Bits*>(dx) + r * n;
-    const float M = stats[2 * r], Ssum = stats[2 * r + 1], inv = sm::reciprocal(Ssum);
+    const float M = stats[2 * r], Ssum = stats[2 * r + 1];
     const float total = RowSum(
-        n, [&](int64_t e) { return sm::bwd_term(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum, inv), mode); });
+        n, [&](int64_t e) { return sm::bwd_term(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), mode); });
     for (int64_t e = 0; e < n; ++e) {
-      dr[e] = S::store(sm::bwd(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum, inv), total, mode));
+      dr[e] = S::store(sm::bwd(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), total, mode));
     }
   }
 }
@@ -155,9 +154,9 @@ void XentBwdRows(const void* x, const int32_t* labels, const float* stats, const
     Bits* dr = static_cast<Bits*>(dx) + r * n;
     const int32_t label = labels[r];
     const bool valid = label >= 0 && label < n;
-    const float M = stats[2 * r], Ssum = stats[2 * r + 1], gr = g[r], inv = sm::reciprocal(Ssum);
+    const float M = stats[2 * r], Ssum = stats[2 * r + 1], gr = g[r];
     for (int64_t e = 0; e < n; ++e) {
-      dr[e] = S::store(sm::xent_bwd(gr, sm::prob(S::load(xr[e]), M, Ssum, inv), e == label, valid));
+      dr[e] = S::store(sm::xent_bwd(gr, sm::prob(S::load(xr[e]), M, Ssum), e == label, valid));
     }
   }
 }

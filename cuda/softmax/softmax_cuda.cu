@@ -149,7 +149,6 @@ __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], ty
                                               int64_t len, bool vec, float M, float Ssum, int32_t mode,
                                               bool numerators) {
   const float log_s = mode == sm::kLogSoftmax ? dm::log(Ssum) : 0.0f;
-  const float inv = mode == sm::kSoftmax ? sm::reciprocal(Ssum) : 0.0f;
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int64_t base = k * kStep + threadIdx.x * kVec;
@@ -157,9 +156,8 @@ __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], ty
     float out[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      out[j] = mode == sm::kSoftmax
-                   ? (numerators ? sm::divide_by_sum(v[k][j], Ssum, inv) : sm::prob(v[k][j], M, Ssum, inv))
-                   : sm::log_prob(v[k][j], M, log_s);
+      out[j] = mode == sm::kSoftmax ? (numerators ? dm::div(v[k][j], Ssum) : sm::prob(v[k][j], M, Ssum))
+                                    : sm::log_prob(v[k][j], M, log_s);
     }
     dm::store_lane<S>(y, base, len, vec, out);
   }
@@ -498,11 +496,10 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 // v's elements x -> p = e^(x - M) / S (the probabilities both backward formulas use).
 template <int kSteps>
 __device__ __forceinline__ void to_prob(float (&v)[kSteps][kVec], float M, float Ssum) {
-  const float inv = sm::reciprocal(Ssum);
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) v[k][j] = sm::prob(v[k][j], M, Ssum, inv);
+    for (int j = 0; j < kVec; ++j) v[k][j] = sm::prob(v[k][j], M, Ssum);
   }
 }
 
@@ -671,7 +668,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<Bits>(x + offset), v);
     const int32_t label = labels[row];
     const bool valid = label >= 0 && label < n;
-    const float M = stats[2 * row], Ssum = stats[2 * row + 1], gr = g[row], inv = sm::reciprocal(Ssum);
+    const float M = stats[2 * row], Ssum = stats[2 * row + 1], gr = g[row];
     const bool vec = dm::vec_aligned<Bits>(dx + offset);
     const int64_t first = offset - row * n;  // the segment's first column
 #pragma unroll
@@ -682,7 +679,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const int64_t e = first + base + j;
-        out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], M, Ssum, inv), e == label, valid);
+        out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], M, Ssum), e == label, valid);
       }
       dm::store_lane<S>(dx + offset, base, len, vec, out);
     }

@@ -34,25 +34,9 @@ JAXDET_HD int64_t segment_length(int64_t n, int64_t seg) {
   return rest < kSegment ? rest : kSegment;
 }
 
-// e / S, correctly rounded, for a term e = e^(x - M) of the row's sum S, given inv = 1/S
-// (reciprocal(S), once per row): q = e * inv corrected once, q + (e - q * S) * inv with fused
-// multiply-adds, is the correctly rounded quotient wherever no step leaves the normal range
-// (Markstein's correction, the fast path of CUDA's own division, whose reciprocal is no better
-// than inv). Here e <= 1 and S >= 1 (the maximum's own term is 1), so that holds for e >= 2^-90
-// and S <= 2^32; other operands (tiny or zero terms, NaN, a row of -inf) take the division itself.
-// One multiply and two fused multiply-adds instead of a division per element.
-JAXDET_HD float reciprocal(float S) { return dm::div(1.0f, S); }
-JAXDET_HD float divide_by_sum(float e, float S, float inv) {
-  const float q = dm::mul(e, inv);
-  const float corrected = dm::fma(dm::fma(-q, S, e), inv, q);
-  return e >= 0x1p-90f && S <= 0x1p32f ? corrected : dm::div(e, S);
-}
-
-// p = e^(x - M) / S (inv = reciprocal(S)): softmax's output before storage rounding, and the
-// probabilities every backward uses.
-JAXDET_HD float prob(float x, float M, float S, float inv) {
-  return divide_by_sum(dm::exp(dm::sub(x, M)), S, inv);
-}
+// p = e^(x - M) / S: softmax's output before storage rounding, and the probabilities every
+// backward uses.
+JAXDET_HD float prob(float x, float M, float S) { return dm::div(dm::exp(dm::sub(x, M)), S); }
 
 // log_softmax = (x - M) - ln S.
 JAXDET_HD float log_prob(float x, float M, float log_s) { return dm::sub(dm::sub(x, M), log_s); }
