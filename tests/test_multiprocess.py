@@ -1,6 +1,7 @@
 """jaxdet.parallel across processes: JAX's own multi-controller runtime (jax.distributed.initialize,
-a localhost coordinator, gloo CPU collectives), 2 processes x 4 CPU devices, gives the bits of the
-single-process run on 8 devices (docs/parallel.md, "Several processes and nodes")."""
+a localhost coordinator) gives the bits of the single-process run: 2 processes x 4 CPU devices
+(gloo CPU collectives) those of 8 devices in one process, and on a machine with 2 GPUs, 2 processes
+x 1 GPU (NCCL between them) those of one GPU (docs/parallel.md, "Several processes and nodes")."""
 
 import json
 import os
