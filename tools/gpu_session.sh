@@ -81,7 +81,9 @@ else
   echo "build: $(( $(date +%s) - start )) s; cache $(cat "$OUT"/gpu-cache.txz.part-* | wc -c) bytes in $(ls "$OUT"/gpu-cache.txz.part-* | wc -l) pieces"
 fi
 export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
-if has tests; then  # (a session beside it may be running them: only a test session copies)
+# The tests (and the benchmarks some import) run from /tmp; a session beside it may be running
+# them, so only the modes that run tests copy.
+if has tests || asked buckets || asked multi-gpu; then
   rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
     && cp pyproject.toml README.md /tmp/
 fi
@@ -229,8 +231,6 @@ fi
 if asked multi-gpu; then  # nvidia-h200-x2 and larger: Step 5's device-count tests and benchmarks
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md: no multicast
   nvidia-smi topo -m | tee "$LOGS/topology.txt"
-  rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
-    && cp pyproject.toml README.md /tmp/
   echo "== multi-GPU tests"
   run_pytest -v -m gpu /tmp/jaxdet-tests/test_parallel.py /tmp/jaxdet-tests/test_multiprocess.py 2>&1 \
     | tee "$LOGS/pytest_multi_gpu.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tail -15

@@ -62,32 +62,39 @@ __device__ __forceinline__ bool in_span(int k, int j, int64_t len) {
   return k * kStep + static_cast<int>(threadIdx.x) * kVec + j < static_cast<int>(len);
 }
 
-// The maximum of the span held in v (len elements), as detmath::max defines it. Every thread gets
-// it. A NaN-propagating maximum (one instruction) finds the value; only a zero maximum, whose sign
-// that instruction may get wrong, is settled by the exact walk. A full span (every lane holds
-// kSteps * kVec elements: all but a row's last segment) runs without the per-element masks.
-template <int kSteps>
-__device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_t len, float* sh) {
-  float m = dm::neg_inf();
+// f(k, j, inside) for every element v[k][j] a lane holds, `inside` telling whether it lies in the
+// span of len elements. A full span (every lane holds kSteps * kVec elements: all but a row's
+// last segment) passes the constant true, so its loop runs without per-element masks.
+template <int kSteps, typename F>
+__device__ __forceinline__ void for_lane_elements(int64_t len, F f) {
   if (len == kSteps * kStep) {
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) m = fmax_nan(m, v[k][j]);
+      for (int j = 0; j < kVec; ++j) f(k, j, true);
     }
   } else {
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        if (in_span(k, j, len)) m = fmax_nan(m, v[k][j]);
-      }
+      for (int j = 0; j < kVec; ++j) f(k, j, in_span(k, j, len));
     }
   }
+}
+
+// The maximum of the span held in v (len elements), as detmath::max defines it. Every thread gets
+// it. A NaN-propagating maximum (one instruction) finds the value; only a zero maximum, whose sign
+// that instruction may get wrong, is settled by the exact walk.
+template <int kSteps>
+__device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_t len, float* sh) {
+  float m = dm::neg_inf();
+  for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
+    if (inside) m = fmax_nan(m, v[k][j]);
+  });
   if (__syncthreads_or(m != m)) return dm::nan();
   m = dm::block_max(m, sh);
   if (m != 0.0f) return m;
-  float exact = dm::neg_inf();
+  float exact = dm::neg_inf();  // (rare: one masked loop)
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
@@ -99,33 +106,16 @@ __device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_
 }
 
 // The span's sum of e^(x - M) (its part of S). Every thread gets it. With keep_exp, v's elements
-// are replaced by their terms e^(x - M) (softmax's numerators). (Full spans without masks, as in
-// span_max.)
+// are replaced by their terms e^(x - M) (softmax's numerators).
 template <int kSteps>
 __device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t len, float M, float* sh,
                                               bool keep_exp) {
   float acc = 0.0f;
-  if (len == kSteps * kStep) {
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const float e = sm::exp_term(v[k][j], M);
-        acc = dm::add(acc, e);
-        if (keep_exp) v[k][j] = e;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const float e = sm::exp_term(v[k][j], M);
-        if (in_span(k, j, len)) acc = dm::add(acc, e);
-        if (keep_exp) v[k][j] = e;
-      }
-    }
-  }
+  for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
+    const float e = sm::exp_term(v[k][j], M);
+    if (inside) acc = dm::add(acc, e);
+    if (keep_exp) v[k][j] = e;
+  });
   return dm::block_tree_sum(acc, sh);
 }
 
@@ -234,9 +224,14 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// (Thread 0, before the cluster's first barrier.)
-__device__ __forceinline__ void slots_init(Slots& slots) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(&slots.full)));
+// The mbarriers of a block's `count` Slots, made visible to the cluster; the caller's next
+// cluster.sync() orders them before any block sends.
+__device__ __forceinline__ void slots_init(Slots* slots, int count) {
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < count; ++i) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(&slots[i].full)));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
 // This block's value v (the same in every thread) to slot `rank` of every block; `blocks` values
@@ -347,24 +342,21 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   using Bits = typename S::Bits;
   constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
-  __shared__ Slots maxima[2], sums[2];
+  __shared__ Slots exchange[2][2];  // [the maxima, the sums][row parity]
   __shared__ dm::Vec<Bits> stage[sm::kSegment / kVec];
   const cg::cluster_group cluster = cg::this_cluster();
   const int segments = static_cast<int>(cluster.num_blocks());
   const int seg = static_cast<int>(cluster.block_rank());
   const int64_t len = sm::segment_length(n, seg);
   const bool numerators = !kXent && mode == sm::kSoftmax;
-  if (threadIdx.x == 0) {
-    for (Slots* s : {&maxima[0], &maxima[1], &sums[0], &sums[1]}) slots_init(*s);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  slots_init(&exchange[0][0], 4);
   cluster.sync();  // every block's mbarriers exist before any value is sent
   if (blockIdx.y < rows) stage_span<Bits>(stage, x + int64_t{blockIdx.y} * n + seg * sm::kSegment, len);
   uint32_t it = 0;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y, ++it) {
     const int64_t offset = row * n + seg * sm::kSegment;
-    Slots& row_maxima = maxima[it & 1];
-    Slots& row_sums = sums[it & 1];
+    Slots& row_maxima = exchange[0][it & 1];
+    Slots& row_sums = exchange[1][it & 1];
     float v[kSteps][kVec];
     load_staged<S>(stage, x + offset, len, v);
     if (row + gridDim.y < rows) stage_span<Bits>(stage, x + offset + int64_t{gridDim.y} * n, len);
@@ -507,21 +499,9 @@ template <int kSteps>
 __device__ __forceinline__ float span_bwd_sum(const float (&p)[kSteps][kVec], const float (&gv)[kSteps][kVec],
                                               int64_t len, int32_t mode, float* sh) {
   float acc = 0.0f;
-  if (len == kSteps * kStep) {  // (a full span: no masks, as in span_max)
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        if (in_span(k, j, len)) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
-      }
-    }
-  }
+  for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
+    if (inside) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
+  });
   return dm::block_tree_sum(acc, sh);
 }
 
@@ -622,11 +602,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   const int segments = static_cast<int>(cluster.num_blocks());
   const int seg = static_cast<int>(cluster.block_rank());
   const int64_t len = sm::segment_length(n, seg);
-  if (threadIdx.x == 0) {
-    slots_init(sums[0]);
-    slots_init(sums[1]);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  slots_init(sums, 2);
   cluster.sync();  // every block's mbarriers exist before any value is sent
   if (blockIdx.y < rows) {
     const int64_t first = int64_t{blockIdx.y} * n + seg * sm::kSegment;
