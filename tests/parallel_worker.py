@@ -106,6 +106,42 @@ def run_collectives(out_dir):
         for k, v in out.items():
             arrays[f"pytree_{k}_D{d}"] = np.asarray(v)
 
+    # Under jax.vmap, jax.checkpoint and lax.scan inside shard_map (8 devices, one summand each),
+    # with a leaf large enough to travel alone: each slice has the bits of the plain call.
+    tx = {"big": _summands(14, 8, (jp._OWN_BUFFER + 5,), np.float32), "small": _summands(15, 8, (3, 5), np.float32)}
+    m8 = mesh((8,), ("d",))
+
+    def on_mesh(f):
+        return jax.jit(jax.shard_map(f, mesh=m8, in_specs=P("d"), out_specs=P()))
+
+    def pair(t):  # two trees per device: t and 2 t (exact), stacked
+        return jax.tree.map(lambda v: jnp.stack([v[0], v[0] * 2]), t)
+
+    arrays["transformed_plain"] = np.stack(
+        [
+            np.asarray(on_mesh(lambda t, c=c: jp.tree_psum(jax.tree.map(lambda v: v[0] * c, t), "d"))(tx)["big"])
+            for c in (1, 2)
+        ]
+    )
+    arrays["transformed_plain_small"] = np.stack(
+        [
+            np.asarray(on_mesh(lambda t, c=c: jp.tree_psum(jax.tree.map(lambda v: v[0] * c, t), "d"))(tx)["small"])
+            for c in (1, 2)
+        ]
+    )
+    runs = {
+        "vmap": lambda t: jax.vmap(lambda u: jp.tree_psum(u, "d"))(pair(t)),
+        "remat": lambda t: jax.tree.map(
+            lambda *r: jnp.stack(r),
+            *[jax.checkpoint(lambda u: jp.tree_psum(u, "d"))(jax.tree.map(lambda v: v[i], pair(t))) for i in (0, 1)],
+        ),
+        "scan": lambda t: jax.lax.scan(lambda c, u: (c, jp.tree_psum(u, "d")), 0, pair(t))[1],
+    }
+    for name, f in runs.items():
+        out = on_mesh(f)(tx)
+        arrays[f"transformed_{name}"] = np.asarray(out["big"])
+        arrays[f"transformed_{name}_small"] = np.asarray(out["small"])
+
     # A tuple of axes (device index a*4 + b, the minor axis reduced first), and one axis of a 2-D mesh.
     x = arrays["f32_in"]
     m24 = mesh((2, 4), ("a", "b"))

@@ -122,6 +122,16 @@ def test_tree_psum_pytree_of_mixed_dtypes(collectives):
     assert arrays["pytree_b_D8"].dtype == ml_dtypes.bfloat16
 
 
+def test_tree_psum_under_vmap_remat_and_scan(collectives):
+    """jax.vmap, jax.checkpoint and lax.scan of tree_psum inside shard_map (a leaf that travels
+    alone and a packed one): every slice has the plain call's bits."""
+    arrays, _ = collectives
+    for leaf in ("", "_small"):
+        want = arrays[f"transformed_plain{leaf}"]
+        for name in ("vmap", "remat", "scan"):
+            assert_bitwise(arrays[f"transformed_{name}{leaf}"], want, f"{name}{leaf}")
+
+
 def test_tree_psum_axis_tuple_and_one_axis_of_a_mesh(collectives):
     arrays, facts = collectives
     x = arrays["f32_in"]
