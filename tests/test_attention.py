@@ -5,6 +5,9 @@ reference by relative norm.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -483,3 +486,29 @@ def test_contract_checks(name, check):
 
 
 # Many devices: tests/test_rowops_sharding.py (8 simulated CPU devices).
+
+
+# ---- The two tensor-core forward cores (GPU). ----
+
+
+@pytest.mark.gpu
+def test_wgmma_forward_equals_the_mma_sync_forward(tmp_path):
+    # On a compute capability 9.0 GPU the final-mode forward at head dimension 128 runs wgmma;
+    # JAXDET_TESTING=attention=mma (read once per process) makes it run mma.sync, as the split
+    # (decode) mode and other GPUs do.
+    # Every output and gradient (which reads the forward's lse2) must have the same bits: causal,
+    # kv_lengths, packed segments, rows past one split, NaN/inf/huge/subnormal/zero inputs.
+    if jax.devices("gpu")[0].compute_capability != "9.0":
+        pytest.skip("the wgmma forward runs on compute capability 9.0 only")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cores_worker.py")
+    results = {}
+    for core, testing in (("wgmma", ""), ("mma", "attention=mma")):
+        env = dict(os.environ, JAXDET_TESTING=testing, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        path = tmp_path / f"{core}.npz"
+        run = subprocess.run([sys.executable, worker, str(path)], env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout + run.stderr
+        results[core] = np.load(path)
+    names = results["wgmma"].files
+    assert names == results["mma"].files and len(names) == 4 * 2 * 3 * 4
+    differ = [n for n in names if results["wgmma"][n].tobytes() != results["mma"][n].tobytes()]
+    assert not differ, f"{len(differ)} of {len(names)} arrays differ between the cores, e.g. {differ[:5]}"

@@ -61,6 +61,7 @@ struct Problem {
   const void* v;
   const int32_t* rows;
   float c;  // scale * log2(e)
+  float zero;  // +0.0f, a value ptxas cannot fold: WgmmaCore's score accumulators start from it
 };
 
 __device__ __forceinline__ int64_t q_index(const Problem& p, int64_t b, int64_t h, int64_t r) {
@@ -167,6 +168,7 @@ Problem make_problem(const Dims& d, const ffi::AnyBuffer& q, const ffi::AnyBuffe
   p.v = v.untyped_data();
   p.rows = rows.typed_data();
   p.c = c;
+  p.zero = 0.0f;
   return p;
 }
 

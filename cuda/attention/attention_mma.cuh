@@ -259,17 +259,24 @@ struct SplitOut {
   int64_t nsplit;  // 0: final mode (the kernel merges the splits and writes o and lse2)
 };
 
-template <class Elem, int D, int kWarps, int kGroups>
+// Shared memory of a forward CTA: Core::kKStages K tiles and a V tile first (Core::kTileAlign:
+// wgmma's swizzle needs 1024-byte-aligned tiles), then the query tile, the row descriptions and
+// the running totals.
+template <class Core, int kWarps>
 struct FwdGeom {
+  using Elem = typename Core::Elem;
+  static constexpr int D = Core::D, kGroups = Core::kGroups;
   static constexpr int kP = D + kPad;
   static constexpr int kRows = 16 * kGroups * kWarps;
+  static constexpr size_t kKV = Core::kTile;
+  static_assert(kKV % Core::kTileAlign == 0, "tiles keep their alignment");
   static constexpr size_t kQ = size_t{kRows} * kP * sizeof(Elem);
-  static constexpr size_t kKV = size_t{kBlock} * kP * sizeof(Elem);  // K or V
   static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
   // The running totals: per lane G * D / 2 accumulator elements and (m, l) of its 2 G rows.
   static constexpr int kStashPerLane = kGroups * D / 2 + 4 * kGroups;
   static constexpr size_t kStash = size_t{kWarps} * 32 * kStashPerLane * sizeof(float);
-  static constexpr size_t bytes(bool final_mode) { return kQ + 2 * kKV + kRowInfo + (final_mode ? kStash : 0); }
+  static constexpr size_t kTiles = (Core::kKStages + 1) * kKV;
+  static constexpr size_t bytes(bool final_mode) { return kTiles + kQ + kRowInfo + (final_mode ? kStash : 0); }
 };
 
 // s[g] = scores of the warp's row group g (16 rows at A + 16 g rows) against the 64 rows of Bt:
@@ -332,17 +339,58 @@ __device__ __forceinline__ void groups_times_rows(const float (&x)[G][8][4], con
   }
 }
 
+// The forward's tensor-core core on mma.sync (sm_80 and later): kG row groups of 16 rows per warp,
+// K and V tiles of pitch D + kPad. FwdKernel runs it or WgmmaCore (attention_wgmma.cuh), which
+// compute the same bits.
+template <class ElemT, int kD, int kG>
+struct MmaSyncCore {
+  using Elem = ElemT;
+  static constexpr int D = kD, kGroups = kG;
+  static constexpr size_t kTile = size_t{kBlock} * (D + kPad) * sizeof(Elem);  // K or V
+  static constexpr size_t kTileAlign = 16;
+  static constexpr bool kWarpgroupScores = false;
+  static constexpr int kKStages = 1;  // K tiles (the split kernel's registers and smem stay as they were)
+
+  template <int kThreads>
+  static __device__ __forceinline__ void load_tile(Elem* tile, const Elem* first_row, int64_t row_stride,
+                                                   int valid_rows, const Elem* any) {
+    load_rows_tile<Elem, D, kThreads>(tile, first_row, row_stride, valid_rows, any);
+  }
+  static __device__ __forceinline__ void tiles_written() {}
+
+  const Elem* Qw;  // the warp's first query row in the Q tile
+  int lane;
+
+  __device__ __forceinline__ MmaSyncCore(const Elem* warp_rows, int lane_id, const Problem&)
+      : Qw(warp_rows), lane(lane_id) {}
+  __device__ __forceinline__ void scores(const Elem* Kt, float (&s)[kG][8][4]) {
+    groups_dot_tile<Elem, D, kG>(Qw, Kt, s, lane);
+  }
+  __device__ __forceinline__ void pv(const float (&x)[kG][8][4], const Elem* Vt, float (&acc)[kG][D / 8][4]) {
+    groups_times_rows<Elem, D, kG>(x, Vt, acc, lane);
+  }
+};
+
+}  // namespace
+}  // namespace attn
+}  // namespace jaxdet
+
+#include "attention/attention_wgmma.cuh"
+
+namespace jaxdet {
+namespace attn {
+namespace {
+
 // One block of the online softmax for the warp's row groups (16 rows each, two per lane: grp and
-// grp + 8), keys at positions pos0 .. pos0 + 63 of the pass; lim[g][] are the lane's rows' limits.
-// Leaves the block's probabilities in s for the P.V product (groups_times_rows), which ends the
-// block. kMasked false: every key of the block is visible to every row of the warp, where the
+// grp + 8), keys at positions pos0 .. pos0 + 63 of the pass, on the block's scores s (the core's
+// product); lim[g][] are the lane's rows' limits. Leaves the block's probabilities in s for the
+// P.V product (the core's pv), which ends the block. kMasked false: every key of the block is visible to every row of the warp, where the
 // mask would keep every score (the same bits without the compares).
-template <class Elem, int D, int G, bool kMasked>
-__device__ __forceinline__ void fwd_scores(const Elem* Qw, const Elem* Kb, int pos0, const int (&lim)[G][2],
-                                           float c, float (&m)[G][2], float (&l)[G][2], float (&acc)[G][D / 8][4],
-                                           float (&s)[G][8][4], int lane) {
+template <int D, int G, bool kMasked>
+__device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], float c, float (&m)[G][2],
+                                            float (&l)[G][2], float (&acc)[G][D / 8][4], float (&s)[G][8][4],
+                                            int lane) {
   const int q4 = lane & 3;
-  groups_dot_tile<Elem, D, G>(Qw, Kb, s, lane);
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     float bm[2] = {dm::neg_inf(), dm::neg_inf()};
@@ -400,20 +448,25 @@ __device__ __forceinline__ void fwd_scores(const Elem* Qw, const Elem* Kb, int p
   }
 }
 
-// A CTA: kWarps warps of kGroups row groups of 16 rows (in final mode), or one warp of one group
-// (split mode). Either way every row runs fwd_scores and P.V's operations on the same blocks.
-template <class Elem, int D, int kWarps, int kGroups>
-__global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, float* lse2, SplitOut ws) {
-  using Geo = FwdGeom<Elem, D, kWarps, kGroups>;
+// A CTA: kWarps warps of Core::kGroups row groups of 16 rows (in final mode), or one warp of one
+// group (split mode, MmaSyncCore). Either way every row runs the core's scores, fwd_softmax and the
+// core's P.V on the same blocks.
+template <class Core, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, float* lse2, SplitOut ws) {
+  using Elem = typename Core::Elem;
+  using Geo = FwdGeom<Core, kWarps>;
   using Storage = typename MmaElem<Elem>::Storage;
-  constexpr int P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32, G = kGroups;
-  extern __shared__ __align__(16) unsigned char smem[];
-  Elem* Qs = reinterpret_cast<Elem*>(smem);
-  Elem* Ks = reinterpret_cast<Elem*>(smem + Geo::kQ);
-  Elem* Vs = reinterpret_cast<Elem*>(smem + Geo::kQ + Geo::kKV);
-  PassRows rows{reinterpret_cast<int*>(smem + Geo::kQ + 2 * Geo::kKV), nullptr};
+  constexpr int D = Core::D, P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32, G = Core::kGroups;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  Elem* Vs = reinterpret_cast<Elem*>(smem);
+  Elem* Qs = reinterpret_cast<Elem*>(smem + Geo::kTiles);
+  PassRows rows{reinterpret_cast<int*>(smem + Geo::kTiles + Geo::kQ), nullptr};
   rows.limit = rows.start + kRows;
-  float* stash = reinterpret_cast<float*>(smem + Geo::kQ + 2 * Geo::kKV + Geo::kRowInfo);
+  float* stash = reinterpret_cast<float*>(smem + Geo::kTiles + Geo::kQ + Geo::kRowInfo);
+  // K(blk) in stage blk % kKStages, after V.
+  auto k_tile = [&](int blk) {
+    return reinterpret_cast<Elem*>(smem + (1 + (Core::kKStages == 2 ? (blk & 1) : 0)) * Geo::kKV);
+  };
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
   const bool split_mode = ws.nsplit > 0;
@@ -452,7 +505,7 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
     row_local[g][0] = (warp * G + g) * 16 + grp;
     row_local[g][1] = row_local[g][0] + 8;
   }
-  const Elem* Qw = Qs + warp * G * 16 * P;
+  Core core(Qs + warp * G * 16 * P, lane, p);
   float m[G][2], l[G][2], acc[G][D / 8][4];
   auto reset = [&]() {
 #pragma unroll
@@ -480,31 +533,46 @@ __global__ void __launch_bounds__(kWarps * 32) FwdMmaKernel(Problem p, void* o, 
     if (blk_begin >= blk_end) continue;
     const int pass_start = cur, pass_limit = plimit;
     auto load_block = [&](Elem* tile, const Elem* base, int blk) {
-      load_rows_tile<Elem, D, kThreads>(tile, base + kv_index(p, b, h, pass_start + blk * kBlock), kv_stride,
-                                        pass_limit - blk * kBlock, base);
+      Core::template load_tile<kThreads>(tile, base + kv_index(p, b, h, pass_start + blk * kBlock), kv_stride,
+                                         pass_limit - blk * kBlock, base);
       cp_async_commit();
     };
-    // One buffer each for K and V: V's copy runs under the scores, the next K's under P.V.
+    // One V buffer: V's copy runs under the scores. One K buffer: the next K's copy runs under
+    // P.V; two (kKStages): under the whole block.
+    constexpr bool kTwoK = Core::kKStages == 2;
     reset();
-    load_block(Ks, k, blk_begin);
+    load_block(k_tile(blk_begin), k, blk_begin);
     for (int blk = blk_begin; blk < blk_end; ++blk) {
       cp_async_wait<0>();
-      __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1)
+      Core::tiles_written();
+      __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1) and K(blk - 1)
       load_block(Vs, v, blk);
+      if (kTwoK && blk + 1 < blk_end) load_block(k_tile(blk + 1), k, blk + 1);
+      const Elem* Ks = k_tile(blk);
       const int pos0 = blk * kBlock;
       bool unmasked = true;
 #pragma unroll
       for (int g = 0; g < G; ++g) unmasked = unmasked && pos0 + kBlock <= min(lim[g][0], lim[g][1]);
       float s[G][8][4];
+      // A warpgroup's wgmma is issued by all its warps at one instruction, so before the warps
+      // branch; mma.sync in each branch (as the register allocation of the split kernel wants).
+      if constexpr (Core::kWarpgroupScores) core.scores(Ks, s);
       if (__all_sync(kFullMask, unmasked)) {
-        fwd_scores<Elem, D, G, false>(Qw, Ks, pos0, lim, p.c, m, l, acc, s, lane);
+        if constexpr (!Core::kWarpgroupScores) core.scores(Ks, s);
+        fwd_softmax<D, G, false>(pos0, lim, p.c, m, l, acc, s, lane);
       } else {
-        fwd_scores<Elem, D, G, true>(Qw, Ks, pos0, lim, p.c, m, l, acc, s, lane);
+        if constexpr (!Core::kWarpgroupScores) core.scores(Ks, s);
+        fwd_softmax<D, G, true>(pos0, lim, p.c, m, l, acc, s, lane);
       }
-      cp_async_wait<0>();
+      if (kTwoK && blk + 1 < blk_end) {
+        cp_async_wait<1>();  // V(blk); K(blk + 1) may still be in flight
+      } else {
+        cp_async_wait<0>();
+      }
+      Core::tiles_written();
       __syncthreads();  // V(blk) is in, and every warp is done with K(blk)
-      if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
-      groups_times_rows<Elem, D, G>(s, Vs, acc, lane);
+      if (!kTwoK && blk + 1 < blk_end) load_block(k_tile(blk + 1), k, blk + 1);
+      core.pv(s, Vs, acc);
       const bool split_done = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
       if (split_done && !split_mode) {
         // Merge the split into the running total (the stash), rows whose split saw a key only.
@@ -611,11 +679,11 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
   return ffi::Error::Success();
 }
 
-template <class Elem, int D, int kWarps, int kGroups>
+template <class Core, int kWarps>
 ffi::Error launch_final(cudaStream_t stream, const Problem& p, void* o, float* lse2, int smem_optin) {
-  using Geo = FwdGeom<Elem, D, kWarps, kGroups>;
+  using Geo = FwdGeom<Core, kWarps>;
   const size_t smem = Geo::bytes(true);
-  auto kernel = FwdMmaKernel<Elem, D, kWarps, kGroups>;
+  auto kernel = FwdKernel<Core, kWarps>;
   if (auto err = prepare(kernel, smem, smem_optin, "jaxdet_attention_fwd"); !err.success()) return err;
   const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(p.B));
@@ -635,9 +703,9 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
   // mode would leave most of the GPU idle.
   const bool split = nsplit > 1 && (p.R <= 16 || p.B * p.H * final_tiles < 2 * int64_t{current_sm_count()});
   if (split) {
-    using Geo = FwdGeom<Elem, D, 1, 1>;
-    const size_t smem = Geo::bytes(false);
-    if (auto err = prepare(FwdMmaKernel<Elem, D, 1, 1>, smem, smem_optin, op); !err.success()) return err;
+    using Core = MmaSyncCore<Elem, D, 1>;
+    const size_t smem = FwdGeom<Core, 1>::bytes(false);
+    if (auto err = prepare(FwdKernel<Core, 1>, smem, smem_optin, op); !err.success()) return err;
     const int64_t rows = p.B * p.H * nsplit * p.R;
     auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), kFfiScratchAlignment);
     auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), kFfiScratchAlignment);
@@ -647,23 +715,33 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     SplitOut ws{static_cast<float*>(*acc), static_cast<float2*>(*ml), nsplit};
     const int64_t tiles = (p.R + 15) / 16;
     const dim3 grid(static_cast<unsigned>(tiles * nsplit), static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
-    FwdMmaKernel<Elem, D, 1, 1><<<grid, 32, smem, stream>>>(p, o, lse2, ws);
+    FwdKernel<Core, 1><<<grid, 32, smem, stream>>>(p, o, lse2, ws);
     CombineKernel<Storage><<<grid_for(p.B * p.H * p.R * p.D, 256), 256, 0, stream>>>(p, ws, o, lse2);
     return ffi::Error::Success();
+  }
+  if constexpr (D == 128) {
+    // Hopper: a warpgroup of 4 warps issues wgmma for 64 rows (the same bits, attention_wgmma.cuh).
+    // Head dimension 64 stays on mma.sync: there the two cores' outputs differed for some rows with
+    // inf/huge/subnormal inputs (test_wgmma_forward_equals_the_mma_sync_forward, H100), not yet
+    // isolated.
+    using Wgmma = WgmmaCore<Elem, D>;
+    if (wgmma_forward_enabled() && FwdGeom<Wgmma, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
+      return launch_final<Wgmma, 4>(stream, p, o, lse2, smem_optin);
+    }
   }
   if constexpr (D == 64) {
     // Two row groups per warp: each K/V fragment read from shared memory feeds 32 rows. (At head
     // dimension 128 the two groups' accumulators do not fit in registers without spilling.)
-    if (p.R > 64 && FwdGeom<Elem, D, 4, 2>::bytes(true) <= static_cast<size_t>(smem_optin)) {
-      return launch_final<Elem, D, 4, 2>(stream, p, o, lse2, smem_optin);
+    if (p.R > 64 && FwdGeom<MmaSyncCore<Elem, D, 2>, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
+      return launch_final<MmaSyncCore<Elem, D, 2>, 4>(stream, p, o, lse2, smem_optin);
     }
   }
   if constexpr (kWide) {
-    if (FwdGeom<Elem, D, 4, 1>::bytes(true) <= static_cast<size_t>(smem_optin)) {
-      return launch_final<Elem, D, 4, 1>(stream, p, o, lse2, smem_optin);
+    if (FwdGeom<MmaSyncCore<Elem, D, 1>, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
+      return launch_final<MmaSyncCore<Elem, D, 1>, 4>(stream, p, o, lse2, smem_optin);
     }
   }
-  return launch_final<Elem, D, 1, 1>(stream, p, o, lse2, smem_optin);
+  return launch_final<MmaSyncCore<Elem, D, 1>, 1>(stream, p, o, lse2, smem_optin);
 }
 
 // ---- Backward. ----
@@ -703,7 +781,7 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
   using Geo = DqGeom<Elem, D, kWarps>;
   using Storage = typename MmaElem<Elem>::Storage;
   constexpr int P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];  // as FwdKernel declares it
   Elem* Qs = reinterpret_cast<Elem*>(smem);
   Elem* dOs = reinterpret_cast<Elem*>(smem + Geo::kQ);
   Elem* Ks = reinterpret_cast<Elem*>(smem + 2 * Geo::kQ);
@@ -855,7 +933,7 @@ __global__ void __launch_bounds__(128)
   using Storage = typename MmaElem<Elem>::Storage;
   constexpr int P = Geo::kP, kThreads = 128;
   constexpr bool kDk = (kWhich & 1) != 0, kDv = (kWhich & 2) != 0;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];  // as FwdKernel declares it
   Elem* Ks = reinterpret_cast<Elem*>(smem);
   Elem* Vs = reinterpret_cast<Elem*>(smem + Geo::kKV);
   Elem* Qs = reinterpret_cast<Elem*>(smem + 2 * Geo::kKV);

@@ -3,7 +3,8 @@
 //   gemm=sm80                     the CUDA GEMM runs its sm_80 kernels on a Hopper GPU;
 //   gemm_tile=ROWSxCOLS           every call of an M-bucketed CUDA GEMM kernel set runs that tile;
 //   cpu_gemm=avx512|avx2|generic  the CPU GEMM variant (refused if this CPU lacks it);
-//   softmax=passes                the softmax kernels' multi-pass path where clusters would fit.
+//   softmax=passes                the softmax kernels' multi-pass path where clusters would fit;
+//   attention=mma                 the attention forward's mma.sync kernels on Hopper (not wgmma).
 // An item changes which kernel runs, so, like the device model, it is part of what the bits may
 // depend on. jaxdet/_switches.py validates the variable and jaxdet's report prints the items.
 #pragma once

@@ -1,0 +1,239 @@
+// The Hopper (sm_90a) tensor-core core of jaxdet.attention's forward: warpgroup MMAs (wgmma
+// m64nNk16, float32 accumulation) in place of mma.sync for the scores and the P.V product.
+// Included by attention_mma.cuh, whose forward kernel runs either core.
+//
+// Why the bits are those of the mma.sync core (MmaSyncCore): a warpgroup's m64nNk16 is four
+// warps' m16nNk16 with the mma.sync fragment layouts (A registers: row grp / grp + 8, columns
+// 2 q4 + {0, 1} and + 8; accumulators d[4 nt + i] at row grp + 8 (i >> 1), column 8 nt + 2 q4 +
+// (i & 1)), so every lane holds the same score and output elements as under mma.sync and the
+// softmax code that follows runs unchanged. Each element is the same chain of k16 steps into a
+// float32 accumulator that starts at +0 (scale-d 1 on registers holding +0, as mma.sync adds its
+// zeroed C), in the same ascending order: scores over the head dimension, P.V over the block's
+// keys. On the H100 a chain of k16 steps gives the same bits through wgmma and mma.sync (the
+// GEMM's two kernel families, docs/matmul_cuda.md); the GPU test
+// test_wgmma_forward_equals_the_mma_sync_forward compares the two cores over special values.
+//
+// Shared-memory tiles of K and V: kBlock key rows of D elements in 128-byte-swizzled atoms of
+// 8 rows x 64 elements (the 16-byte chunk c of row n at chunk c ^ (n % 8)), the 64-element
+// column halves one after the other (8 KB apart for 64 rows). The same tile is K-major for the
+// scores (B = K^T: stride 1024 bytes between 8-key groups) and MN-major for P.V (B = V:
+// 1024 bytes between 8-key groups along K, 8 KB between 64-element halves along N).
+#pragma once
+
+#include <string>
+#include <type_traits>
+
+#include "common/testing.h"
+
+namespace jaxdet {
+namespace attn {
+namespace {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAXDET_ATTENTION_WGMMA 1
+#endif
+
+// A wgmma shared-memory matrix descriptor for a 128-byte-swizzled tile (PTX ISA, "Matrix
+// Descriptor Format"): start address, leading and stride byte offsets (16-byte units), layout
+// type 1 (128-byte swizzle) in bits 62-63. The tile bases are 1024-byte aligned (base offset 0).
+__device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint32_t leading_bytes, uint32_t stride_bytes) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t{1} << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+
+// cp.async writes through the generic proxy; wgmma reads through the async proxy.
+__device__ __forceinline__ void fence_copies_for_wgmma() {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Pins the accumulators to their registers around a wgmma batch (no copy of them moves into or out
+// of the asynchronous window).
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
+  }
+}
+
+// The asm of one wgmma with A from registers and scale-d 1 (d += A . B): its instruction for the
+// element type T ("bf16" or "f16"), the accumulators' operand list, the other operands.
+#define JAXDET_WGMMA_F8(d, i)                                                                          \
+  "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3]), "+f"(d[i + 1][0]), "+f"(d[i + 1][1]), \
+      "+f"(d[i + 1][2]), "+f"(d[i + 1][3])
+#define JAXDET_WGMMA_N64(T)                                                                               \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " "      \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
+  "%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %37;\n}\n"                                           \
+  : JAXDET_WGMMA_F8(d, 0), JAXDET_WGMMA_F8(d, 2), JAXDET_WGMMA_F8(d, 4), JAXDET_WGMMA_F8(d, 6)             \
+  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(1)
+#define JAXDET_WGMMA_N128_TRANS_B(T)                                                                      \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " "     \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
+  "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53," \
+  "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"                      \
+  : JAXDET_WGMMA_F8(d, 0), JAXDET_WGMMA_F8(d, 2), JAXDET_WGMMA_F8(d, 4), JAXDET_WGMMA_F8(d, 6),            \
+    JAXDET_WGMMA_F8(d, 8), JAXDET_WGMMA_F8(d, 10), JAXDET_WGMMA_F8(d, 12), JAXDET_WGMMA_F8(d, 14)          \
+  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
+
+// d (64 x 64 per warpgroup: the warp's 16 rows, 8 tiles of 8 columns) += A . B, A from registers
+// (the mma.sync A fragment), B a K-major tile (kTransB 0) or an MN-major one (1).
+template <class Elem, int kTransB>
+__device__ __forceinline__ void wgmma_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {
+#ifdef JAXDET_ATTENTION_WGMMA
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
+    asm volatile(JAXDET_WGMMA_N64("bf16"));
+  } else {
+    asm volatile(JAXDET_WGMMA_N64("f16"));
+  }
+#endif
+}
+
+// d (64 x 128 per warpgroup) += A . B, B MN-major (the P.V product at head dimension 128).
+template <class Elem>
+__device__ __forceinline__ void wgmma_n128_trans_b(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b) {
+#ifdef JAXDET_ATTENTION_WGMMA
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
+    asm volatile(JAXDET_WGMMA_N128_TRANS_B("bf16"));
+  } else {
+    asm volatile(JAXDET_WGMMA_N128_TRANS_B("f16"));
+  }
+#endif
+}
+#undef JAXDET_WGMMA_N128_TRANS_B
+#undef JAXDET_WGMMA_N64
+#undef JAXDET_WGMMA_F8
+
+// Whether the forward's final mode runs WgmmaCore: on a compute capability 9.0 GPU (the only one
+// the sm_90a code runs on) when the build has that code (JAXDET_ATTENTION_SM90A, CMakeLists.txt),
+// unless JAXDET_TESTING=attention=mma forces the mma.sync core, as the tests that compare the two
+// cores do.
+inline bool wgmma_forward_enabled() {
+#ifdef JAXDET_ATTENTION_SM90A
+  static const bool mma_forced = [] {
+    const std::string* v = testing_override("attention");
+    return v != nullptr && *v == "mma";
+  }();
+  int device = 0, major = 0, minor = 0;
+  if (mma_forced || cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    if (!mma_forced) cudaGetLastError();  // not left for the launch check
+    return false;
+  }
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+// The forward's tensor-core core on wgmma: one row group (16 rows) per warp, warps in whole
+// warpgroups; written for head dimensions 64 and 128 (the P.V accumulators of 256 do not fit
+// beside the scores), run at 128 (launch_forward_mma says why).
+template <class ElemT, int kD>
+struct WgmmaCore {
+  using Elem = ElemT;
+  static constexpr int D = kD, kGroups = 1, kHalf = kBlock * 64 * static_cast<int>(sizeof(Elem));
+  static_assert(D == 64 || D == 128, "wgmma core: head dimension 64 or 128");
+  static constexpr size_t kTile = size_t{kBlock} * D * sizeof(Elem);  // K or V, 1024-byte multiple
+  static constexpr size_t kTileAlign = 1024;                          // the swizzle's period
+  static constexpr bool kWarpgroupScores = true;
+  static constexpr int kKStages = 2;  // the next block's K loads under the whole block
+
+  // kBlock rows first_row, first_row + row_stride, ... into the swizzled tile; rows from
+  // `valid_rows` on are zero-filled (as MmaSyncCore's tiles). A thread copies one 16-byte chunk of
+  // every kStep-th row: the swizzle's row term (row % 8) is then the same for all of them.
+  template <int kThreads>
+  static __device__ __forceinline__ void load_tile(Elem* tile, const Elem* first_row, int64_t row_stride,
+                                                   int valid_rows, const Elem* any) {
+    constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
+    static_assert(kThreads % kChunks == 0 && kBlock % kStep == 0 && kStep % 8 == 0, "whole atoms per pass");
+    const int i0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+    const Elem* src = first_row + i0 * row_stride + c * 8;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(tile) + (c / 8) * kHalf + i0 * 128 + ((c % 8) ^ (i0 % 8)) * 16;
+#pragma unroll
+    for (int n = 0; n < kBlock / kStep; ++n) {
+      const bool valid = valid_rows >= kBlock || i0 + n * kStep < valid_rows;
+      cp_async16(dst + n * kStep * 128, valid ? src : any, valid);
+      src += kStep * row_stride;
+    }
+  }
+
+  static __device__ __forceinline__ void tiles_written() { fence_copies_for_wgmma(); }
+
+  const Elem* Qw;  // the warp's first query row in the Q tile
+  int lane;
+  float zero;  // Problem::zero
+
+  __device__ __forceinline__ WgmmaCore(const Elem* warp_rows, int lane_id, const Problem& p)
+      : Qw(warp_rows), lane(lane_id), zero(p.zero) {}
+
+  // s = Q . K^T for the block: a chain over the head dimension in ascending 16-wide steps from
+  // +0. The query fragments are read from the Q tile for each block (kept in registers across the
+  // block loop, ptxas 13.0 reused them for other values at head dimension 64); the accumulators
+  // start from Problem::zero because ptxas turns a chain from literal zeros into one whose first
+  // step does not add C (scale-d 0), which differs from mma.sync's first step for special values.
+  __device__ __forceinline__ void scores(const Elem* Kt, float (&s)[1][8][4]) {
+    uint32_t qa[D / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) load_a_frag<D + kPad>(qa[ks], Qw, ks * 16, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) s[0][nt][0] = s[0][nt][1] = s[0][nt][2] = s[0][nt][3] = zero;
+    fence_accumulators(s[0]);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const unsigned char* base = reinterpret_cast<const unsigned char*>(Kt) + (ks / 4) * kHalf + (ks % 4) * 32;
+      wgmma_n64<Elem, 0>(s[0], qa[ks], sw128_desc(base, 16, 1024));
+    }
+    wgmma_commit_and_wait();
+    fence_accumulators(s[0]);
+  }
+
+  // acc += P . V for the block: a chain over its keys in ascending 16-key steps; P is rounded to
+  // Elem as MmaSyncCore rounds it.
+  __device__ __forceinline__ void pv(const float (&x)[1][8][4], const Elem* Vt, float (&acc)[1][D / 8][4]) {
+    uint32_t a[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      a[kk][0] = MmaElem<Elem>::pack(x[0][2 * kk][0], x[0][2 * kk][1]);
+      a[kk][1] = MmaElem<Elem>::pack(x[0][2 * kk][2], x[0][2 * kk][3]);
+      a[kk][2] = MmaElem<Elem>::pack(x[0][2 * kk + 1][0], x[0][2 * kk + 1][1]);
+      a[kk][3] = MmaElem<Elem>::pack(x[0][2 * kk + 1][2], x[0][2 * kk + 1][3]);
+    }
+    fence_accumulators(acc[0]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t desc = sw128_desc(reinterpret_cast<const unsigned char*>(Vt) + kk * 16 * 128, kHalf, 1024);
+      if constexpr (D == 64) {
+        wgmma_n64<Elem, 1>(acc[0], a[kk], desc);
+      } else {
+        wgmma_n128_trans_b<Elem>(acc[0], a[kk], desc);
+      }
+    }
+    wgmma_commit_and_wait();
+    fence_accumulators(acc[0]);
+  }
+};
+
+}  // namespace
+}  // namespace attn
+}  // namespace jaxdet

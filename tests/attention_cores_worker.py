@@ -1,0 +1,73 @@
+"""Runs jaxdet.attention's GPU forward (and the backward on its outputs) over fixed inputs with special
+values, for tests/test_attention.py's comparison of the two tensor-core forward cores: on a Hopper
+GPU the final-mode forward issues wgmma (WgmmaCore), and JAXDET_TESTING=attention=mma (read once per
+process, hence this subprocess) makes it issue mma.sync (MmaSyncCore), as every other GPU does.
+
+    python attention_cores_worker.py OUT.npz    # every case's o, dq, dk, dv -> OUT.npz
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxdet
+
+# (B, T, query heads, KV heads): grouped heads; rows that end inside a block; a length past one
+# split (512 keys) that still runs the final mode on an H100 (enough tiles), so splits merge in the
+# kernel.
+SHAPES = [(2, 300, 8, 2), (3, 257, 4, 4), (2, 1100, 16, 4)]
+
+
+def _special(x, rng, dtype):
+    """x with NaN, +-inf, huge (scores overflow float32 in bfloat16), tiny (subnormal) and zero
+    entries at fixed random places, and one all-zero row."""
+    x = np.array(x, np.float32)
+    flat = x.reshape(-1)
+    n = flat.size
+    huge = 1e30 if dtype == jnp.bfloat16 else 6e4
+    tiny = 1e-39 if dtype == jnp.bfloat16 else 1e-6
+    for value, count in ((np.nan, 3), (np.inf, 3), (-np.inf, 3), (huge, 40), (-huge, 40), (tiny, 200), (0.0, 200)):
+        flat[rng.integers(0, n, count)] = value
+    x[0, min(5, x.shape[1] - 1)] = 0.0
+    return x
+
+
+def cases():
+    """(name, q, k, v, do, keyword arguments) for every case, the same in every process."""
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for D in (128,):  # the head dimension the wgmma forward runs (docs/attention.md)
+            for B, T, N, K in SHAPES:
+                rng = np.random.default_rng(B * 1000 + T + D)
+                shapes = [(B, T, N, D), (B, T, K, D), (B, T, K, D), (B, T, N, D)]
+                q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+                segments = np.repeat([0, 1, 2], [T // 3, 1, T - T // 3 - 1])[None].repeat(B, 0)
+                variants = {
+                    "causal": ((q, k, v), {}),
+                    "special": ((_special(q, rng, dtype), _special(k, rng, dtype), _special(v, rng, dtype)), {}),
+                    "kv_lengths": ((q, k, v), dict(causal=False, kv_lengths=jnp.asarray([T // 3] + [T] * (B - 1)))),
+                    "segments": ((q, k, v), dict(segment_ids=jnp.asarray(segments))),
+                }
+                for variant, (qkv, kw) in variants.items():
+                    name = f"{jnp.dtype(dtype).name}_D{D}_B{B}_T{T}_N{N}_K{K}_{variant}"
+                    yield name, *(jnp.asarray(x, dtype) for x in (*qkv, do)), kw
+
+
+def main(path):
+    gpu = jax.devices("gpu")[0]
+    out = {}
+    for name, q, k, v, do, kw in cases():
+        q, k, v, do = (jax.device_put(x, gpu) for x in (q, k, v, do))
+        o, vjp = jax.vjp(lambda q, k, v, kw=kw: jaxdet.attention(q, k, v, **kw), q, k, v)
+        dq, dk, dv = vjp(do)
+        for part, x in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv)):
+            out[f"{name}/{part}"] = np.asarray(jax.device_get(x))
+    np.savez(path, **out)
+    print(f"{len(out)} arrays")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
