@@ -384,8 +384,8 @@ namespace {
 // One block of the online softmax for the warp's row groups (16 rows each, two per lane: grp and
 // grp + 8), keys at positions pos0 .. pos0 + 63 of the pass, on the block's scores s (the core's
 // product); lim[g][] are the lane's rows' limits. Leaves the block's probabilities in s for the
-// P.V product (the core's pv), which ends the block. kMasked false: every key of the block is visible to every row of the warp, where the
-// mask would keep every score (the same bits without the compares).
+// P.V product (the core's pv), which ends the block. kMasked false: every key of the block is visible to every row
+// of the warp, where the mask would keep every score (the same bits without the compares).
 template <int D, int G, bool kMasked>
 __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], float c, float (&m)[G][2],
                                             float (&l)[G][2], float (&acc)[G][D / 8][4], float (&s)[G][8][4],

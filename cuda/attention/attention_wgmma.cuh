@@ -38,7 +38,8 @@ namespace {
 // type 1 (128-byte swizzle) in bits 62-63. The tile bases are 1024-byte aligned (base offset 0).
 __device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint32_t leading_bytes, uint32_t stride_bytes) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
          static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t{1} << 62;
 }
 
@@ -75,23 +76,32 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
 
 // The asm of one wgmma with A from registers and scale-d 1 (d += A . B): its instruction for the
 // element type T ("bf16" or "f16"), the accumulators' operand list, the other operands.
-#define JAXDET_WGMMA_F8(d, i)                                                                          \
+#define JAXDET_WGMMA_F8(d, i)                                                                       \
   "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3]), "+f"(d[i + 1][0]), "+f"(d[i + 1][1]), \
       "+f"(d[i + 1][2]), "+f"(d[i + 1][3])
-#define JAXDET_WGMMA_N64(T)                                                                               \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " "      \
+#define JAXDET_WGMMA_N64(T)                                                                                 \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T           \
+  " "                                                                                                       \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
-  "%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %37;\n}\n"                                           \
-  : JAXDET_WGMMA_F8(d, 0), JAXDET_WGMMA_F8(d, 2), JAXDET_WGMMA_F8(d, 4), JAXDET_WGMMA_F8(d, 6)             \
-  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(1)
-#define JAXDET_WGMMA_N128_TRANS_B(T)                                                                      \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " "     \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
-  "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53," \
-  "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"                      \
-  : JAXDET_WGMMA_F8(d, 0), JAXDET_WGMMA_F8(d, 2), JAXDET_WGMMA_F8(d, 4), JAXDET_WGMMA_F8(d, 6),            \
-    JAXDET_WGMMA_F8(d, 8), JAXDET_WGMMA_F8(d, 10), JAXDET_WGMMA_F8(d, 12), JAXDET_WGMMA_F8(d, 14)          \
-  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
+  "%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %37;\n}\n" : JAXDET_WGMMA_F8(d, 0),                   \
+                                                                   JAXDET_WGMMA_F8(d, 2),                   \
+                                                                   JAXDET_WGMMA_F8(d, 4),                   \
+                                                                   JAXDET_WGMMA_F8(d, 6)                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(1)
+#define JAXDET_WGMMA_N128_TRANS_B(T)                                                                             \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T               \
+  " "                                                                                                            \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"      \
+  "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,"     \
+  "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n" : JAXDET_WGMMA_F8(d, 0),  \
+                                                                                         JAXDET_WGMMA_F8(d, 2),  \
+                                                                                         JAXDET_WGMMA_F8(d, 4),  \
+                                                                                         JAXDET_WGMMA_F8(d, 6),  \
+                                                                                         JAXDET_WGMMA_F8(d, 8),  \
+                                                                                         JAXDET_WGMMA_F8(d, 10), \
+                                                                                         JAXDET_WGMMA_F8(d, 12), \
+                                                                                         JAXDET_WGMMA_F8(d, 14)  \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
 
 // d (64 x 64 per warpgroup: the warp's 16 rows, 8 tiles of 8 columns) += A . B, A from registers
 // (the mma.sync A fragment), B a K-major tile (kTransB 0) or an MN-major one (1).
@@ -167,7 +177,8 @@ struct WgmmaCore {
     static_assert(kThreads % kChunks == 0 && kBlock % kStep == 0 && kStep % 8 == 0, "whole atoms per pass");
     const int i0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
     const Elem* src = first_row + i0 * row_stride + c * 8;
-    unsigned char* dst = reinterpret_cast<unsigned char*>(tile) + (c / 8) * kHalf + i0 * 128 + ((c % 8) ^ (i0 % 8)) * 16;
+    unsigned char* dst =
+        reinterpret_cast<unsigned char*>(tile) + (c / 8) * kHalf + i0 * 128 + ((c % 8) ^ (i0 % 8)) * 16;
 #pragma unroll
     for (int n = 0; n < kBlock / kStep; ++n) {
       const bool valid = valid_rows >= kBlock || i0 + n * kStep < valid_rows;
