@@ -13,6 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from special_values import sprinkle_special
 
 import jaxdet
 
@@ -20,20 +21,6 @@ import jaxdet
 # split (512 keys) that still runs the final mode on an H100 (enough tiles), so splits merge in the
 # kernel.
 SHAPES = [(2, 300, 8, 2), (3, 257, 4, 4), (2, 1100, 16, 4)]
-
-
-def _special(x, rng, dtype):
-    """x with NaN, +-inf, huge (scores overflow float32 in bfloat16), tiny (subnormal) and zero
-    entries at fixed random places, and one all-zero row."""
-    x = np.array(x, np.float32)
-    flat = x.reshape(-1)
-    n = flat.size
-    huge = 1e30 if dtype == jnp.bfloat16 else 6e4
-    tiny = 1e-39 if dtype == jnp.bfloat16 else 1e-6
-    for value, count in ((np.nan, 3), (np.inf, 3), (-np.inf, 3), (huge, 40), (-huge, 40), (tiny, 200), (0.0, 200)):
-        flat[rng.integers(0, n, count)] = value
-    x[0, min(5, x.shape[1] - 1)] = 0.0
-    return x
 
 
 def cases():
@@ -47,7 +34,14 @@ def cases():
                 segments = np.repeat([0, 1, 2], [T // 3, 1, T - T // 3 - 1])[None].repeat(B, 0)
                 variants = {
                     "causal": ((q, k, v), {}),
-                    "special": ((_special(q, rng, dtype), _special(k, rng, dtype), _special(v, rng, dtype)), {}),
+                    "special": (
+                        (
+                            sprinkle_special(q, rng, dtype),
+                            sprinkle_special(k, rng, dtype),
+                            sprinkle_special(v, rng, dtype),
+                        ),
+                        {},
+                    ),
                     "kv_lengths": ((q, k, v), dict(causal=False, kv_lengths=jnp.asarray([T // 3] + [T] * (B - 1)))),
                     "segments": ((q, k, v), dict(segment_ids=jnp.asarray(segments))),
                 }
