@@ -200,7 +200,7 @@ struct WgmmaCore {
   // +0. The query fragments are read from the Q tile for each block (kept in registers across the
   // block loop, ptxas 13.0 reused them for other values at head dimension 64); the accumulators
   // start from Problem::zero because ptxas turns a chain from literal zeros into one whose first
-  // step does not add C (scale-d 0), which differs from mma.sync's first step for special values.
+  // step does not add C (scale-d 0), not the operation mma.sync's first step is (it adds +0).
   __device__ __forceinline__ void scores(const Elem* Kt, float (&s)[1][8][4]) {
     uint32_t qa[D / 16][4];
 #pragma unroll
