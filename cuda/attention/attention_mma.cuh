@@ -259,9 +259,8 @@ struct SplitOut {
   int64_t nsplit;  // 0: final mode (the kernel merges the splits and writes o and lse2)
 };
 
-// Shared memory of a forward CTA: Core::kKStages K tiles and a V tile first (Core::kTileAlign:
-// wgmma's swizzle needs 1024-byte-aligned tiles), then the query tile, the row descriptions and
-// the running totals.
+// Shared memory of a forward CTA: the V and K tiles first (Core::kTileAlign: wgmma's swizzle
+// needs 1024-byte-aligned tiles), then the query tile, the row descriptions and the running totals.
 template <class Core, int kWarps>
 struct FwdGeom {
   using Elem = typename Core::Elem;
@@ -275,7 +274,7 @@ struct FwdGeom {
   // The running totals: per lane G * D / 2 accumulator elements and (m, l) of its 2 G rows.
   static constexpr int kStashPerLane = kGroups * D / 2 + 4 * kGroups;
   static constexpr size_t kStash = size_t{kWarps} * 32 * kStashPerLane * sizeof(float);
-  static constexpr size_t kTiles = (Core::kKStages + 1) * kKV;
+  static constexpr size_t kTiles = 2 * kKV;
   static constexpr size_t bytes(bool final_mode) { return kTiles + kQ + kRowInfo + (final_mode ? kStash : 0); }
 };
 
@@ -349,7 +348,6 @@ struct MmaSyncCore {
   static constexpr size_t kTile = size_t{kBlock} * (D + kPad) * sizeof(Elem);  // K or V
   static constexpr size_t kTileAlign = 16;
   static constexpr bool kWarpgroupScores = false;
-  static constexpr int kKStages = 1;  // K tiles (the split kernel's registers and smem stay as they were)
 
   template <int kThreads>
   static __device__ __forceinline__ void load_tile(Elem* tile, const Elem* first_row, int64_t row_stride,
@@ -459,14 +457,11 @@ __global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, flo
   constexpr int D = Core::D, P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32, G = Core::kGroups;
   extern __shared__ __align__(1024) unsigned char smem[];
   Elem* Vs = reinterpret_cast<Elem*>(smem);
+  Elem* Ks = reinterpret_cast<Elem*>(smem + Geo::kKV);
   Elem* Qs = reinterpret_cast<Elem*>(smem + Geo::kTiles);
   PassRows rows{reinterpret_cast<int*>(smem + Geo::kTiles + Geo::kQ), nullptr};
   rows.limit = rows.start + kRows;
   float* stash = reinterpret_cast<float*>(smem + Geo::kTiles + Geo::kQ + Geo::kRowInfo);
-  // K(blk) in stage blk % kKStages, after V.
-  auto k_tile = [&](int blk) {
-    return reinterpret_cast<Elem*>(smem + (1 + (Core::kKStages == 2 ? (blk & 1) : 0)) * Geo::kKV);
-  };
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
   const bool split_mode = ws.nsplit > 0;
@@ -537,18 +532,14 @@ __global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, flo
                                          pass_limit - blk * kBlock, base);
       cp_async_commit();
     };
-    // One V buffer: V's copy runs under the scores. One K buffer: the next K's copy runs under
-    // P.V; two (kKStages): under the whole block.
-    constexpr bool kTwoK = Core::kKStages == 2;
+    // One buffer each for K and V: V's copy runs under the scores, the next K's under P.V.
     reset();
-    load_block(k_tile(blk_begin), k, blk_begin);
+    load_block(Ks, k, blk_begin);
     for (int blk = blk_begin; blk < blk_end; ++blk) {
       cp_async_wait<0>();
       Core::tiles_written();
-      __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1) and K(blk - 1)
+      __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1)
       load_block(Vs, v, blk);
-      if (kTwoK && blk + 1 < blk_end) load_block(k_tile(blk + 1), k, blk + 1);
-      const Elem* Ks = k_tile(blk);
       const int pos0 = blk * kBlock;
       bool unmasked = true;
 #pragma unroll
@@ -564,14 +555,10 @@ __global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, flo
         if constexpr (!Core::kWarpgroupScores) core.scores(Ks, s);
         fwd_softmax<D, G, true>(pos0, lim, p.c, m, l, acc, s, lane);
       }
-      if (kTwoK && blk + 1 < blk_end) {
-        cp_async_wait<1>();  // V(blk); K(blk + 1) may still be in flight
-      } else {
-        cp_async_wait<0>();
-      }
+      cp_async_wait<0>();
       Core::tiles_written();
       __syncthreads();  // V(blk) is in, and every warp is done with K(blk)
-      if (!kTwoK && blk + 1 < blk_end) load_block(k_tile(blk + 1), k, blk + 1);
+      if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
       core.pv(s, Vs, acc);
       const bool split_done = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
       if (split_done && !split_mode) {
@@ -721,9 +708,8 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
   }
   if constexpr (D == 128) {
     // Hopper: a warpgroup of 4 warps issues wgmma for 64 rows (the same bits, attention_wgmma.cuh).
-    // Head dimension 64 stays on mma.sync: there the two cores' outputs differed for some rows with
-    // inf/huge/subnormal inputs (test_wgmma_forward_equals_the_mma_sync_forward, H100), not yet
-    // isolated.
+    // Head dimension 64 stays on mma.sync: its mma.sync CTA holds 128 rows, the wgmma one 64, so
+    // with an inf in V their outputs differ through the non-finite-V bug (docs/attention.md, Limits).
     using Wgmma = WgmmaCore<Elem, D>;
     if (wgmma_forward_enabled() && FwdGeom<Wgmma, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
       return launch_final<Wgmma, 4>(stream, p, o, lse2, smem_optin);

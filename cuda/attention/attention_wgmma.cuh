@@ -165,7 +165,6 @@ struct WgmmaCore {
   static constexpr size_t kTile = size_t{kBlock} * D * sizeof(Elem);  // K or V, 1024-byte multiple
   static constexpr size_t kTileAlign = 1024;                          // the swizzle's period
   static constexpr bool kWarpgroupScores = true;
-  static constexpr int kKStages = 2;  // the next block's K loads under the whole block
 
   // kBlock rows first_row, first_row + row_stride, ... into the swizzled tile; rows from
   // `valid_rows` on are zero-filled (as MmaSyncCore's tiles). A thread copies one 16-byte chunk of
