@@ -127,7 +127,8 @@ def decode(shapes, dtype, on_gpu, reps, peak):
 
 def sanitize():
     """Each kernel once at small shapes: final and split forward, combine, delta, dQ, dK/dV, for
-    every dtype and head dimension, with padding and packed segments (several passes per CTA)."""
+    every dtype and head dimension, with padding, packed segments (several passes per CTA) and
+    non-finite inputs."""
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         for D in (64, 128, 256):
             q, k, v = rand(0, (2, 70, 4, D), dtype), rand(1, (2, 70, 2, D), dtype), rand(2, (2, 70, 2, D), dtype)
@@ -138,11 +139,25 @@ def sanitize():
             jax.block_until_ready(
                 jax.grad(loss, argnums=(0, 1, 2))(q, k, v, causal=False, kv_lengths=jnp.asarray([5, 70]))
             )
+            # an inf in q, k, v and the output gradient: the tiles' cleaning (attention_nonfinite.cuh)
+            qi, ki, vi = (x.at[0, 40, 1, 3].set(jnp.inf) for x in (q, k, v))
+            w = jnp.ones(q.shape, jnp.float32).at[1, 20, 2, 5].set(-jnp.inf)
+            weighted = lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+            jax.block_until_ready(jax.grad(weighted, argnums=(0, 1, 2))(qi, ki, vi))
             # decode against a cache longer than one split (split mode + combine on the GPU)
             kc, vc = rand(3, (2, 1100, 2, D), dtype), rand(4, (2, 1100, 2, D), dtype)
             jax.block_until_ready(
                 jaxdet.attention(
                     q[:, :1], kc, vc, q_positions=jnp.asarray([[1000], [600]]), kv_lengths=jnp.asarray([1001, 1100])
+                )
+            )
+            jax.block_until_ready(
+                jaxdet.attention(
+                    q[:, :1],
+                    kc,
+                    vc.at[0, 990, 1, 2].set(jnp.nan),
+                    q_positions=jnp.asarray([[1000], [600]]),
+                    kv_lengths=jnp.asarray([1001, 1100]),
                 )
             )
     print("sanitize: every attention kernel ran")

@@ -204,26 +204,13 @@ def test_chunked_prefill_equals_full(device, dtype):
                 assert_bitwise(out, full[:, a:b])
 
 
-NONFINITE_V_ON_TENSOR_CORES = pytest.mark.xfail(
-    strict=True,
-    reason="known bug (docs/attention.md, Limits): the GPU tensor-core kernels multiply a V row that a query "
-    "does not see by its zero probability, and 0 x inf = NaN; which rows share a tile depends on the call",
-)
-
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        pytest.param("cpu", id="cpu"),
-        pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, NONFINITE_V_ON_TENSOR_CORES]),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("D", [64, 128])
 def test_prefill_chunks_and_decode_equal_full_with_special_values(device, D):
     # NaN, +-inf, huge (scores that overflow float32), subnormal and zero inputs: chunks of 1, 2, 62
     # and more rows (other tile shapes than the full pass's) and single-query decode steps give the
-    # full pass's bits, NaN outputs included. On the GPU (bfloat16: tensor cores) this fails today:
-    # an inf in V at a position a query does not see reaches it as 0 x inf (H100, 2026-11-24).
+    # full pass's bits, NaN outputs included. On the GPU the tensor-core tiles hold positions a query
+    # does not see, whose infs must not reach it as 0 x inf (docs/attention.md, "Non-finite inputs").
     T, dtype = 130, jnp.bfloat16
     rng = np.random.default_rng(D)
     q, k, v = (
@@ -406,6 +393,44 @@ def test_dq_rows_of_packed_sequences_equal_alone(device):
         for n in lengths:
             sl = slice(start, start + n)
             assert_bitwise(packed[:, sl], dq(q[:, sl], k[:, sl], v[:, sl], w[:, sl]))
+            start += n
+
+
+def _special_qkvw(shapes, seed, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(sprinkle_special(rng.standard_normal(s), rng, dtype), dtype) for s in shapes[:3]] + [
+        jnp.asarray(sprinkle_special(rng.standard_normal(shapes[3]), rng, dtype), jnp.float32)
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [64, 128])
+def test_gradients_keep_their_invariance_with_special_values(device, D):
+    # Special values in q, k, v and the output gradient: dQ rows of chunks equal the full pass's, and
+    # a packed sequence's dQ, dK and dV equal its own pass's, although the GPU tiles (dS.K for dQ,
+    # dS^T.Q and P^T.dO for dK/dV) hold rows of other chunks and sequences with infs and NaNs.
+    lengths = [37, 64, 1, 28]
+    T = sum(lengths)
+    q, k, v, w = _special_qkvw([(1, T, 8, D), (1, T, 2, D), (1, T, 2, D), (1, T, 8, D)], seed=D + 1)
+
+    def grads(q, k, v, w, **kw):
+        return jax.grad(
+            lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v, **kw).astype(jnp.float32) * w), argnums=(0, 1, 2)
+        )(q, k, v)
+
+    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+    with jax.default_device(_device(device)):
+        full_dq = grads(q, k, v, w)[0]
+        for a, b in zip([0, 1, 3, 65, 127], [1, 3, 65, 127, T]):
+            pos = jnp.arange(a, b, dtype=jnp.int32)[None]
+            dq = grads(q[:, a:b], k, v, w[:, a:b], q_positions=pos, kv_lengths=jnp.asarray([b]))[0]
+            assert_bitwise(dq, full_dq[:, a:b])
+        packed = grads(q, k, v, w, segment_ids=seg)
+        start = 0
+        for n in lengths:
+            sl = slice(start, start + n)
+            for g, alone in zip(packed, grads(q[:, sl], k[:, sl], v[:, sl], w[:, sl])):
+                assert_bitwise(g[:, sl], alone)
             start += n
 
 

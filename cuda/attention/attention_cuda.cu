@@ -102,6 +102,8 @@ struct BackwardOut {
   float scale;
   int2* tile_ranges;     // tensor-core path: [B, query_tiles], TileRangeKernel
   int64_t query_tiles;   // ceil(R / 64)
+  int* dq_fired;  // tensor-core path: a flag per dQ CTA (attention_nonfinite.cuh), at most ceil(R / 16) H B
+  int* dkdv_fired;  // and per dK/dV CTA, ceil(S / 64) H B
 };
 
 unsigned grid_for(int64_t items, int threads) {
@@ -264,10 +266,16 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   }
   out.query_tiles = (p.R + 63) / 64;
   out.tile_ranges = nullptr;
+  out.dq_fired = out.dkdv_fired = nullptr;
   if (q.element_type() != ffi::F32 && p.B * out.query_tiles > 0) {
     auto mem = scratch.Allocate(static_cast<size_t>(p.B * out.query_tiles) * sizeof(int2), kFfiScratchAlignment);
     if (!mem.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the tile workspace");
     out.tile_ranges = static_cast<int2*>(*mem);
+    const int64_t flags = ((p.R + 15) / 16 + (p.S + 63) / 64) * p.H * p.B;
+    auto fired = scratch.Allocate(static_cast<size_t>(flags) * sizeof(int), kFfiScratchAlignment);
+    if (!fired.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the CTA flags");
+    out.dq_fired = static_cast<int*>(*fired);
+    out.dkdv_fired = out.dq_fired + (p.R + 15) / 16 * p.H * p.B;
   }
   switch (q.element_type()) {
     case ffi::F32: launch_backward_simt<F32Storage>(stream, p, out); break;

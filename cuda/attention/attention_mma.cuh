@@ -25,6 +25,7 @@ struct MmaElem;
 template <>
 struct MmaElem<__nv_bfloat16> {
   using Storage = BF16Storage;
+  static constexpr uint16_t kExponentBits = 0x7f80;  // all set: inf or NaN
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -41,6 +42,7 @@ struct MmaElem<__nv_bfloat16> {
 template <>
 struct MmaElem<__half> {
   using Storage = F16Storage;
+  static constexpr uint16_t kExponentBits = 0x7c00;
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -167,6 +169,16 @@ __device__ __forceinline__ void load_query_tile(Elem* tile, const Elem* base, co
   }
 }
 
+}  // namespace
+}  // namespace attn
+}  // namespace jaxdet
+
+#include "attention/attention_nonfinite.cuh"
+
+namespace jaxdet {
+namespace attn {
+namespace {
+
 // s[nt] (16 rows x 64 keys) = A . B^T with A the warp's 16 rows (pitch D + kPad) and B 64 rows
 // of the same width: an MMA chain over the head dimension in ascending 16-wide steps.
 template <class Elem, int D>
@@ -275,7 +287,10 @@ struct FwdGeom {
   static constexpr int kStashPerLane = kGroups * D / 2 + 4 * kGroups;
   static constexpr size_t kStash = size_t{kWarps} * 32 * kStashPerLane * sizeof(float);
   static constexpr size_t kTiles = 2 * kKV;
-  static constexpr size_t bytes(bool final_mode) { return kTiles + kQ + kRowInfo + (final_mode ? kStash : 0); }
+  static constexpr size_t kCols = NonFiniteCols<D>::kBytes;  // of the V tile
+  static constexpr size_t bytes(bool final_mode) {
+    return kTiles + kQ + kRowInfo + kCols + (final_mode ? kStash : 0);
+  }
 };
 
 // s[g] = scores of the warp's row group g (16 rows at A + 16 g rows) against the 64 rows of Bt:
@@ -355,6 +370,7 @@ struct MmaSyncCore {
     load_rows_tile<Elem, D, kThreads>(tile, first_row, row_stride, valid_rows, any);
   }
   static __device__ __forceinline__ void tiles_written() {}
+  using Chunks = PaddedChunks<D>;  // where load_tile puts a thread's chunks
 
   const Elem* Qw;  // the warp's first query row in the Q tile
   int lane;
@@ -448,9 +464,11 @@ __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], fl
 
 // A CTA: kWarps warps of Core::kGroups row groups of 16 rows (in final mode), or one warp of one
 // group (split mode, MmaSyncCore). Either way every row runs the core's scores, fwd_softmax and the
-// core's P.V on the same blocks.
-template <class Core, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, float* lse2, SplitOut ws) {
+// core's P.V on the same blocks. (At least one CTA per SM: without it ptxas spills registers of
+// the main loop for an occupancy the shared memory does not allow anyway.)
+template <class Core, int kWarps, bool kCareful>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    FwdKernel(Problem p, void* o, float* lse2, SplitOut ws, int* fired_ctas) {
   using Elem = typename Core::Elem;
   using Geo = FwdGeom<Core, kWarps>;
   using Storage = typename MmaElem<Elem>::Storage;
@@ -461,9 +479,13 @@ __global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, flo
   Elem* Qs = reinterpret_cast<Elem*>(smem + Geo::kTiles);
   PassRows rows{reinterpret_cast<int*>(smem + Geo::kTiles + Geo::kQ), nullptr};
   rows.limit = rows.start + kRows;
-  float* stash = reinterpret_cast<float*>(smem + Geo::kTiles + Geo::kQ + Geo::kRowInfo);
+  const NonFiniteCols<D> v_cols(smem + Geo::kTiles + Geo::kQ + Geo::kRowInfo);
+  float* stash = reinterpret_cast<float*>(smem + Geo::kTiles + Geo::kQ + Geo::kRowInfo + Geo::kCols);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
+  if constexpr (kCareful) {
+    if (fired_ctas[cta_index()] == 0) return;  // the first launch's rows stand
+  }
   const bool split_mode = ws.nsplit > 0;
   const int64_t tiles = (p.R + kRows - 1) / kRows;
   const int64_t tile = split_mode ? blockIdx.x % tiles : blockIdx.x;
@@ -491,6 +513,7 @@ __global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, flo
       l_tot[i * 32] = 0.0f;
     }
   }
+  if constexpr (kCareful) v_cols.template clear<kThreads>();
   cp_async_wait<0>();
   __syncthreads();
 
@@ -512,6 +535,7 @@ __global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, flo
     }
   };
 
+  bool fired = false;  // an accumulator element this thread probes is inf or NaN (not kCareful)
   int cur = -1, plimit = 0;
   while ((cur = next_pass<kRows>(rows, cur, &plimit)) != INT_MAX) {
     int lim[G][2];
@@ -557,9 +581,31 @@ __global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, flo
       }
       cp_async_wait<0>();
       Core::tiles_written();
-      __syncthreads();  // V(blk) is in, and every warp is done with K(blk)
+      // V(blk) is in, and every warp is done with K(blk); kCareful: whether V(blk) holds an inf or NaN.
+      bool v_nonfinite = false;
+      if constexpr (kCareful) {
+        v_nonfinite =
+            __syncthreads_or(own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, p.zero));
+      } else {
+        __syncthreads();
+      }
       if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
+      if (v_nonfinite) {  // attention_nonfinite.cuh
+        clean_own_chunks<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, v_cols);
+        Core::tiles_written();
+        __syncthreads();
+      }
       core.pv(s, Vs, acc);
+      if (v_nonfinite) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const auto visible = [&](int nt, int i) { return pos0 + nt * 8 + 2 * q4 + (i & 1) < lim[g][i >> 1]; };
+          add_nonfinite_terms<Elem, D>(s[g], visible, v_cols, acc[g], lane);
+        }
+        __syncthreads();  // every warp has read the masks
+        v_cols.template clear<kThreads>();
+      }
+      if constexpr (!kCareful) fired = fired || probe_nonfinite<D>(acc[0], p.zero);
       const bool split_done = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
       if (split_done && !split_mode) {
         // Merge the split into the running total (the stash), rows whose split saw a key only.
@@ -603,6 +649,13 @@ __global__ void __launch_bounds__(kWarps * 32) FwdKernel(Problem p, void* o, flo
         }
       }
     }
+  }
+  if constexpr (!kCareful) {
+    // A tile held an inf or NaN (or a row's own terms made one): the kCareful launch recomputes
+    // this CTA's rows (attention_nonfinite.cuh).
+    const bool any_fired = __syncthreads_or(fired);
+    if (threadIdx.x == 0) fired_ctas[cta_index()] = any_fired ? 1 : 0;
+    if (any_fired) return;
   }
   if (split_mode) return;
   using Bits = typename Storage::Bits;
@@ -666,16 +719,34 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
   return ffi::Error::Success();
 }
 
+// A forward kernel's two launches (attention_nonfinite.cuh): every CTA without checking its tiles,
+// then the kCareful kernel, which recomputes the CTAs whose accumulators turned inf or NaN (the
+// others return at once). `fired` holds a flag per CTA of the grid, from the scratch allocator.
 template <class Core, int kWarps>
-ffi::Error launch_final(cudaStream_t stream, const Problem& p, void* o, float* lse2, int smem_optin) {
+ffi::Error launch_forward_pair(cudaStream_t stream, ffi::ScratchAllocator& scratch, dim3 grid, const Problem& p,
+                               void* o, float* lse2, SplitOut ws, int smem_optin) {
+  const char* op = "jaxdet_attention_fwd";
+  const size_t smem = FwdGeom<Core, kWarps>::bytes(ws.nsplit == 0);
+  auto first = FwdKernel<Core, kWarps, false>;
+  auto careful = FwdKernel<Core, kWarps, true>;
+  if (auto err = prepare(first, smem, smem_optin, op); !err.success()) return err;
+  if (auto err = prepare(careful, smem, smem_optin, op); !err.success()) return err;
+  const size_t ctas = size_t{grid.x} * grid.y * grid.z;
+  auto fired = scratch.Allocate(ctas * sizeof(int), kFfiScratchAlignment);
+  if (!fired.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the CTA flags");
+  first<<<grid, kWarps * 32, smem, stream>>>(p, o, lse2, ws, static_cast<int*>(*fired));
+  careful<<<grid, kWarps * 32, smem, stream>>>(p, o, lse2, ws, static_cast<int*>(*fired));
+  return ffi::Error::Success();
+}
+
+template <class Core, int kWarps>
+ffi::Error launch_final(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
+                        float* lse2, int smem_optin) {
   using Geo = FwdGeom<Core, kWarps>;
-  const size_t smem = Geo::bytes(true);
-  auto kernel = FwdKernel<Core, kWarps>;
-  if (auto err = prepare(kernel, smem, smem_optin, "jaxdet_attention_fwd"); !err.success()) return err;
   const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(p.B));
-  kernel<<<grid, kWarps * 32, smem, stream>>>(p, o, lse2, SplitOut{nullptr, nullptr, 0});
-  return ffi::Error::Success();
+  return launch_forward_pair<Core, kWarps>(stream, scratch, grid, p, o, lse2, SplitOut{nullptr, nullptr, 0},
+                                           smem_optin);
 }
 
 template <class Elem, int D>
@@ -691,8 +762,6 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
   const bool split = nsplit > 1 && (p.R <= 16 || p.B * p.H * final_tiles < 2 * int64_t{current_sm_count()});
   if (split) {
     using Core = MmaSyncCore<Elem, D, 1>;
-    const size_t smem = FwdGeom<Core, 1>::bytes(false);
-    if (auto err = prepare(FwdKernel<Core, 1>, smem, smem_optin, op); !err.success()) return err;
     const int64_t rows = p.B * p.H * nsplit * p.R;
     auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), kFfiScratchAlignment);
     auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), kFfiScratchAlignment);
@@ -702,7 +771,8 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     SplitOut ws{static_cast<float*>(*acc), static_cast<float2*>(*ml), nsplit};
     const int64_t tiles = (p.R + 15) / 16;
     const dim3 grid(static_cast<unsigned>(tiles * nsplit), static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
-    FwdKernel<Core, 1><<<grid, 32, smem, stream>>>(p, o, lse2, ws);
+    auto err = launch_forward_pair<Core, 1>(stream, scratch, grid, p, o, lse2, ws, smem_optin);
+    if (!err.success()) return err;
     CombineKernel<Storage><<<grid_for(p.B * p.H * p.R * p.D, 256), 256, 0, stream>>>(p, ws, o, lse2);
     return ffi::Error::Success();
   }
@@ -712,22 +782,22 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     // with an inf in V their outputs differ through the non-finite-V bug (docs/attention.md, Limits).
     using Wgmma = WgmmaCore<Elem, D>;
     if (wgmma_forward_enabled() && FwdGeom<Wgmma, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
-      return launch_final<Wgmma, 4>(stream, p, o, lse2, smem_optin);
+      return launch_final<Wgmma, 4>(stream, scratch, p, o, lse2, smem_optin);
     }
   }
   if constexpr (D == 64) {
     // Two row groups per warp: each K/V fragment read from shared memory feeds 32 rows. (At head
     // dimension 128 the two groups' accumulators do not fit in registers without spilling.)
     if (p.R > 64 && FwdGeom<MmaSyncCore<Elem, D, 2>, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
-      return launch_final<MmaSyncCore<Elem, D, 2>, 4>(stream, p, o, lse2, smem_optin);
+      return launch_final<MmaSyncCore<Elem, D, 2>, 4>(stream, scratch, p, o, lse2, smem_optin);
     }
   }
   if constexpr (kWide) {
     if (FwdGeom<MmaSyncCore<Elem, D, 1>, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
-      return launch_final<MmaSyncCore<Elem, D, 1>, 4>(stream, p, o, lse2, smem_optin);
+      return launch_final<MmaSyncCore<Elem, D, 1>, 4>(stream, scratch, p, o, lse2, smem_optin);
     }
   }
-  return launch_final<MmaSyncCore<Elem, D, 1>, 1>(stream, p, o, lse2, smem_optin);
+  return launch_final<MmaSyncCore<Elem, D, 1>, 1>(stream, scratch, p, o, lse2, smem_optin);
 }
 
 // ---- Backward. ----
@@ -742,7 +812,8 @@ struct DqGeom {
   static constexpr size_t kQ = size_t{kRows} * kP * sizeof(Elem);  // Q or dO
   static constexpr size_t kKV = size_t{2} * kBlock * kP * sizeof(Elem);
   static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
-  static constexpr size_t bytes() { return 2 * kQ + 2 * kKV + kRowInfo; }
+  static constexpr size_t kCols = NonFiniteCols<D>::kBytes;  // of the K tile
+  static constexpr size_t bytes() { return 2 * kQ + 2 * kKV + kRowInfo + kCols; }
 };
 
 // ds = p * (dp - delta) with p = exp2(x - lse2) for the keys of block blk a row sees, 0 for the
@@ -762,7 +833,7 @@ __device__ __forceinline__ void dq_terms(float (&s)[8][4], const float (&dp)[8][
   }
 }
 
-template <class Elem, int D, int kWarps>
+template <class Elem, int D, int kWarps, bool kCareful>
 __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOut out) {
   using Geo = DqGeom<Elem, D, kWarps>;
   using Storage = typename MmaElem<Elem>::Storage;
@@ -774,6 +845,7 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
   Elem* Vs = reinterpret_cast<Elem*>(smem + 2 * Geo::kQ + Geo::kKV);
   PassRows rows{reinterpret_cast<int*>(smem + 2 * Geo::kQ + 2 * Geo::kKV), nullptr};
   rows.limit = rows.start + kRows;
+  const NonFiniteCols<D> k_cols(smem + 2 * Geo::kQ + 2 * Geo::kKV + Geo::kRowInfo);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
   const int64_t h = blockIdx.y, b = blockIdx.z;
@@ -783,6 +855,9 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
   const Elem* v = static_cast<const Elem*>(p.v);
   const Elem* dout = static_cast<const Elem*>(out.dout);
   const int64_t kv_stride = p.H * p.D;  // elements between consecutive key positions
+  if constexpr (kCareful) {
+    if (out.dq_fired[cta_index()] == 0) return;  // the first launch's rows stand
+  }
 
   load_row_info<kRows, kThreads>(p, b, r0, rows);
   load_query_tile<Elem, D, kThreads, kRows>(Qs, q, p, b, h, r0);
@@ -796,6 +871,7 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
     lse[rr] = r < p.R ? out.lse2[stat_index(p, b, h, r)] : 0.0f;
     delta[rr] = r < p.R ? out.delta[stat_index(p, b, h, r)] : 0.0f;
   }
+  if constexpr (kCareful) k_cols.template clear<kThreads>();
   cp_async_wait<0>();
   __syncthreads();
 
@@ -805,6 +881,7 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
 
+  bool fired = false;  // a dq element this thread probes is inf or NaN (not kCareful)
   int cur = -1, plimit = 0;
   while ((cur = next_pass<kRows>(rows, cur, &plimit)) != INT_MAX) {
     const int lim[2] = {rows.start[row_local[0]] == cur ? rows.limit[row_local[0]] : 0,
@@ -828,8 +905,15 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
       } else {
         cp_async_wait<0>();
       }
-      __syncthreads();
-      const Elem* Kb = Ks + stage * kBlock * P;
+      Elem* Kb = Ks + stage * kBlock * P;
+      // K(blk) and V(blk) are in; kCareful: whether K(blk) holds an inf or NaN.
+      bool k_nonfinite = false;
+      if constexpr (kCareful) {
+        k_nonfinite =
+            __syncthreads_or(own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Kb, PaddedChunks<D>{}, p.zero));
+      } else {
+        __syncthreads();
+      }
       float s[8][4], dp[8][4];
       rows_dot_tile<Elem, D>(Qw, Kb, s, lane);
       rows_dot_tile<Elem, D>(dOw, Vs + stage * kBlock * P, dp, lane);
@@ -838,9 +922,27 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
       } else {
         dq_terms<true>(s, dp, blk, lim, lse, delta, p.c, q4);
       }
+      if (k_nonfinite) {
+        __syncthreads();  // every warp is done with the scores
+        clean_own_chunks<Elem, D, kThreads, kBlock>(Kb, PaddedChunks<D>{}, k_cols);
+        __syncthreads();
+      }
       tile_times_rows<Elem, D>(s, Kb, dq, lane);
+      if (k_nonfinite) {
+        const auto visible = [&](int nt, int i) { return blk * kBlock + nt * 8 + 2 * q4 + (i & 1) < lim[i >> 1]; };
+        add_nonfinite_terms<Elem, D>(s, visible, k_cols, dq, lane);
+      }
+      if constexpr (!kCareful) fired = fired || probe_nonfinite<D>(dq, p.zero);
       __syncthreads();
+      if (k_nonfinite) k_cols.template clear<kThreads>();
     }
+  }
+  if constexpr (!kCareful) {
+    // A K tile held an inf or NaN (or a row's own terms made one): the kCareful launch recomputes
+    // this CTA's rows (attention_nonfinite.cuh).
+    const bool any_fired = __syncthreads_or(fired);
+    if (threadIdx.x == 0) out.dq_fired[cta_index()] = any_fired ? 1 : 0;
+    if (any_fired) return;
   }
   using Bits = typename Storage::Bits;
 #pragma unroll
@@ -890,7 +992,9 @@ struct DkdvGeom {
   static constexpr size_t kKV = size_t{kBlock} * kP * sizeof(Elem);                   // K or V
   static constexpr size_t kQ = size_t{kStages} * kQueryTile * kP * sizeof(Elem);     // Q or dO
   static constexpr size_t kRowInfo = size_t{kStages} * kQueryTile * (2 * sizeof(int) + 2 * sizeof(float));
-  static constexpr size_t bytes() { return 2 * kKV + 2 * kQ + kRowInfo; }
+  static constexpr size_t kCols = NonFiniteCols<D>::kBytes;  // of the Q tile, then of the dO tile
+  static constexpr size_t kFlags = 4 * sizeof(unsigned);     // per warp: its chunks' non-finite tiles
+  static constexpr size_t bytes() { return 2 * kKV + 2 * kQ + kRowInfo + 2 * kCols + kFlags; }
 };
 
 // p^T and ds^T = p^T * (dp^T - delta) of the lane's keys (j, j + 8) against the tile's rows: 0
@@ -912,7 +1016,7 @@ __device__ __forceinline__ void dkdv_terms(float (&st)[8][4], float (&dpt)[8][4]
   }
 }
 
-template <class Elem, int D, int kWhich, int kStages>
+template <class Elem, int D, int kWhich, int kStages, bool kCareful>
 __global__ void __launch_bounds__(128)
     DkdvMmaKernel(Problem p, BackwardOut out, const int2* ranges, int64_t tiles) {
   using Geo = DkdvGeom<Elem, D, kStages>;
@@ -928,6 +1032,13 @@ __global__ void __launch_bounds__(128)
   int* rlimit = rstart + kStages * kQueryTile;
   float* rlse = reinterpret_cast<float*>(rlimit + kStages * kQueryTile);
   float* rdelta = rlse + kStages * kQueryTile;
+  unsigned char* cols_base = smem + 2 * Geo::kKV + 2 * Geo::kQ + Geo::kRowInfo;
+  const NonFiniteCols<D> q_cols(cols_base), do_cols(cols_base + Geo::kCols);
+  unsigned* warp_flags = reinterpret_cast<unsigned*>(cols_base + 2 * Geo::kCols);
+  if constexpr (kCareful) {
+    q_cols.template clear<kThreads>();
+    do_cols.template clear<kThreads>();
+  }
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
   const int64_t h = blockIdx.y, b = blockIdx.z;
@@ -938,6 +1049,9 @@ __global__ void __launch_bounds__(128)
   const Elem* v = static_cast<const Elem*>(p.v);
   const Elem* dout = static_cast<const Elem*>(out.dout);
   const int2* my_ranges = ranges + b * tiles;
+  if constexpr (kCareful) {
+    if (out.dkdv_fired[cta_index()] == 0) return;  // the first launch's keys stand
+  }
 
   load_rows_tile<Elem, D, kThreads>(Ks, k + kv_index(p, b, h, j0), p.H * p.D, static_cast<int>(p.S - j0), k);
   load_rows_tile<Elem, D, kThreads>(Vs, v + kv_index(p, b, h, j0), p.H * p.D, static_cast<int>(p.S - j0), v);
@@ -987,13 +1101,14 @@ __global__ void __launch_bounds__(128)
   };
 
   float dk[D / 8][4], dv[D / 8][4];
+  const Elem* Kw = Ks + warp * 16 * P;
+  const Elem* Vw = Vs + warp * 16 * P;
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.0f;
   }
-  const Elem* Kw = Ks + warp * 16 * P;
-  const Elem* Vw = Vs + warp * 16 * P;
+  bool fired = false;  // a dk or dv element this thread probes is inf or NaN (not kCareful)
   int64_t tile = next_tile(0);
   int stage = 0;
   if (tile < tiles) load_rows(0, tile);
@@ -1005,10 +1120,20 @@ __global__ void __launch_bounds__(128)
     } else {
       cp_async_wait<0>();
     }
+    Elem* Qt = Qs + stage * kQueryTile * P;
+    Elem* dOt = dOs + stage * kQueryTile * P;
+    if constexpr (kCareful) {
+      // Which of the tile's Q (bit 0) and dO (bit 1) hold an inf or NaN, published per warp with
+      // the barrier below.
+      const unsigned mine =
+          (own_chunks_nonfinite<Elem, D, kThreads, kQueryTile>(Qt, PaddedChunks<D>{}, p.zero) ? 1u : 0u) |
+          (own_chunks_nonfinite<Elem, D, kThreads, kQueryTile>(dOt, PaddedChunks<D>{}, p.zero) ? 2u : 0u);
+      const unsigned warp_mine = __reduce_or_sync(kFullMask, mine);
+      if (lane == 0) warp_flags[warp] = warp_mine;
+    }
     // Every row of the tile sees every key of the CTA: no visibility test per term (same bits).
     const bool all_visible = __syncthreads_and((full_bits >> stage) & 1);
-    const Elem* Qt = Qs + stage * kQueryTile * P;
-    const Elem* dOt = dOs + stage * kQueryTile * P;
+    const unsigned nonfinite = kCareful ? warp_flags[0] | warp_flags[1] | warp_flags[2] | warp_flags[3] : 0u;
     const int* ts = rstart + stage * kQueryTile;
     const int* tl = rlimit + stage * kQueryTile;
     float st[8][4], dpt[8][4];
@@ -1021,14 +1146,43 @@ __global__ void __launch_bounds__(128)
     } else {
       dkdv_terms<kDk, true>(st, dpt, ts, tl, tlse, tdelta, j0 + warp * 16 + grp, p.c, q4);
     }
+    if (nonfinite) {
+      __syncthreads();  // every warp is done with the products of the original tiles
+      if (nonfinite & 1) clean_own_chunks<Elem, D, kThreads, kQueryTile>(Qt, PaddedChunks<D>{}, q_cols);
+      if (nonfinite & 2) clean_own_chunks<Elem, D, kThreads, kQueryTile>(dOt, PaddedChunks<D>{}, do_cols);
+      __syncthreads();
+    }
     if (kDv) tile_times_rows<Elem, D>(st, dOt, dv, lane);
     if (kDk) tile_times_rows<Elem, D>(dpt, Qt, dk, lane);
+    if (nonfinite) {
+      const int j_lane = j0 + warp * 16 + grp;
+      const auto visible = [&](int nt, int i) {
+        const int row = nt * 8 + 2 * q4 + (i & 1), j = j_lane + 8 * (i >> 1);
+        return ts[row] <= j && j - ts[row] < tl[row];
+      };
+      if (kDv && (nonfinite & 2)) add_nonfinite_terms<Elem, D>(st, visible, do_cols, dv, lane);
+      if (kDk && (nonfinite & 1)) add_nonfinite_terms<Elem, D>(dpt, visible, q_cols, dk, lane);
+    }
+    if constexpr (!kCareful) {
+      fired = fired || (kDk && probe_nonfinite<D>(dk, p.zero)) || (kDv && probe_nonfinite<D>(dv, p.zero));
+    }
     __syncthreads();
+    if (nonfinite) {
+      q_cols.template clear<kThreads>();
+      do_cols.template clear<kThreads>();
+    }
     if (kStages == 1 && next < tiles) load_rows(0, next);
     tile = next;
     if (kStages == 2) stage ^= 1;
   }
   cp_async_wait<0>();  // the K/V group when no tile was visible
+  if constexpr (!kCareful) {
+    // A Q or dO tile held an inf or NaN (or a key's own terms made one): the kCareful launch
+    // recomputes this CTA's keys (attention_nonfinite.cuh).
+    const bool any_fired = __syncthreads_or(fired);
+    if (threadIdx.x == 0) out.dkdv_fired[cta_index()] = any_fired ? 1 : 0;
+    if (any_fired) return;
+  }
 
   using Bits = typename Storage::Bits;
 #pragma unroll
@@ -1056,12 +1210,17 @@ __global__ void __launch_bounds__(128)
 
 template <class Elem, int D, int kWhich, int kStages>
 ffi::Error launch_dkdv(cudaStream_t stream, const Problem& p, const BackwardOut& out, int smem_optin) {
+  // Two launches (attention_nonfinite.cuh): every CTA, then the kCareful kernel for the CTAs whose
+  // accumulators turned inf or NaN.
   const size_t smem = DkdvGeom<Elem, D, kStages>::bytes();
-  auto kernel = DkdvMmaKernel<Elem, D, kWhich, kStages>;
-  if (auto err = prepare(kernel, smem, smem_optin, "jaxdet_attention_bwd"); !err.success()) return err;
+  auto first = DkdvMmaKernel<Elem, D, kWhich, kStages, false>;
+  auto careful = DkdvMmaKernel<Elem, D, kWhich, kStages, true>;
+  if (auto err = prepare(first, smem, smem_optin, "jaxdet_attention_bwd"); !err.success()) return err;
+  if (auto err = prepare(careful, smem, smem_optin, "jaxdet_attention_bwd"); !err.success()) return err;
   const dim3 grid(static_cast<unsigned>((p.S + kBlock - 1) / kBlock), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(p.B));
-  kernel<<<grid, 128, smem, stream>>>(p, out, out.tile_ranges, out.query_tiles);
+  first<<<grid, 128, smem, stream>>>(p, out, out.tile_ranges, out.query_tiles);
+  careful<<<grid, 128, smem, stream>>>(p, out, out.tile_ranges, out.query_tiles);
   return ffi::Error::Success();
 }
 
@@ -1073,10 +1232,15 @@ ffi::Error launch_backward_mma(cudaStream_t stream, const Problem& p, const Back
     launch_delta<Storage>(stream, p, out);
     constexpr int kWarps = D <= 128 ? 4 : 1;
     using Geo = DqGeom<Elem, D, kWarps>;
-    if (auto err = prepare(DqMmaKernel<Elem, D, kWarps>, Geo::bytes(), smem_optin, op); !err.success()) return err;
+    auto first = DqMmaKernel<Elem, D, kWarps, false>;
+    auto careful = DqMmaKernel<Elem, D, kWarps, true>;
+    if (auto err = prepare(first, Geo::bytes(), smem_optin, op); !err.success()) return err;
+    if (auto err = prepare(careful, Geo::bytes(), smem_optin, op); !err.success()) return err;
     const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
                     static_cast<unsigned>(p.B));
-    DqMmaKernel<Elem, D, kWarps><<<grid, kWarps * 32, Geo::bytes(), stream>>>(p, out);
+    // Two launches, as launch_dkdv's.
+    first<<<grid, kWarps * 32, Geo::bytes(), stream>>>(p, out);
+    careful<<<grid, kWarps * 32, Geo::bytes(), stream>>>(p, out);
     TileRangeKernel<<<grid_for(p.B * out.query_tiles, 256), 256, 0, stream>>>(p, out.tile_ranges, out.query_tiles);
   }
   if (p.B * p.H * p.S == 0) return ffi::Error::Success();

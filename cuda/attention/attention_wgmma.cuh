@@ -188,6 +188,14 @@ struct WgmmaCore {
 
   static __device__ __forceinline__ void tiles_written() { fence_copies_for_wgmma(); }
 
+  // Where load_tile puts chunk c of a row (for attention_nonfinite.cuh).
+  struct Chunks {
+    __device__ __forceinline__ Elem* operator()(Elem* tile, int row, int c) const {
+      return reinterpret_cast<Elem*>(reinterpret_cast<unsigned char*>(tile) + (c / 8) * kHalf + row * 128 +
+                                     ((c % 8) ^ (row % 8)) * 16);
+    }
+  };
+
   const Elem* Qw;  // the warp's first query row in the Q tile
   int lane;
   float zero;  // Problem::zero
