@@ -605,8 +605,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         __syncthreads();  // every warp has read the masks
         v_cols.template clear<kThreads>();
       }
-      if constexpr (!kCareful) fired = fired || probe_nonfinite<D>(acc[0], p.zero);
       const bool split_done = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
+      // An inf or NaN stays in the accumulators until the split's merge resets them.
+      if (!kCareful && split_done) fired = fired || probe_nonfinite<D>(acc[0], p.zero);
       if (split_done && !split_mode) {
         // Merge the split into the running total (the stash), rows whose split saw a key only.
 #pragma unroll
@@ -881,7 +882,6 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
 
-  bool fired = false;  // a dq element this thread probes is inf or NaN (not kCareful)
   int cur = -1, plimit = 0;
   while ((cur = next_pass<kRows>(rows, cur, &plimit)) != INT_MAX) {
     const int lim[2] = {rows.start[row_local[0]] == cur ? rows.limit[row_local[0]] : 0,
@@ -932,15 +932,14 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
         const auto visible = [&](int nt, int i) { return blk * kBlock + nt * 8 + 2 * q4 + (i & 1) < lim[i >> 1]; };
         add_nonfinite_terms<Elem, D>(s, visible, k_cols, dq, lane);
       }
-      if constexpr (!kCareful) fired = fired || probe_nonfinite<D>(dq, p.zero);
       __syncthreads();
       if (k_nonfinite) k_cols.template clear<kThreads>();
     }
   }
   if constexpr (!kCareful) {
-    // A K tile held an inf or NaN (or a row's own terms made one): the kCareful launch recomputes
-    // this CTA's rows (attention_nonfinite.cuh).
-    const bool any_fired = __syncthreads_or(fired);
+    // A K tile held an inf or NaN (or a row's own terms made one; dq only accumulates, so it is
+    // still there): the kCareful launch recomputes this CTA's rows (attention_nonfinite.cuh).
+    const bool any_fired = __syncthreads_or(probe_nonfinite<D>(dq, p.zero));
     if (threadIdx.x == 0) out.dq_fired[cta_index()] = any_fired ? 1 : 0;
     if (any_fired) return;
   }
@@ -1108,7 +1107,6 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
     for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.0f;
   }
-  bool fired = false;  // a dk or dv element this thread probes is inf or NaN (not kCareful)
   int64_t tile = next_tile(0);
   int stage = 0;
   if (tile < tiles) load_rows(0, tile);
@@ -1163,9 +1161,6 @@ __global__ void __launch_bounds__(128)
       if (kDv && (nonfinite & 2)) add_nonfinite_terms<Elem, D>(st, visible, do_cols, dv, lane);
       if (kDk && (nonfinite & 1)) add_nonfinite_terms<Elem, D>(dpt, visible, q_cols, dk, lane);
     }
-    if constexpr (!kCareful) {
-      fired = fired || (kDk && probe_nonfinite<D>(dk, p.zero)) || (kDv && probe_nonfinite<D>(dv, p.zero));
-    }
     __syncthreads();
     if (nonfinite) {
       q_cols.template clear<kThreads>();
@@ -1177,9 +1172,10 @@ __global__ void __launch_bounds__(128)
   }
   cp_async_wait<0>();  // the K/V group when no tile was visible
   if constexpr (!kCareful) {
-    // A Q or dO tile held an inf or NaN (or a key's own terms made one): the kCareful launch
-    // recomputes this CTA's keys (attention_nonfinite.cuh).
-    const bool any_fired = __syncthreads_or(fired);
+    // A Q or dO tile held an inf or NaN (or a key's own terms made one; dk and dv only accumulate):
+    // the kCareful launch recomputes this CTA's keys (attention_nonfinite.cuh).
+    const bool any_fired =
+        __syncthreads_or((kDk && probe_nonfinite<D>(dk, p.zero)) | (kDv && probe_nonfinite<D>(dv, p.zero)));
     if (threadIdx.x == 0) out.dkdv_fired[cta_index()] = any_fired ? 1 : 0;
     if (any_fired) return;
   }

@@ -7,9 +7,10 @@
 // ones an A row sees depends on the call (chunk boundaries, the CTA's rows, the cache length), so
 // such a NaN would break prefill/decode invariance. Hence each tensor-core kernel runs twice:
 //
-// * The first launch does not look at its tiles. Each thread probes its accumulators after every
-//   block (probe_nonfinite): an inf or NaN in a tile reaches every row's accumulator in its column,
-//   so a CTA whose tiles hold one always sees it (and one whose rows make an inf themselves too).
+// * The first launch does not look at its tiles. Each thread probes its accumulators before they
+//   are reset or written (probe_nonfinite): an inf or NaN in a tile reaches every row's accumulator
+//   in its column and stays there (sums and rescales keep it), so a CTA whose tiles hold one always
+//   sees it (and one whose rows make an inf themselves too).
 //   Such a CTA sets its flag and leaves its rows to the second launch; the others clear it.
 // * The kCareful launch returns at once in the CTAs whose flag is clear and recomputes the others:
 //   the CTA votes, at the barrier that publishes a tile, whether its loaded elements hold an inf or
