@@ -936,14 +936,8 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
       if (k_nonfinite) k_cols.template clear<kThreads>();
     }
   }
-  if constexpr (!kCareful) {
-    // A K tile held an inf or NaN (or a row's own terms made one; dq only accumulates, so it is
-    // still there): the kCareful launch recomputes this CTA's rows (attention_nonfinite.cuh).
-    const bool any_fired = __syncthreads_or(probe_nonfinite<D>(dq, p.zero));
-    if (threadIdx.x == 0) out.dq_fired[cta_index()] = any_fired ? 1 : 0;
-    if (any_fired) return;
-  }
   using Bits = typename Storage::Bits;
+  bool stored_nonfinite = false;
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int64_t r = r0 + row_local[rr];
@@ -953,9 +947,17 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
     for (int dt = 0; dt < D / 8; ++dt) {
       const Bits lo = Storage::store(dm::mul(dq[dt][2 * rr], out.scale));
       const Bits hi = Storage::store(dm::mul(dq[dt][2 * rr + 1], out.scale));
-      *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * q4) =
-          static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      const uint32_t pair = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * q4) = pair;
+      stored_nonfinite = stored_nonfinite || pair_nonfinite<Elem>(pair);
     }
+  }
+  if constexpr (!kCareful) {
+    // A K tile held an inf or NaN (or a row's own terms made one; dq only accumulates, so it is
+    // still there, and row r0 is always stored): the kCareful launch writes this CTA's rows again
+    // (attention_nonfinite.cuh).
+    const bool any_fired = __syncthreads_or(stored_nonfinite);
+    if (threadIdx.x == 0) out.dq_fired[cta_index()] = any_fired ? 1 : 0;
   }
 }
 
@@ -1171,16 +1173,9 @@ __global__ void __launch_bounds__(128)
     if (kStages == 2) stage ^= 1;
   }
   cp_async_wait<0>();  // the K/V group when no tile was visible
-  if constexpr (!kCareful) {
-    // A Q or dO tile held an inf or NaN (or a key's own terms made one; dk and dv only accumulate):
-    // the kCareful launch recomputes this CTA's keys (attention_nonfinite.cuh).
-    const bool any_fired =
-        __syncthreads_or((kDk && probe_nonfinite<D>(dk, p.zero)) | (kDv && probe_nonfinite<D>(dv, p.zero)));
-    if (threadIdx.x == 0) out.dkdv_fired[cta_index()] = any_fired ? 1 : 0;
-    if (any_fired) return;
-  }
 
   using Bits = typename Storage::Bits;
+  bool stored_nonfinite = false;
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int j = j0 + warp * 16 + grp + 8 * rr;
@@ -1191,16 +1186,25 @@ __global__ void __launch_bounds__(128)
       if (kDk) {
         const Bits lo = Storage::store(dm::mul(dk[dt][2 * rr], out.scale));
         const Bits hi = Storage::store(dm::mul(dk[dt][2 * rr + 1], out.scale));
-        *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dk) + off + dt * 8 + 2 * q4) =
-            static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        const uint32_t pair = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dk) + off + dt * 8 + 2 * q4) = pair;
+        stored_nonfinite = stored_nonfinite || pair_nonfinite<Elem>(pair);
       }
       if (kDv) {
         const Bits lo = Storage::store(dv[dt][2 * rr]);
         const Bits hi = Storage::store(dv[dt][2 * rr + 1]);
-        *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dv) + off + dt * 8 + 2 * q4) =
-            static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        const uint32_t pair = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dv) + off + dt * 8 + 2 * q4) = pair;
+        stored_nonfinite = stored_nonfinite || pair_nonfinite<Elem>(pair);
       }
     }
+  }
+  if constexpr (!kCareful) {
+    // A Q or dO tile held an inf or NaN (or a key's own terms made one; dk and dv only accumulate,
+    // and key j0 is always stored): the kCareful launch writes this CTA's keys again
+    // (attention_nonfinite.cuh).
+    const bool any_fired = __syncthreads_or(stored_nonfinite);
+    if (threadIdx.x == 0) out.dkdv_fired[cta_index()] = any_fired ? 1 : 0;
   }
 }
 

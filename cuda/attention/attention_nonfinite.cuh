@@ -8,10 +8,10 @@
 // such a NaN would break prefill/decode invariance. Hence each tensor-core kernel runs twice:
 //
 // * The first launch does not look at its tiles. Each thread probes its accumulators before they
-//   are reset or written (probe_nonfinite): an inf or NaN in a tile reaches every row's accumulator
-//   in its column and stays there (sums and rescales keep it), so a CTA whose tiles hold one always
-//   sees it (and one whose rows make an inf themselves too).
-//   Such a CTA sets its flag and leaves its rows to the second launch; the others clear it.
+//   are reset (probe_nonfinite) or as it stores them (pair_nonfinite): an inf or NaN in a tile
+//   reaches every row's accumulator in its column and stays there (sums and rescales keep it), so
+//   a CTA whose tiles hold one always sees it (and one whose rows make an inf themselves too).
+//   Such a CTA sets its flag, which sends its rows to the second launch; the others clear it.
 // * The kCareful launch returns at once in the CTAs whose flag is clear and recomputes the others:
 //   the CTA votes, at the barrier that publishes a tile, whether its loaded elements hold an inf or
 //   NaN (each thread checks the 16-byte chunks it copied), and such a tile is cleaned before its
@@ -91,6 +91,14 @@ __device__ __forceinline__ bool probe_nonfinite(const float (&acc)[D / 8][4], fl
   }
   const float u = (t[0] + t[1]) + (t[2] + t[3]);
   return u != u;
+}
+
+// Whether either half of a stored pair of Elem is inf or NaN. An accumulator that is inf or NaN
+// stores as one (a finite one that rounds to inf only adds a needless second pass).
+template <class Elem>
+__device__ __forceinline__ bool pair_nonfinite(uint32_t pair) {
+  constexpr uint32_t kExp = MmaElem<Elem>::kExponentBits;
+  return (pair & kExp) == kExp || ((pair >> 16) & kExp) == kExp;
 }
 
 // Whether the chunks this thread copied into `tile` (its cp.async group complete) hold an inf or
