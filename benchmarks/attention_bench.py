@@ -4,7 +4,7 @@
     python benchmarks/attention_bench.py --tiny      # tiny shapes (runs on the CPU, proves the script)
     python benchmarks/attention_bench.py --sanitize  # every kernel once at small shapes (compute-sanitizer)
 
-Training: batch 8, sequence 2048 and 8192, 32 query / 8 KV heads, head dim 128, causal, bfloat16:
+Training: batch 8, sequence 2048 and 8192, 32 query / 8 KV heads, head dim 128 (--head-dim), causal, bfloat16:
 forward, and backward (the gradient of q, k and v; timed as forward + backward minus forward).
 Decode: one query per sequence at position S - 1 against a KV cache of S positions, batch 1, 16,
 64, S 4096 and 32768: time per step and the fraction of the HBM bandwidth that reading the cache
@@ -168,6 +168,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU)")
     parser.add_argument("--sanitize", action="store_true", help="each kernel once at small shapes")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--head-dim", type=int, default=128, help="the training and decode shapes' head dimension")
+    parser.add_argument("--training-only", action="store_true", help="skip the decode table")
     args = parser.parse_args()
     if args.sanitize:
         sanitize()
@@ -180,8 +182,10 @@ def main() -> None:
         training([(1, 128, 4, 2, 64)], jnp.bfloat16, on_gpu, reps=2)
         decode([(2, 256, 4, 2, 64)], jnp.bfloat16, on_gpu, reps=2, peak=peak)
         return
-    training([(8, 2048, 32, 8, 128), (8, 8192, 32, 8, 128)], jnp.bfloat16, on_gpu, args.reps)
-    decode([(b, s, 32, 8, 128) for b in (1, 16, 64) for s in (4096, 32768)], jnp.bfloat16, on_gpu, args.reps, peak)
+    D = args.head_dim
+    training([(8, 2048, 32, 8, D), (8, 8192, 32, 8, D)], jnp.bfloat16, on_gpu, args.reps)
+    if not args.training_only:
+        decode([(b, s, 32, 8, D) for b in (1, 16, 64) for s in (4096, 32768)], jnp.bfloat16, on_gpu, args.reps, peak)
 
 
 if __name__ == "__main__":

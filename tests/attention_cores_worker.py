@@ -26,7 +26,7 @@ SHAPES = [(2, 300, 8, 2), (3, 257, 4, 4), (2, 1100, 16, 4)]
 def cases():
     """(name, q, k, v, do, keyword arguments) for every case, the same in every process."""
     for dtype in (jnp.bfloat16, jnp.float16):
-        for D in (128,):  # the head dimension the wgmma forward runs (docs/attention.md)
+        for D in (64, 128):  # the head dimensions the wgmma forward runs (docs/attention.md)
             for B, T, N, K in SHAPES:
                 rng = np.random.default_rng(B * 1000 + T + D)
                 shapes = [(B, T, N, D), (B, T, K, D), (B, T, K, D), (B, T, N, D)]

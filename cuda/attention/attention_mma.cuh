@@ -777,10 +777,8 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     CombineKernel<Storage><<<grid_for(p.B * p.H * p.R * p.D, 256), 256, 0, stream>>>(p, ws, o, lse2);
     return ffi::Error::Success();
   }
-  if constexpr (D == 128) {
+  if constexpr (D == 64 || D == 128) {
     // Hopper: a warpgroup of 4 warps issues wgmma for 64 rows (the same bits, attention_wgmma.cuh).
-    // Head dimension 64 stays on mma.sync: its mma.sync CTA holds 128 rows, the wgmma one 64, so
-    // with an inf in V their outputs differ through the non-finite-V bug (docs/attention.md, Limits).
     using Wgmma = WgmmaCore<Elem, D>;
     if (wgmma_forward_enabled() && FwdGeom<Wgmma, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
       return launch_final<Wgmma, 4>(stream, scratch, p, o, lse2, smem_optin);
