@@ -406,12 +406,14 @@ def _special_qkvw(shapes, seed, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("D", [64, 128])
 def test_gradients_keep_their_invariance_with_special_values(device, D):
-    # Special values in q, k, v and the output gradient: dQ rows of chunks equal the full pass's, and
-    # a packed sequence's dQ, dK and dV equal its own pass's, although the GPU tiles (dS.K for dQ,
-    # dS^T.Q and P^T.dO for dK/dV) hold rows of other chunks and sequences with infs and NaNs.
+    # Special values in q, k, v and the output gradient, which the GPU tiles hold beside rows that do
+    # not see them (dS.K for dQ, dS^T.Q and P^T.dO for dK/dV): dQ rows of chunks equal the full
+    # pass's, a packed sequence's dQ equals its own pass's, and dK/dV of keys do not depend on the
+    # rows that do not see them (other sequences; earlier positions), finite or not.
     lengths = [37, 64, 1, 28]
     T = sum(lengths)
     q, k, v, w = _special_qkvw([(1, T, 8, D), (1, T, 2, D), (1, T, 2, D), (1, T, 8, D)], seed=D + 1)
+    plain = [_rand(x.shape, x.dtype, seed=i) for i, x in enumerate((q, k, v, w))]
 
     def grads(q, k, v, w, **kw):
         return jax.grad(
@@ -420,17 +422,26 @@ def test_gradients_keep_their_invariance_with_special_values(device, D):
 
     seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
     with jax.default_device(_device(device)):
-        full_dq = grads(q, k, v, w)[0]
+        full = grads(q, k, v, w)
         for a, b in zip([0, 1, 3, 65, 127], [1, 3, 65, 127, T]):
             pos = jnp.arange(a, b, dtype=jnp.int32)[None]
             dq = grads(q[:, a:b], k, v, w[:, a:b], q_positions=pos, kv_lengths=jnp.asarray([b]))[0]
-            assert_bitwise(dq, full_dq[:, a:b])
+            assert_bitwise(dq, full[0][:, a:b])
+        # keys from position t on are not seen by the rows before t: their q and dO do not matter
+        for t in (5, 64, 100):
+            qt, wt = (jnp.concatenate([p[:, :t], x[:, t:]], axis=1) for p, x in ((plain[0], q), (plain[3], w)))
+            mixed = grads(qt, k, v, wt)
+            for g, f in zip(mixed[1:], full[1:]):
+                assert_bitwise(g[:, t:], f[:, t:])
         packed = grads(q, k, v, w, segment_ids=seg)
         start = 0
         for n in lengths:
             sl = slice(start, start + n)
-            for g, alone in zip(packed, grads(q[:, sl], k[:, sl], v[:, sl], w[:, sl])):
-                assert_bitwise(g[:, sl], alone)
+            assert_bitwise(packed[0][:, sl], grads(q[:, sl], k[:, sl], v[:, sl], w[:, sl])[0])
+            # the other sequences' inputs replaced by finite ones
+            others = [x.at[:, sl].set(y[:, sl]) for x, y in zip(plain, (q, k, v, w))]
+            for g, f in zip(grads(*others, segment_ids=seg)[1:], packed[1:]):
+                assert_bitwise(g[:, sl], f[:, sl])
             start += n
 
 
