@@ -155,8 +155,8 @@ inline bool wgmma_forward_enabled() {
 }
 
 // The forward's tensor-core core on wgmma: one row group (16 rows) per warp, warps in whole
-// warpgroups; written for head dimensions 64 and 128 (the P.V accumulators of 256 do not fit
-// beside the scores), run at 128 (launch_forward_mma says why).
+// warpgroups; for head dimensions 64 and 128 (the P.V accumulators of 256 do not fit beside the
+// scores).
 template <class ElemT, int kD>
 struct WgmmaCore {
   using Elem = ElemT;
