@@ -3,6 +3,7 @@
     python benchmarks/attention_bench.py             # the issue's shapes on the GPU
     python benchmarks/attention_bench.py --tiny      # tiny shapes (runs on the CPU, proves the script)
     python benchmarks/attention_bench.py --sanitize  # every kernel once at small shapes (compute-sanitizer)
+    python benchmarks/attention_bench.py --profile   # the training forward 3 times (ncu: gpu_session.sh ncu-attention)
 
 Training: batch 8, sequence 2048 and 8192, 32 query / 8 KV heads, head dim 128 (--head-dim), causal, bfloat16:
 forward, and backward (the gradient of q, k and v; timed as forward + backward minus forward).
@@ -170,9 +171,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--head-dim", type=int, default=128, help="the training and decode shapes' head dimension")
     parser.add_argument("--training-only", action="store_true", help="skip the decode table")
+    parser.add_argument("--profile", action="store_true", help="the first training shape's forward, 3 calls (ncu)")
     args = parser.parse_args()
     if args.sanitize:
         sanitize()
+        return
+    if args.profile:
+        B, T, N, K, D = 8, 2048, 32, 8, args.head_dim
+        q, k, v = (
+            rand(0, (B, T, N, D), jnp.bfloat16),
+            rand(1, (B, T, K, D), jnp.bfloat16),
+            rand(2, (B, T, K, D), jnp.bfloat16),
+        )
+        forward = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
+        for _ in range(3):
+            jax.block_until_ready(forward(q, k, v))
         return
     dev = jax.devices()[0]
     on_gpu = dev.platform == "gpu"

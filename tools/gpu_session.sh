@@ -12,7 +12,8 @@
 #   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
 #   to diff between two builds: benchmarks/gemm_schedule_bits.py), attention-bits (the same for
-#   attention: benchmarks/attention_schedule_bits.py), mma-latency (clocks per dependent k16 step
+#   attention: benchmarks/attention_schedule_bits.py), ncu-attention (Nsight Compute sections of the
+#   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), mma-latency (clocks per dependent k16 step
 #   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), buckets (the M-bucket tests,
 #   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
 #   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
@@ -135,6 +136,15 @@ if has ncu-dropout; then
     --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
     python3 benchmarks/dropout_bench.py --shape 64x4096x1024 > "$LOGS/ncu_dropout.txt" 2>&1
   grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issued Warp|No Eligible|Stall|Executed Ipc A" "$LOGS/ncu_dropout.txt" | head -30
+fi
+if asked ncu-attention; then
+  # the third forward launch (first launch of the pair: FwdKernel<..., false>) at batch 8, 2048 tokens
+  timeout 300 ncu --clock-control none --kernel-name regex:FwdKernel --launch-skip 4 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section InstructionStats \
+    python3 benchmarks/attention_bench.py --profile ${NCU_ATTENTION_ARGS:-} > "$LOGS/ncu_attention.txt" 2>&1
+  grep -E "FwdKernel|Duration|Throughput|Registers Per|Occupancy|Issued Warp|No Eligible|Stall|Ipc|Pipe|Shared" \
+    "$LOGS/ncu_attention.txt" | head -60
 fi
 if has clip && [ -f benchmarks/clip_bench.py ]; then
   sanitize clip 'PartialKernel|FinalizeKernel|ApplyKernel' memcheck python3 benchmarks/clip_bench.py --sanitize
