@@ -132,6 +132,16 @@ __device__ __forceinline__ void load_rows_tile(Elem* tile, const Elem* first_row
   }
 }
 
+// Where load_rows_tile and load_query_tile put chunk c (8 elements) of a row: a row-major tile of
+// pitch D + kPad.
+template <int D>
+struct PaddedChunks {
+  template <class Elem>
+  __device__ __forceinline__ Elem* operator()(Elem* tile, int row, int c) const {
+    return tile + row * (D + kPad) + c * 8;
+  }
+};
+
 // t = r / G for a query row r (r < 2^31 + 64: check_grid bounds R), in 32-bit arithmetic.
 __device__ __forceinline__ int64_t row_time(const Problem& p, int64_t r) {
   return static_cast<int64_t>(static_cast<uint32_t>(r) / static_cast<uint32_t>(p.G));
@@ -174,6 +184,7 @@ __device__ __forceinline__ void load_query_tile(Elem* tile, const Elem* base, co
 }  // namespace jaxdet
 
 #include "attention/attention_nonfinite.cuh"
+#include "attention/attention_wgmma.cuh"
 
 namespace jaxdet {
 namespace attn {
@@ -384,16 +395,6 @@ struct MmaSyncCore {
     groups_times_rows<Elem, D, kG>(x, Vt, acc, lane);
   }
 };
-
-}  // namespace
-}  // namespace attn
-}  // namespace jaxdet
-
-#include "attention/attention_wgmma.cuh"
-
-namespace jaxdet {
-namespace attn {
-namespace {
 
 // One block of the online softmax for the warp's row groups (16 rows each, two per lane: grp and
 // grp + 8), keys at positions pos0 .. pos0 + 63 of the pass, on the block's scores s (the core's
@@ -720,24 +721,29 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
   return ffi::Error::Success();
 }
 
-// A forward kernel's two launches (attention_nonfinite.cuh): every CTA without checking its tiles,
-// then the kCareful kernel, which recomputes the CTAs whose accumulators turned inf or NaN (the
-// others return at once). `fired` holds a flag per CTA of the grid, from the scratch allocator.
+// A tensor-core kernel's two launches (attention_nonfinite.cuh): `first` over the whole grid, then
+// `careful` (its kCareful instance), which recomputes the CTAs the first flagged and returns at
+// once in the others.
+template <class... Params, class... Args>
+ffi::Error launch_twice(void (*first)(Params...), void (*careful)(Params...), dim3 grid, int threads, size_t smem,
+                        int smem_optin, const char* op, cudaStream_t stream, Args... args) {
+  if (auto err = prepare(first, smem, smem_optin, op); !err.success()) return err;
+  if (auto err = prepare(careful, smem, smem_optin, op); !err.success()) return err;
+  first<<<grid, threads, smem, stream>>>(args...);
+  careful<<<grid, threads, smem, stream>>>(args...);
+  return ffi::Error::Success();
+}
+
+// The forward's two launches, with a flag per CTA of the grid from the scratch allocator.
 template <class Core, int kWarps>
 ffi::Error launch_forward_pair(cudaStream_t stream, ffi::ScratchAllocator& scratch, dim3 grid, const Problem& p,
                                void* o, float* lse2, SplitOut ws, int smem_optin) {
   const char* op = "jaxdet_attention_fwd";
-  const size_t smem = FwdGeom<Core, kWarps>::bytes(ws.nsplit == 0);
-  auto first = FwdKernel<Core, kWarps, false>;
-  auto careful = FwdKernel<Core, kWarps, true>;
-  if (auto err = prepare(first, smem, smem_optin, op); !err.success()) return err;
-  if (auto err = prepare(careful, smem, smem_optin, op); !err.success()) return err;
-  const size_t ctas = size_t{grid.x} * grid.y * grid.z;
-  auto fired = scratch.Allocate(ctas * sizeof(int), kFfiScratchAlignment);
+  auto fired = scratch.Allocate(size_t{grid.x} * grid.y * grid.z * sizeof(int), kFfiScratchAlignment);
   if (!fired.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the CTA flags");
-  first<<<grid, kWarps * 32, smem, stream>>>(p, o, lse2, ws, static_cast<int*>(*fired));
-  careful<<<grid, kWarps * 32, smem, stream>>>(p, o, lse2, ws, static_cast<int*>(*fired));
-  return ffi::Error::Success();
+  return launch_twice(FwdKernel<Core, kWarps, false>, FwdKernel<Core, kWarps, true>, grid, kWarps * 32,
+                      FwdGeom<Core, kWarps>::bytes(ws.nsplit == 0), smem_optin, op, stream, p, o, lse2, ws,
+                      static_cast<int*>(*fired));
 }
 
 template <class Core, int kWarps>
@@ -943,11 +949,9 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
     Bits* dst = static_cast<Bits*>(out.dq) + q_index(p, b, h, r);
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
-      const Bits lo = Storage::store(dm::mul(dq[dt][2 * rr], out.scale));
-      const Bits hi = Storage::store(dm::mul(dq[dt][2 * rr + 1], out.scale));
-      const uint32_t pair = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-      *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * q4) = pair;
-      stored_nonfinite = stored_nonfinite || pair_nonfinite<Elem>(pair);
+      stored_nonfinite |=
+          store_pair<Elem>(dst + dt * 8 + 2 * q4, Storage::store(dm::mul(dq[dt][2 * rr], out.scale)),
+                           Storage::store(dm::mul(dq[dt][2 * rr + 1], out.scale)));
     }
   }
   if constexpr (!kCareful) {
@@ -1100,13 +1104,13 @@ __global__ void __launch_bounds__(128)
   };
 
   float dk[D / 8][4], dv[D / 8][4];
-  const Elem* Kw = Ks + warp * 16 * P;
-  const Elem* Vw = Vs + warp * 16 * P;
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.0f;
   }
+  const Elem* Kw = Ks + warp * 16 * P;
+  const Elem* Vw = Vs + warp * 16 * P;
   int64_t tile = next_tile(0);
   int stage = 0;
   if (tile < tiles) load_rows(0, tile);
@@ -1182,18 +1186,13 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
       if (kDk) {
-        const Bits lo = Storage::store(dm::mul(dk[dt][2 * rr], out.scale));
-        const Bits hi = Storage::store(dm::mul(dk[dt][2 * rr + 1], out.scale));
-        const uint32_t pair = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dk) + off + dt * 8 + 2 * q4) = pair;
-        stored_nonfinite = stored_nonfinite || pair_nonfinite<Elem>(pair);
+        stored_nonfinite |= store_pair<Elem>(static_cast<Bits*>(out.dk) + off + dt * 8 + 2 * q4,
+                                             Storage::store(dm::mul(dk[dt][2 * rr], out.scale)),
+                                             Storage::store(dm::mul(dk[dt][2 * rr + 1], out.scale)));
       }
       if (kDv) {
-        const Bits lo = Storage::store(dv[dt][2 * rr]);
-        const Bits hi = Storage::store(dv[dt][2 * rr + 1]);
-        const uint32_t pair = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        *reinterpret_cast<uint32_t*>(static_cast<Bits*>(out.dv) + off + dt * 8 + 2 * q4) = pair;
-        stored_nonfinite = stored_nonfinite || pair_nonfinite<Elem>(pair);
+        stored_nonfinite |= store_pair<Elem>(static_cast<Bits*>(out.dv) + off + dt * 8 + 2 * q4,
+                                             Storage::store(dv[dt][2 * rr]), Storage::store(dv[dt][2 * rr + 1]));
       }
     }
   }
@@ -1208,18 +1207,12 @@ __global__ void __launch_bounds__(128)
 
 template <class Elem, int D, int kWhich, int kStages>
 ffi::Error launch_dkdv(cudaStream_t stream, const Problem& p, const BackwardOut& out, int smem_optin) {
-  // Two launches (attention_nonfinite.cuh): every CTA, then the kCareful kernel for the CTAs whose
-  // accumulators turned inf or NaN.
-  const size_t smem = DkdvGeom<Elem, D, kStages>::bytes();
-  auto first = DkdvMmaKernel<Elem, D, kWhich, kStages, false>;
-  auto careful = DkdvMmaKernel<Elem, D, kWhich, kStages, true>;
-  if (auto err = prepare(first, smem, smem_optin, "jaxdet_attention_bwd"); !err.success()) return err;
-  if (auto err = prepare(careful, smem, smem_optin, "jaxdet_attention_bwd"); !err.success()) return err;
   const dim3 grid(static_cast<unsigned>((p.S + kBlock - 1) / kBlock), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(p.B));
-  first<<<grid, 128, smem, stream>>>(p, out, out.tile_ranges, out.query_tiles);
-  careful<<<grid, 128, smem, stream>>>(p, out, out.tile_ranges, out.query_tiles);
-  return ffi::Error::Success();
+  return launch_twice(DkdvMmaKernel<Elem, D, kWhich, kStages, false>,
+                      DkdvMmaKernel<Elem, D, kWhich, kStages, true>, grid, 128,
+                      DkdvGeom<Elem, D, kStages>::bytes(), smem_optin, "jaxdet_attention_bwd", stream, p, out,
+                      static_cast<const int2*>(out.tile_ranges), out.query_tiles);
 }
 
 template <class Elem, int D>
@@ -1230,15 +1223,11 @@ ffi::Error launch_backward_mma(cudaStream_t stream, const Problem& p, const Back
     launch_delta<Storage>(stream, p, out);
     constexpr int kWarps = D <= 128 ? 4 : 1;
     using Geo = DqGeom<Elem, D, kWarps>;
-    auto first = DqMmaKernel<Elem, D, kWarps, false>;
-    auto careful = DqMmaKernel<Elem, D, kWarps, true>;
-    if (auto err = prepare(first, Geo::bytes(), smem_optin, op); !err.success()) return err;
-    if (auto err = prepare(careful, Geo::bytes(), smem_optin, op); !err.success()) return err;
     const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
                     static_cast<unsigned>(p.B));
-    // Two launches, as launch_dkdv's.
-    first<<<grid, kWarps * 32, Geo::bytes(), stream>>>(p, out);
-    careful<<<grid, kWarps * 32, Geo::bytes(), stream>>>(p, out);
+    auto err = launch_twice(DqMmaKernel<Elem, D, kWarps, false>, DqMmaKernel<Elem, D, kWarps, true>, grid,
+                            kWarps * 32, Geo::bytes(), smem_optin, op, stream, p, out);
+    if (!err.success()) return err;
     TileRangeKernel<<<grid_for(p.B * out.query_tiles, 256), 256, 0, stream>>>(p, out.tile_ranges, out.query_tiles);
   }
   if (p.B * p.H * p.S == 0) return ffi::Error::Success();

@@ -40,24 +40,28 @@ __device__ __forceinline__ int64_t cta_index() {
 
 // The 16-byte chunks a thread copies into a tile of kRows rows of D elements (load_rows_tile,
 // load_query_tile and WgmmaCore::load_tile all copy these): column chunk c = tid % (D / 8) of the
-// rows tid / (D / 8) + n * kStep. f(row, c) for each.
-template <int D, int kThreads, int kRows, class F>
+// rows tid / (D / 8) + n * kStep. f(row, c) for each; kUnroll false keeps a rare path's loop out
+// of the register allocation of the kernels' main loops.
+template <int D, int kThreads, int kRows, bool kUnroll = true, class F>
 __device__ __forceinline__ void for_own_chunks(F&& f) {
   constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0 && kRows % kStep == 0, "whole rows per pass of the threads");
   const int i0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+  if constexpr (kUnroll) {
 #pragma unroll
-  for (int n = 0; n < kRows / kStep; ++n) f(i0 + n * kStep, c);
+    for (int n = 0; n < kRows / kStep; ++n) f(i0 + n * kStep, c);
+  } else {
+#pragma unroll 1
+    for (int n = 0; n < kRows / kStep; ++n) f(i0 + n * kStep, c);
+  }
 }
 
-// The address of chunk c of row `row` in a row-major tile of pitch D + kPad.
-template <int D>
-struct PaddedChunks {
-  template <class Elem>
-  __device__ __forceinline__ Elem* operator()(Elem* tile, int row, int c) const {
-    return tile + row * (D + kPad) + c * 8;
-  }
-};
+// Whether an Elem (its bits) is inf or NaN: every exponent bit set.
+template <class Elem>
+__device__ __forceinline__ bool elem_nonfinite(uint32_t bits) {
+  constexpr uint32_t kExp = MmaElem<Elem>::kExponentBits;
+  return (bits & kExp) == kExp;
+}
 
 // Bit j of pos[d] (neg[d]): element (j, d) of the tile was +inf (-inf) or NaN before cleaning. A NaN
 // sets both, which gives the right left-out term: any coefficient times it is NaN, as a +inf and
@@ -97,8 +101,16 @@ __device__ __forceinline__ bool probe_nonfinite(const float (&acc)[D / 8][4], fl
 // stores as one (a finite one that rounds to inf only adds a needless second pass).
 template <class Elem>
 __device__ __forceinline__ bool pair_nonfinite(uint32_t pair) {
-  constexpr uint32_t kExp = MmaElem<Elem>::kExponentBits;
-  return (pair & kExp) == kExp || ((pair >> 16) & kExp) == kExp;
+  return elem_nonfinite<Elem>(pair) || elem_nonfinite<Elem>(pair >> 16);
+}
+
+// Stores two outputs as a pair of Elem (lo at dst[0]); whether either is inf or NaN, which is how
+// the backward's first launch finds the non-finite accumulators it was writing.
+template <class Elem, class Bits>
+__device__ __forceinline__ bool store_pair(Bits* dst, Bits lo, Bits hi) {
+  const uint32_t pair = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  *reinterpret_cast<uint32_t*>(dst) = pair;
+  return pair_nonfinite<Elem>(pair);
 }
 
 // Whether the chunks this thread copied into `tile` (its cp.async group complete) hold an inf or
@@ -115,7 +127,7 @@ __device__ __forceinline__ bool own_chunks_nonfinite(const Elem* tile, At at, fl
   }
   t[0] = t[1] = t[2] = t[3] = z;
   for_own_chunks<D, kThreads, kRows>([&](int row, int c) {
-    const uint4 x = *reinterpret_cast<const uint4*>(at(const_cast<Elem*>(tile), row, c));
+    const uint4 x = *reinterpret_cast<const uint4*>(at(tile, row, c));
     const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) t[i] = __hfma2(*reinterpret_cast<const Pair*>(&w[i]), z, t[i]);
@@ -126,28 +138,23 @@ __device__ __forceinline__ bool own_chunks_nonfinite(const Elem* tile, At at, fl
 }
 
 // Replaces the non-finite elements of this thread's chunks by +0 and records them in `cols`
-// (empty before, for the tile's rows 0 .. kRows - 1). The loops are not unrolled: a rare path,
-// kept out of the register allocation of the kernels' main loops.
+// (empty before, for the tile's rows 0 .. kRows - 1). A rare path: its loops are not unrolled.
 template <class Elem, int D, int kThreads, int kRows, class At>
 __device__ __forceinline__ void clean_own_chunks(Elem* tile, At at, NonFiniteCols<D> cols) {
   static_assert(kRows <= 64, "a tile row per mask bit");
-  constexpr uint16_t kExp = MmaElem<Elem>::kExponentBits;
-  constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
-  const int c = static_cast<int>(threadIdx.x) % kChunks;
-#pragma unroll 1
-  for (int row = static_cast<int>(threadIdx.x) / kChunks; row < kRows; row += kStep) {
+  for_own_chunks<D, kThreads, kRows, false>([&](int row, int c) {
     uint16_t* e = reinterpret_cast<uint16_t*>(at(tile, row, c));
 #pragma unroll 1
     for (int i = 0; i < 8; ++i) {
       const uint16_t bits = e[i];
-      if ((bits & kExp) != kExp) continue;
-      const bool nan = (bits & 0x7fff) != kExp, neg = (bits & 0x8000) != 0;
+      if (!elem_nonfinite<Elem>(bits)) continue;
+      const bool nan = (bits & 0x7fff) != MmaElem<Elem>::kExponentBits, neg = (bits & 0x8000) != 0;
       const unsigned long long bit = 1ull << row;
       if (nan || !neg) atomicOr(&cols.pos[c * 8 + i], bit);
       if (nan || neg) atomicOr(&cols.neg[c * 8 + i], bit);
       e[i] = 0;
     }
-  }
+  });
 }
 
 // acc += the terms x . M that the MMA on the cleaned tile M left out, for the warp's 16 A rows (x

@@ -190,9 +190,9 @@ struct WgmmaCore {
 
   // Where load_tile puts chunk c of a row (for attention_nonfinite.cuh).
   struct Chunks {
-    __device__ __forceinline__ Elem* operator()(Elem* tile, int row, int c) const {
-      return reinterpret_cast<Elem*>(reinterpret_cast<unsigned char*>(tile) + (c / 8) * kHalf + row * 128 +
-                                     ((c % 8) ^ (row % 8)) * 16);
+    template <class T>  // Elem or const Elem
+    __device__ __forceinline__ T* operator()(T* tile, int row, int c) const {
+      return tile + ((c / 8) * kHalf + row * 128 + ((c % 8) ^ (row % 8)) * 16) / static_cast<int>(sizeof(Elem));
     }
   };
 
