@@ -20,17 +20,21 @@
 #           matmul_cuda.cu; proven bitwise by tests/test_gemm_buckets.py, docs/matmul_cuda.md).
 #           sm90: 128xN runs the cooperative schedule (two consumer warpgroups of 64 rows), 64xN
 #           the ping-pong schedule, 16x64 the ping-pong schedule on swapped operands (D^T = B^T A^T,
-#           gemm_sm90.cuh); sm80: the threadblock tile.
+#           gemm_sm90.cuh), 16x32 a mma.sync kernel on swapped operands with the same K steps
+#           (gemm_narrow.cuh; the forward only); sm80: the threadblock tile.
+# The forward (nn) sets add a 16x32 tile; dA's B rows (nt) streamed in 32-column slices ran slower
+# than the 16x64 tile's 64 (docs/matmul_cuda.md), so the dA sets stop at 16x64.
 set(JAXDET_GEMM_SM90_TILES "128x256 64x256 64x128 64x64 16x64")
+set(JAXDET_GEMM_SM90_FWD_TILES "${JAXDET_GEMM_SM90_TILES} 16x32")
 set(JAXDET_GEMM_SM80_TILES "128x128 64x64 64x32")
 set(JAXDET_GEMM_KERNELS
   # Hopper forward (nn) and dA (nt), half or float32 output: M-bucketed.
-  "sm90_bf16_nn_bf16         sm90 bf16 nn void bf16 ${JAXDET_GEMM_SM90_TILES}"
-  "sm90_bf16_nn_f32          sm90 bf16 nn void f32  ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_bf16_nn_bf16         sm90 bf16 nn void bf16 ${JAXDET_GEMM_SM90_FWD_TILES}"
+  "sm90_bf16_nn_f32          sm90 bf16 nn void f32  ${JAXDET_GEMM_SM90_FWD_TILES}"
   "sm90_bf16_nt_bf16         sm90 bf16 nt void bf16 ${JAXDET_GEMM_SM90_TILES}"
   "sm90_bf16_nt_f32          sm90 bf16 nt void f32  ${JAXDET_GEMM_SM90_TILES}"
-  "sm90_f16_nn_f16           sm90 f16  nn void f16  ${JAXDET_GEMM_SM90_TILES}"
-  "sm90_f16_nn_f32           sm90 f16  nn void f32  ${JAXDET_GEMM_SM90_TILES}"
+  "sm90_f16_nn_f16           sm90 f16  nn void f16  ${JAXDET_GEMM_SM90_FWD_TILES}"
+  "sm90_f16_nn_f32           sm90 f16  nn void f32  ${JAXDET_GEMM_SM90_FWD_TILES}"
   "sm90_f16_nt_f16           sm90 f16  nt void f16  ${JAXDET_GEMM_SM90_TILES}"
   "sm90_f16_nt_f32           sm90 f16  nt void f32  ${JAXDET_GEMM_SM90_TILES}"
   # Hopper weight gradient (tn): one mainloop, three epilogues: D = C + A^T B in float32 (every
@@ -139,6 +143,12 @@ function(jaxdet_generate_gemm_kernels)
       endif()
       set(last_area "${area}")
       set(JAXDET_KERNEL_NAME "${set_name}_${tile}")
+      # The Hopper sets' 16x32 tile is a kernel of its own (gemm_narrow.cuh, no CUTLASS 3.x).
+      if(JAXDET_KERNEL_FAMILY STREQUAL "sm90" AND tile STREQUAL "16x32")
+        set(JAXDET_KERNEL_IMPL "narrow")
+      else()
+        set(JAXDET_KERNEL_IMPL "${JAXDET_KERNEL_FAMILY}")
+      endif()
       set(source "${dir}/gemm/${JAXDET_KERNEL_NAME}.cu")
       configure_file("${template}" "${source}" @ONLY)
       list(APPEND ${JAXDET_KERNEL_FAMILY}_sources "${source}")

@@ -127,9 +127,11 @@ constexpr int64_t kBucketMaxRows = 256;
 // the rule takes the largest tile (the set's first) that still yields at least 4/5 as many CTAs
 // as there are SMs, else the smallest of them (the most CTAs); above, the first. A tile of more rows than
 // max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply), and so is
-// one of fewer rows than min(M, 64) (the 16-row tile: B would be read once per 16 rows). At small M
-// a 64-row CTA's time grows with K alone (not with its columns), so once every CTA runs at once
-// more CTAs buy nothing, and tiles narrower than 64 columns measured slower (docs/matmul_cuda.md).
+// one of fewer rows than min(M, 64) (the 16-row tiles: B would be read once per 16 rows). At small
+// M a 64-row CTA's time grows with K alone (not with its columns), so once every CTA runs at once
+// more CTAs buy nothing, and 64-row tiles narrower than 64 columns measured slower; the forward's
+// 16x32 tile (a mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64
+// gives 64 (docs/matmul_cuda.md).
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
@@ -242,7 +244,7 @@ bool dims3(const ffi::Span<const int64_t>& dims, int64_t* l, int64_t* r, int64_t
 
 ffi::Error launch(const char* op, Launcher fn, const GemmArgs& g, cudaStream_t stream) {
   const Status s = fn(g, stream);
-  if (s.rfind("CUTLASS cannot run", 0) == 0) return invalid(op, s);
+  if (s.find("cannot run this problem") != std::string::npos) return invalid(op, s);
   if (!s.empty()) return ffi::Error::Internal(std::string(op) + ": " + s);
   return ffi::Error::Success();
 }

@@ -1,0 +1,272 @@
+// The narrow few-row tile of the Hopper forward sets (16 rows by 32 columns of D): a kernel
+// of its own, because the narrowest wgmma tile has 64 columns (the 16x64 tile, D^T = B^T A^T with
+// B on the wgmma's 64-row side). Without split-K one CTA owns a column slice of D over all of K, so
+// a 4096-wide output at M <= 16 has only 64 such CTAs on an H100's 132 SMs; 32-column slices give
+// it 128.
+//
+// The bits are those of every other tile of the set (docs/matmul_cuda.md, "M buckets"): each
+// element of D is one float32 accumulator fed by k16 steps of a_mk * b_kn, K tiles of 64 in
+// ascending order (sm90::kTileK), zeros in the steps past K up to the last K tile's end (what TMA
+// feeds the wgmma tiles), then CUTLASS's LinearCombination epilogue with no source:
+// D = beta * 0 + alpha * acc (alpha = 1, beta = 0; the zero source makes an accumulator of -0 a +0)
+// rounded to D's type to nearest even. The instruction is mma.sync m16n8k16 on the swapped
+// operands (B^T on its 16-row side, A^T on its 8 columns), which on Hopper gives the k16 step of
+// wgmma m64nNk16 bit for bit (tests/test_gemm_buckets.py proves it against every other tile on
+// special values and K residues). wgmma's first step replaces the accumulator where these start
+// from zero; the sums differ at most in the sign of a zero, which the epilogue's +0 erases.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "cutlass/layout/matrix.h"
+#include "cutlass/numeric_types.h"
+#include "gemm_args.h"
+
+namespace jaxdet {
+namespace gemm {
+namespace narrow {
+
+constexpr int kTileM = 16;  // rows of D per CTA: two mma n8 blocks
+constexpr int kTileN = 32;  // columns of D per CTA: two mma m16 blocks
+constexpr int kTileK = 64;  // the Hopper sets' K tile (sm90::kTileK in gemm_sm90.cuh), in four k16 steps
+constexpr int kWarps = 4;   // warp w: columns 16 * (w & 1), rows 8 * (w >> 1) of the tile
+constexpr int kThreads = kWarps * 32;
+// Bytes in flight decide a CTA's speed (it streams its 32 columns of B once). B's rows (64 bytes
+// of each of 64 K rows per stage) are read by all CTAs together, DRAM pages at a time: 12 stages of
+// 6 KB suffice and leave room for three CTAs per SM. (dA's B, stored [N, K], would be read 128
+// bytes of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even 32
+// stages deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
+constexpr int kStages = 12;
+constexpr int kChunk = 16;                       // bytes per cp.async
+constexpr int kATileBytes = kTileM * kTileK * 2;  // [16 m][64 k], 8 chunks per row
+constexpr int kBTileBytes = kTileN * kTileK * 2;  // [64 k][32 n], 4 chunks per row
+constexpr int kStageBytes = kATileBytes + kBTileBytes;
+constexpr int kSmemBytes = kStages * kStageBytes;
+static_assert(kATileBytes / kChunk == kThreads && kBTileBytes / kChunk == 2 * kThreads, "loads per thread");
+
+// Shared-memory offsets (bytes, within a stage's tile) with the 16-byte chunks of each row
+// permuted so that the eight rows one ldmatrix reads fall in distinct banks.
+__device__ __forceinline__ int k_major_offset(int row, int chunk) {  // A: rows of 64 k (128 bytes)
+  return row * 128 + ((chunk ^ (row & 7)) << 4);
+}
+__device__ __forceinline__ int n_major_offset(int k, int chunk) {  // B: rows of 32 n (64 bytes)
+  return k * 64 + ((chunk ^ ((k >> 1) & 3)) << 4);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes from `src`, or zeros when !valid (src-size 0: nothing is read).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+// acc += a (16x16, rows = columns n of D) . b (16x8, columns = rows m of D), one k16 step.
+template <class Element>
+__device__ __forceinline__ void mma_k16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    static_assert(std::is_same_v<Element, cutlass::half_t>, "bfloat16 or float16 operands");
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+// D's element from the accumulator as CUTLASS's epilogue computes it with its source cleared:
+// beta * 0 + alpha * acc (run-time scalars, so that nothing folds), rounded to nearest even by the
+// same cvt instructions.
+template <class ElementD>
+__device__ __forceinline__ void store_d(ElementD* p, float alpha, float beta, float acc) {
+  const float v = fmaf(beta, 0.0f, alpha * acc);
+  if constexpr (std::is_same_v<ElementD, float>) {
+    *p = v;
+  } else if constexpr (std::is_same_v<ElementD, cutlass::bfloat16_t>) {
+    *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(v);
+  } else {
+    static_assert(std::is_same_v<ElementD, cutlass::half_t>, "D is float32, bfloat16 or float16");
+    *reinterpret_cast<__half*>(p) = __float2half_rn(v);
+  }
+}
+
+struct Params {
+  int64_t m, n, k, l;
+  int64_t m_blocks;  // ceil(m / kTileM)
+  int k_tiles;       // ceil(k / kTileK)
+  const char* a;  // A row-major [M, K] (bytes; elements of 2 bytes)
+  int64_t lda, batch_a;
+  const char* b;  // row-major [K, N]
+  int64_t ldb, batch_b;
+  void* d;  // row-major [M, N]
+  int64_t ldd, batch_d;
+  float alpha, beta;  // 1 and 0
+};
+
+template <class Element, class ElementD>
+__global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t n0 = int64_t{blockIdx.x} * kTileN;
+  const int64_t m_blocks = p.m_blocks;
+  const int k_tiles = p.k_tiles;
+  const uint32_t smem_base = smem_addr(smem);
+  const int warp_n = 16 * (warp & 1), warp_m = 8 * (warp >> 1);
+
+  for (int64_t l = blockIdx.z; l < p.l; l += gridDim.z) {
+    for (int64_t mb = blockIdx.y; mb < m_blocks; mb += gridDim.y) {
+      const int64_t m0 = mb * kTileM;
+      const int rows = static_cast<int>(p.m - m0 < kTileM ? p.m - m0 : kTileM);
+      const char* a = p.a + 2 * (l * p.batch_a + m0 * p.lda);
+      const char* b = p.b + 2 * (l * p.batch_b);
+
+      // Stage s <- K tile kt; chunks past M, N or K are zeros (the ones TMA fills in).
+      auto load = [&](int s, int kt) {
+        const uint32_t stage = smem_base + s * kStageBytes;
+        const int64_t k0 = int64_t{kt} * kTileK;
+        {
+          const int row = tid >> 3, chunk = tid & 7;
+          const int64_t k = k0 + 8 * chunk;
+          if (row < 8 || rows > 8) {  // rows 8..15 are read only when the block has them
+            const bool valid = row < rows && k < p.k;
+            cp_async_16(stage + k_major_offset(row, chunk), valid ? a + 2 * (row * p.lda + k) : p.a, valid);
+          }
+        }
+        const uint32_t b_stage = stage + kATileBytes;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int i = tid + j * kThreads;
+          const int row = i >> 2, chunk = i & 3;  // row: k; chunk: 8 n
+          const int64_t k = k0 + row, n = n0 + 8 * chunk;
+          const bool valid = k < p.k && n < p.n;
+          cp_async_16(b_stage + n_major_offset(row, chunk), valid ? b + 2 * (k * p.ldb + n) : p.b, valid);
+        }
+      };
+
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < k_tiles) load(s, s);
+        cp_async_commit();
+      }
+
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const bool active = warp_m < rows;
+      const int r8 = lane & 7, mat = lane >> 3;
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // K tile kt is in; every warp is done with the stage loaded next
+        if (kt + kStages - 1 < k_tiles) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+        cp_async_commit();
+        if (!active) continue;
+        const uint32_t stage = smem_base + (kt % kStages) * kStageBytes;
+        const uint32_t b_stage = stage + kATileBytes;
+#pragma unroll
+        for (int ks = 0; ks < kTileK / 16; ++ks) {
+          uint32_t bt[4];  // B^T rows warp_n..+15 (the mma's A operand), k 16ks..+15, transposed from B's rows
+          ldmatrix_x4_trans(bt, b_stage + n_major_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
+          uint32_t at[2];  // A^T: k 16ks..+15 by rows warp_m..+7 (the mma's B operand)
+          ldmatrix_x2(at, stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
+          mma_k16<Element>(acc, bt, at);
+        }
+      }
+      cp_async_wait<0>();
+
+      if (active) {
+        // acc[i]: D^T row n = warp_n + lane / 4 (+ 8 for i >= 2), column m = warp_m + 2 (lane % 4) + (i & 1).
+        ElementD* d = static_cast<ElementD*>(p.d) + l * p.batch_d;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int64_t n = n0 + warp_n + (lane >> 2) + 8 * (i >> 1);
+          const int mi = warp_m + 2 * (lane & 3) + (i & 1);
+          if (mi < rows && n < p.n) store_d(d + (m0 + mi) * p.ldd + n, p.alpha, p.beta, acc[i]);
+        }
+      }
+      __syncthreads();  // the next work item's prologue overwrites the stages
+    }
+  }
+}
+
+// The launcher of the Hopper forward sets' 16x32 tile (its generated unit calls it as the sm90
+// ones call sm90::launch): A [M, K] and B [K, N] row-major, no source C.
+template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
+Status launch(const GemmArgs& g, cudaStream_t stream) {
+  static_assert(TileM == kTileM && TileN == kTileN && std::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
+                    std::is_same_v<LayoutB, cutlass::layout::RowMajor> && std::is_void_v<ElementC>,
+                "the narrow tile is 16x32 and serves the forward (row-major A and B, no source C)");
+  constexpr int kSmem = kSmemBytes;
+  const auto misaligned = [](const void* ptr, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || stride % 8 != 0;
+  };
+  if (misaligned(g.a, g.lda) || misaligned(g.b, g.ldb) || g.batch_a % 8 != 0 || g.batch_b % 8 != 0) {
+    return "the 16x32 kernel cannot run this problem: cp.async needs every operand's contiguous dimension "
+           "to be a multiple of 8 elements (bfloat16/float16) and 16-byte aligned pointers";
+  }
+  constexpr int64_t kMax = 0x7fffffff;
+  if (g.m > kMax || g.n > kMax || g.k > kMax || g.l > kMax) return "a dimension is larger than 2^31 - 1";
+  const auto kernel = narrow_gemm_kernel<Element, ElementD>;
+  static std::atomic<uint64_t> smem_set{0};  // the dynamic shared-memory limit, once per device
+  const uint64_t bit = uint64_t{1} << (g.device & 63);
+  if (!(smem_set.load(std::memory_order_acquire) & bit)) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+    smem_set.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  const int64_t n_tiles = (g.n + kTileN - 1) / kTileN, m_tiles = (g.m + kTileM - 1) / kTileM;
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles < 65535 ? m_tiles : 65535),
+                  static_cast<unsigned>(g.l < 65535 ? g.l : 65535));
+  Params p;
+  p.m = g.m;
+  p.n = g.n;
+  p.k = g.k;
+  p.l = g.l;
+  p.m_blocks = m_tiles;
+  p.k_tiles = static_cast<int>((g.k + kTileK - 1) / kTileK);
+  p.a = static_cast<const char*>(g.a);
+  p.lda = g.lda;
+  p.batch_a = g.batch_a;
+  p.b = static_cast<const char*>(g.b);
+  p.ldb = g.ldb;
+  p.batch_b = g.batch_b;
+  p.d = g.d;
+  p.ldd = g.ldd;
+  p.batch_d = g.batch_d;
+  p.alpha = 1.0f;
+  p.beta = 0.0f;
+  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
+  return {};
+}
+
+}  // namespace narrow
+}  // namespace gemm
+}  // namespace jaxdet
