@@ -14,7 +14,8 @@
 #   to diff between two builds: benchmarks/gemm_schedule_bits.py), attention-bits (the same for
 #   attention: benchmarks/attention_schedule_bits.py), ncu-attention (Nsight Compute sections of the
 #   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), mma-latency (clocks per dependent k16 step
-#   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), buckets (the M-bucket tests,
+#   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), narrow-stages (the forward's 16x32 GEMM tile
+#   by pipeline depth: benchmarks/gemm_narrow_stages.cu), buckets (the M-bucket tests,
 #   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
 #   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
 #   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
@@ -233,6 +234,10 @@ fi
 if asked attention-bits; then
   python3 benchmarks/attention_schedule_bits.py > "$LOGS/attention_bits.txt" 2>&1; echo "rc=$?"
   cat "$LOGS/attention_bits.txt"
+fi
+if asked narrow-stages; then
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I /tmp/site/cutlass_library/source/include \
+    benchmarks/gemm_narrow_stages.cu -o /tmp/gemm_narrow_stages && /tmp/gemm_narrow_stages | tee "$LOGS/narrow_stages.md"
 fi
 if asked mma-latency; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/mma_chain_latency.cu -o /tmp/mma_chain_latency \

@@ -38,17 +38,18 @@ constexpr int kTileN = 32;  // columns of D per CTA: two mma m16 blocks
 constexpr int kTileK = 64;  // the Hopper sets' K tile (sm90::kTileK in gemm_sm90.cuh), in four k16 steps
 constexpr int kWarps = 4;   // warp w: columns 16 * (w & 1), rows 8 * (w >> 1) of the tile
 constexpr int kThreads = kWarps * 32;
-// Bytes in flight decide a CTA's speed (it streams its 32 columns of B once). B's rows (64 bytes
-// of each of 64 K rows per stage) are read by all CTAs together, DRAM pages at a time: 12 stages of
-// 6 KB suffice and leave room for three CTAs per SM. (dA's B, stored [N, K], would be read 128
-// bytes of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even 32
-// stages deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
-constexpr int kStages = 12;
+// The pipeline depth: 12 stages of 6 KB (two or three CTAs per SM fit). Deeper was slower
+// (benchmarks/gemm_narrow_stages.cu on an H200: 16-32 stages 10-18% slower than 8-12, and about 80%
+// slower once the CTAs no longer fit twice per SM). (dA's B, stored [N, K], would be read 128 bytes
+// of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even 32 stages
+// deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
+constexpr int kStages = 12;  // the launcher's; benchmarks/gemm_narrow_stages.cu times others
 constexpr int kChunk = 16;                       // bytes per cp.async
 constexpr int kATileBytes = kTileM * kTileK * 2;  // [16 m][64 k], 8 chunks per row
 constexpr int kBTileBytes = kTileN * kTileK * 2;  // [64 k][32 n], 4 chunks per row
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
-constexpr int kSmemBytes = kStages * kStageBytes;
+template <int Stages = kStages>
+constexpr int kSmemBytes = Stages * kStageBytes;
 static_assert(kATileBytes / kChunk == kThreads && kBTileBytes / kChunk == 2 * kThreads, "loads per thread");
 
 // Shared-memory offsets (bytes, within a stage's tile) with the 16-byte chunks of each row
@@ -132,7 +133,7 @@ struct Params {
   float alpha, beta;  // 1 and 0
 };
 
-template <class Element, class ElementD>
+template <class Element, class ElementD, int kStages = narrow::kStages>
 __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -215,6 +216,35 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
   }
 }
 
+// The kernel's arguments and grid for a problem (one CTA per 32 columns, per 16 rows and per batch,
+// the last two capped at the grid's limit and walked by the CTAs).
+inline Params make_params(const GemmArgs& g) {
+  Params p;
+  p.m = g.m;
+  p.n = g.n;
+  p.k = g.k;
+  p.l = g.l;
+  p.m_blocks = (g.m + kTileM - 1) / kTileM;
+  p.k_tiles = static_cast<int>((g.k + kTileK - 1) / kTileK);
+  p.a = static_cast<const char*>(g.a);
+  p.lda = g.lda;
+  p.batch_a = g.batch_a;
+  p.b = static_cast<const char*>(g.b);
+  p.ldb = g.ldb;
+  p.batch_b = g.batch_b;
+  p.d = g.d;
+  p.ldd = g.ldd;
+  p.batch_d = g.batch_d;
+  p.alpha = 1.0f;
+  p.beta = 0.0f;
+  return p;
+}
+inline dim3 grid_of(const GemmArgs& g) {
+  const int64_t n_tiles = (g.n + kTileN - 1) / kTileN, m_tiles = (g.m + kTileM - 1) / kTileM;
+  return dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles < 65535 ? m_tiles : 65535),
+              static_cast<unsigned>(g.l < 65535 ? g.l : 65535));
+}
+
 // The launcher of the Hopper forward sets' 16x32 tile (its generated unit calls it as the sm90
 // ones call sm90::launch): A [M, K] and B [K, N] row-major, no source C.
 template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
@@ -222,7 +252,7 @@ Status launch(const GemmArgs& g, cudaStream_t stream) {
   static_assert(TileM == kTileM && TileN == kTileN && std::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
                     std::is_same_v<LayoutB, cutlass::layout::RowMajor> && std::is_void_v<ElementC>,
                 "the narrow tile is 16x32 and serves the forward (row-major A and B, no source C)");
-  constexpr int kSmem = kSmemBytes;
+  constexpr int kSmem = kSmemBytes<>;
   const auto misaligned = [](const void* ptr, int64_t stride) {
     return reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || stride % 8 != 0;
   };
@@ -240,28 +270,7 @@ Status launch(const GemmArgs& g, cudaStream_t stream) {
     if (e != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
     smem_set.fetch_or(bit, std::memory_order_acq_rel);
   }
-  const int64_t n_tiles = (g.n + kTileN - 1) / kTileN, m_tiles = (g.m + kTileM - 1) / kTileM;
-  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles < 65535 ? m_tiles : 65535),
-                  static_cast<unsigned>(g.l < 65535 ? g.l : 65535));
-  Params p;
-  p.m = g.m;
-  p.n = g.n;
-  p.k = g.k;
-  p.l = g.l;
-  p.m_blocks = m_tiles;
-  p.k_tiles = static_cast<int>((g.k + kTileK - 1) / kTileK);
-  p.a = static_cast<const char*>(g.a);
-  p.lda = g.lda;
-  p.batch_a = g.batch_a;
-  p.b = static_cast<const char*>(g.b);
-  p.ldb = g.ldb;
-  p.batch_b = g.batch_b;
-  p.d = g.d;
-  p.ldd = g.ldd;
-  p.batch_d = g.batch_d;
-  p.alpha = 1.0f;
-  p.beta = 0.0f;
-  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  kernel<<<grid_of(g), kThreads, kSmem, stream>>>(make_params(g));
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
   return {};

@@ -1,0 +1,122 @@
+// Time of the forward's 16x32 tile (cuda/gemm/gemm_narrow.cuh) by pipeline depth: the same
+// problems with 8, 12, 16, 24 and 32 stages of cp.async, side by side in one process, and the
+// bits of every depth against the launcher's (a depth decides how many K tiles are in flight,
+// never what a K step computes). The tile is bound by the bytes it keeps in flight at M <= 16;
+// this picks the depth (docs/matmul_cuda.md). The GEMM against jnp.dot: matmul_bench.py.
+//
+// Build and run on a Hopper GPU (tools/gpu_session.sh narrow-stages):
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I <cutlass>/include \
+//     benchmarks/gemm_narrow_stages.cu -o ns && ./ns
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "gemm/gemm_narrow.cuh"
+
+namespace narrow = jaxdet::gemm::narrow;
+using Element = cutlass::bfloat16_t;
+
+#define CHECK(x)                                                                     \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                         \
+      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+// Launches cycle through copies of B (together larger than L2), so each reads B from memory.
+template <int Stages>
+float time_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
+  const auto kernel = narrow::narrow_gemm_kernel<Element, Element, Stages>;
+  constexpr int smem = narrow::kSmemBytes<Stages>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  std::vector<narrow::Params> ps;
+  for (const auto& g : gs) ps.push_back(narrow::make_params(g));
+  const dim3 grid = narrow::grid_of(gs[0]);
+  for (int i = 0; i < 3; ++i) kernel<<<grid, narrow::kThreads, smem>>>(ps[i % ps.size()]);
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  CHECK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) kernel<<<grid, narrow::kThreads, smem>>>(ps[i % ps.size()]);
+  CHECK(cudaEventRecord(b));
+  CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, a, b));
+  CHECK(cudaGetLastError());
+  return 1000.0f * ms / reps;
+}
+
+std::vector<uint16_t> bits_of(const jaxdet::gemm::GemmArgs& g) {
+  std::vector<uint16_t> h(g.m * g.n);
+  CHECK(cudaMemcpy(h.data(), g.d, h.size() * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+int main() {
+  const int shapes[][2] = {{14336, 4096}, {4096, 4096}, {4096, 6144}};  // (K, N)
+  const int ms[] = {1, 4, 16};
+  const int reps = 200;
+  std::printf(
+      "| K | N | M | 8 stages us | 12 | 16 | 24 | 32 | HBM GB/s at 12 | bits vs 12 "
+      "|\n|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& s : shapes) {
+    const int K = s[0], N = s[1];
+    std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N);
+    uint32_t x = 12345;
+    auto next = [&x] {
+      x = x * 1664525u + 1013904223u;  // bf16 values in [-2, 2)
+      return static_cast<uint16_t>(0x3c00 + ((x >> 16) & 0x3ff) + ((x >> 31) << 15));
+    };
+    for (auto& v : ha) v = next();
+    for (auto& v : hb) v = next();
+    const int copies = static_cast<int>(1 + (int64_t{256} << 20) / (hb.size() * 2));
+    void *da, *db, *dd;
+    CHECK(cudaMalloc(&da, ha.size() * 2));
+    CHECK(cudaMalloc(&db, copies * hb.size() * 2));
+    CHECK(cudaMalloc(&dd, 16 * int64_t{N} * 2));
+    CHECK(cudaMemcpy(da, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
+    for (int c = 0; c < copies; ++c) {
+      CHECK(cudaMemcpy(static_cast<char*>(db) + c * hb.size() * 2, hb.data(), hb.size() * 2,
+                       cudaMemcpyHostToDevice));
+    }
+    for (int M : ms) {
+      jaxdet::gemm::GemmArgs g;
+      g.m = M;
+      g.n = N;
+      g.k = K;
+      g.a = da;
+      g.lda = K;
+      g.b = db;
+      g.ldb = N;
+      g.d = dd;
+      g.ldd = N;
+      std::vector<jaxdet::gemm::GemmArgs> gs(copies, g);
+      for (int c = 0; c < copies; ++c) gs[c].b = static_cast<char*>(db) + c * hb.size() * 2;
+      const float t12 = time_us<12>(gs, reps);
+      const auto ref = bits_of(g);
+      int differ = 0;
+      float t[5];
+      t[1] = t12;
+      t[0] = time_us<8>(gs, reps);
+      differ += bits_of(g) != ref;
+      t[2] = time_us<16>(gs, reps);
+      differ += bits_of(g) != ref;
+      t[3] = time_us<24>(gs, reps);
+      differ += bits_of(g) != ref;
+      t[4] = time_us<32>(gs, reps);
+      differ += bits_of(g) != ref;
+      const double bytes = 2.0 * (double(K) * N + double(M) * K + double(M) * N);
+      std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f | %s |\n", K, N, M, t[0], t[1], t[2],
+                  t[3], t[4], bytes / (t12 * 1e3), differ ? "DIFFER" : "equal");
+    }
+    CHECK(cudaFree(da));
+    CHECK(cudaFree(db));
+    CHECK(cudaFree(dd));
+  }
+  return 0;
+}
