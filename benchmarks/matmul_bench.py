@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gemm_ffi import gemm, wgrad  # noqa: E402
 
 import jaxdet  # noqa: E402
+from jaxdet._switches import TESTING_ENV, parse_testing_overrides  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]
@@ -216,16 +217,14 @@ def sweep_child(args):
     fns = _functions(True)
     side = 0 if args.sweep_child == "jnp" else 1
     ops = args.ops.split(",")
-    forced = os.environ.get("JAXDET_TESTING", "")
-    if side == 1 and "gemm_tile=" in forced:
+    forced = parse_testing_overrides(os.environ.get(TESTING_ENV)).get("gemm_tile")
+    if side == 1 and forced:
         from jaxdet import _native
 
-        tile = forced.split("gemm_tile=")[1].split(",")[0]
-        has = {
-            op: tile in [f"{r}x{c}" for r, c in _native.gemm_cuda_tiles("bfloat16", False, op == "dA", False)]
-            for op in ("fwd", "dA")
-        }
-        ops = [op for op in ops if has.get(op, True)]  # the forward sets have a tile the dA sets lack
+        def has_forced(op):  # the forward sets have a tile the dA sets lack
+            return forced in [f"{r}x{c}" for r, c in _native.gemm_cuda_tiles("bfloat16", False, op == "dA", False)]
+
+        ops = [op for op in ops if op not in ("fwd", "dA") or has_forced(op)]
     key = jax.random.PRNGKey(0)
     for K, N in shapes:
         key, bs, a_all, dc_all = _inputs(key, K, N, ms, jnp.bfloat16)

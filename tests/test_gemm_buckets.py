@@ -136,20 +136,25 @@ def dump_tile_outputs(path, tile):
     sets = kernel_tiles()
     outs = {}
     for name, a, b, tb, odt in tile_cases():
-        key = f"{np.dtype(a.dtype).name} {'nt' if tb else 'nn'} out_f32={odt == jnp.float32}"
-        if tile in sets[key]:
+        if tile in sets[set_key(np.dtype(a.dtype).name, tb, odt == jnp.float32)]:
             outs[name] = bits(_gemm(jnp.asarray(a), jnp.asarray(b), tb, odt))
     np.savez(path, **outs)
 
 
+def set_key(dname, tb, out_f32):
+    """The family-independent name of a bucketed kernel set: dtype, layout, output dtype."""
+    return f"{dname} {'nt' if tb else 'nn'} out_f32={out_f32}"
+
+
 def kernel_tiles():
-    """{family-independent key: tiles} of the bucketed kernel sets on this device and switch."""
+    """{set_key: tiles} of the bucketed kernel sets on this device and switch."""
     sets = {}
     for dname in ("bfloat16", "float16"):
         for tb in (False, True):
             for out_f32 in (False, True):
-                key = f"{dname} {'nt' if tb else 'nn'} out_f32={out_f32}"
-                sets[key] = [f"{r}x{c}" for r, c in _native.gemm_cuda_tiles(dname, False, tb, out_f32)]
+                sets[set_key(dname, tb, out_f32)] = [
+                    f"{r}x{c}" for r, c in _native.gemm_cuda_tiles(dname, False, tb, out_f32)
+                ]
     return sets
 
 
@@ -189,7 +194,7 @@ def check_bucket_boundaries():
     for dname, dtype, tb, out_f32, n in _bucket_configs():
         bounds, tiles = bucket_boundaries(dname, tb, out_f32, n)
         if not bounds:  # one tile for every M (sm_80 at N = 14336): no boundary to cross
-            report.append(f"{dname} {'nt' if tb else 'nn'} out_f32={out_f32} N={n}: one tile {tiles[0]}")
+            report.append(f"{set_key(dname, tb, out_f32)} N={n}: one tile {tiles[0]}")
             continue
         rows = max(bounds) + 64
         a, b = _operands(dtype, tb, n, rows, seed=[n, tb, out_f32])
@@ -202,11 +207,11 @@ def check_bucket_boundaries():
                     assert_bitwise_equal(
                         got,
                         ref[:, start : start + m],
-                        f"{dname} {'nt' if tb else 'nn'} out_f32={out_f32} N={n} boundary {bnd} "
+                        f"{set_key(dname, tb, out_f32)} N={n} boundary {bnd} "
                         f"({tiles[bnd - 2]} | {tiles[bnd - 1]}): M={m} rows from {start}",
                     )
         report.append(
-            f"{dname} {'nt' if tb else 'nn'} out_f32={out_f32} N={n}: boundaries "
+            f"{set_key(dname, tb, out_f32)} N={n}: boundaries "
             + ", ".join(
                 f"{bnd} ({tiles[bnd - 2][0]}x{tiles[bnd - 2][1]} -> {tiles[bnd - 1][0]}x{tiles[bnd - 1][1]})"
                 for bnd in bounds

@@ -25,6 +25,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/mma_sm80.cuh"
 #include "cutlass/layout/matrix.h"
 #include "cutlass/numeric_types.h"
 #include "gemm_args.h"
@@ -59,49 +60,6 @@ __device__ __forceinline__ int k_major_offset(int row, int chunk) {  // A: rows 
 }
 __device__ __forceinline__ int n_major_offset(int k, int chunk) {  // B: rows of 32 n (64 bytes)
   return k * 64 + ((chunk ^ ((k >> 1) & 3)) << 4);
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes from `src`, or zeros when !valid (src-size 0: nothing is read).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
-
-// acc += a (16x16, rows = columns n of D) . b (16x8, columns = rows m of D), one k16 step.
-template <class Element>
-__device__ __forceinline__ void mma_k16(float (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    static_assert(std::is_same_v<Element, cutlass::half_t>, "bfloat16 or float16 operands");
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
 }
 
 // D's element from the accumulator as CUTLASS's epilogue computes it with its source cleared:
@@ -140,7 +98,6 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
   const int64_t n0 = int64_t{blockIdx.x} * kTileN;
   const int64_t m_blocks = p.m_blocks;
   const int k_tiles = p.k_tiles;
-  const uint32_t smem_base = smem_addr(smem);
   const int warp_n = 16 * (warp & 1), warp_m = 8 * (warp >> 1);
 
   for (int64_t l = blockIdx.z; l < p.l; l += gridDim.z) {
@@ -152,24 +109,24 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
 
       // Stage s <- K tile kt; chunks past M, N or K are zeros (the ones TMA fills in).
       auto load = [&](int s, int kt) {
-        const uint32_t stage = smem_base + s * kStageBytes;
+        unsigned char* stage = smem + s * kStageBytes;
         const int64_t k0 = int64_t{kt} * kTileK;
         {
           const int row = tid >> 3, chunk = tid & 7;
           const int64_t k = k0 + 8 * chunk;
           if (row < 8 || rows > 8) {  // rows 8..15 are read only when the block has them
             const bool valid = row < rows && k < p.k;
-            cp_async_16(stage + k_major_offset(row, chunk), valid ? a + 2 * (row * p.lda + k) : p.a, valid);
+            cp_async16(stage + k_major_offset(row, chunk), valid ? a + 2 * (row * p.lda + k) : p.a, valid);
           }
         }
-        const uint32_t b_stage = stage + kATileBytes;
+        unsigned char* b_stage = stage + kATileBytes;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int i = tid + j * kThreads;
           const int row = i >> 2, chunk = i & 3;  // row: k; chunk: 8 n
           const int64_t k = k0 + row, n = n0 + 8 * chunk;
           const bool valid = k < p.k && n < p.n;
-          cp_async_16(b_stage + n_major_offset(row, chunk), valid ? b + 2 * (k * p.ldb + n) : p.b, valid);
+          cp_async16(b_stage + n_major_offset(row, chunk), valid ? b + 2 * (k * p.ldb + n) : p.b, valid);
         }
       };
 
@@ -188,15 +145,15 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
         if (kt + kStages - 1 < k_tiles) load((kt + kStages - 1) % kStages, kt + kStages - 1);
         cp_async_commit();
         if (!active) continue;
-        const uint32_t stage = smem_base + (kt % kStages) * kStageBytes;
-        const uint32_t b_stage = stage + kATileBytes;
+        const unsigned char* stage = smem + (kt % kStages) * kStageBytes;
+        const unsigned char* b_stage = stage + kATileBytes;
 #pragma unroll
         for (int ks = 0; ks < kTileK / 16; ++ks) {
           uint32_t bt[4];  // B^T rows warp_n..+15 (the mma's A operand), k 16ks..+15, transposed from B's rows
-          ldmatrix_x4_trans(bt, b_stage + n_major_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
+          ldsm_x4_trans(bt, b_stage + n_major_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
           uint32_t at[2];  // A^T: k 16ks..+15 by rows warp_m..+7 (the mma's B operand)
-          ldmatrix_x2(at, stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
-          mma_k16<Element>(acc, bt, at);
+          ldsm_x2(at, stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
+          mma_m16n8k16<std::is_same_v<Element, cutlass::bfloat16_t>>(acc, bt, at[0], at[1]);
         }
       }
       cp_async_wait<0>();
@@ -249,10 +206,11 @@ inline dim3 grid_of(const GemmArgs& g) {
 // ones call sm90::launch): A [M, K] and B [K, N] row-major, no source C.
 template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
 Status launch(const GemmArgs& g, cudaStream_t stream) {
-  static_assert(TileM == kTileM && TileN == kTileN && std::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
-                    std::is_same_v<LayoutB, cutlass::layout::RowMajor> && std::is_void_v<ElementC>,
-                "the narrow tile is 16x32 and serves the forward (row-major A and B, no source C)");
-  constexpr int kSmem = kSmemBytes<>;
+  static_assert(
+      TileM == kTileM && TileN == kTileN && std::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
+          std::is_same_v<LayoutB, cutlass::layout::RowMajor> && std::is_void_v<ElementC> &&
+          (std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>),
+      "the narrow tile is 16x32 and serves the bfloat16/float16 forward (row-major A and B, no source C)");
   const auto misaligned = [](const void* ptr, int64_t stride) {
     return reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || stride % 8 != 0;
   };
@@ -266,11 +224,11 @@ Status launch(const GemmArgs& g, cudaStream_t stream) {
   static std::atomic<uint64_t> smem_set{0};  // the dynamic shared-memory limit, once per device
   const uint64_t bit = uint64_t{1} << (g.device & 63);
   if (!(smem_set.load(std::memory_order_acquire) & bit)) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<>);
     if (e != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
     smem_set.fetch_or(bit, std::memory_order_acq_rel);
   }
-  kernel<<<grid_of(g), kThreads, kSmem, stream>>>(make_params(g));
+  kernel<<<grid_of(g), kThreads, kSmemBytes<>, stream>>>(make_params(g));
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
   return {};

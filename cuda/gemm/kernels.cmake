@@ -13,19 +13,20 @@
 #           (column-major: A stored [K,M], B stored [N,K]). D is always row-major [M,N].
 #   C, D    the epilogue's D = A.B (+ beta C): C void = no source read (sm90 only; the sm80
 #           kernels take C of D's type and read it only when beta != 0).
-#   tile    the CTA's output tile, ROWSxCOLS; several tiles make an M-bucketed kernel set (largest
+#   tile    the CTA's output tile, ROWSxCOLS (ROWSxCOLS:narrow: the launcher of gemm_narrow.cuh
+#           instead of the family's); several tiles make an M-bucketed kernel set (largest
 #           area first). Every tile of a set has the same K tile, MMA instruction, mainloop and
 #           epilogue (gemm_sm90.cuh / gemm_sm80.cuh), so every tile computes every element with the
 #           same operations: the dispatcher may pick any of them from the shape (choose_tile in
 #           matmul_cuda.cu; proven bitwise by tests/test_gemm_buckets.py, docs/matmul_cuda.md).
 #           sm90: 128xN runs the cooperative schedule (two consumer warpgroups of 64 rows), 64xN
 #           the ping-pong schedule, 16x64 the ping-pong schedule on swapped operands (D^T = B^T A^T,
-#           gemm_sm90.cuh), 16x32 a mma.sync kernel on swapped operands with the same K steps
-#           (gemm_narrow.cuh; the forward only); sm80: the threadblock tile.
+#           gemm_sm90.cuh), 16x32:narrow a mma.sync kernel on swapped operands with the same K
+#           steps (gemm_narrow.cuh; the forward only); sm80: the threadblock tile.
 # The forward (nn) sets add a 16x32 tile; dA's B rows (nt) streamed in 32-column slices ran slower
 # than the 16x64 tile's 64 (docs/matmul_cuda.md), so the dA sets stop at 16x64.
 set(JAXDET_GEMM_SM90_TILES "128x256 64x256 64x128 64x64 16x64")
-set(JAXDET_GEMM_SM90_FWD_TILES "${JAXDET_GEMM_SM90_TILES} 16x32")
+set(JAXDET_GEMM_SM90_FWD_TILES "${JAXDET_GEMM_SM90_TILES} 16x32:narrow")
 set(JAXDET_GEMM_SM80_TILES "128x128 64x64 64x32")
 set(JAXDET_GEMM_KERNELS
   # Hopper forward (nn) and dA (nt), half or float32 output: M-bucketed.
@@ -132,23 +133,23 @@ function(jaxdet_generate_gemm_kernels)
     set(rows "")
     set(last_area "")
     foreach(tile IN LISTS tiles)
-      if(NOT tile MATCHES "^([0-9]+)x([0-9]+)$")
-        message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': tile '${tile}' is not ROWSxCOLS")
+      if(NOT tile MATCHES "^([0-9]+)x([0-9]+)(:(narrow))?$")
+        message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': tile '${tile}' is not ROWSxCOLS[:narrow]")
       endif()
       set(JAXDET_KERNEL_TILE_M "${CMAKE_MATCH_1}")
       set(JAXDET_KERNEL_TILE_N "${CMAKE_MATCH_2}")
+      if(CMAKE_MATCH_4)
+        set(JAXDET_KERNEL_IMPL "${CMAKE_MATCH_4}")
+      else()
+        set(JAXDET_KERNEL_IMPL "${JAXDET_KERNEL_FAMILY}")
+      endif()
+      set(tile "${JAXDET_KERNEL_TILE_M}x${JAXDET_KERNEL_TILE_N}")
       math(EXPR area "${JAXDET_KERNEL_TILE_M} * ${JAXDET_KERNEL_TILE_N}")
       if(NOT last_area STREQUAL "" AND area GREATER last_area)
         message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': tiles must come largest first")
       endif()
       set(last_area "${area}")
       set(JAXDET_KERNEL_NAME "${set_name}_${tile}")
-      # The Hopper sets' 16x32 tile is a kernel of its own (gemm_narrow.cuh, no CUTLASS 3.x).
-      if(JAXDET_KERNEL_FAMILY STREQUAL "sm90" AND tile STREQUAL "16x32")
-        set(JAXDET_KERNEL_IMPL "narrow")
-      else()
-        set(JAXDET_KERNEL_IMPL "${JAXDET_KERNEL_FAMILY}")
-      endif()
       set(source "${dir}/gemm/${JAXDET_KERNEL_NAME}.cu")
       configure_file("${template}" "${source}" @ONLY)
       list(APPEND ${JAXDET_KERNEL_FAMILY}_sources "${source}")
