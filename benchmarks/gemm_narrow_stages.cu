@@ -14,19 +14,11 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda_check.h"
 #include "gemm/gemm_narrow.cuh"
 
 namespace narrow = jaxdet::gemm::narrow;
 using Element = cutlass::bfloat16_t;
-
-#define CHECK(x)                                                                     \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
 
 // Launches cycle through copies of B (together larger than L2), so each reads B from memory.
 template <int Stages>

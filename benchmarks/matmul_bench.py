@@ -4,6 +4,7 @@
                                       [--ops fwd,dA,dB] [--reps 15] [--raw] [--out results.md]
                                       [--chunk-tokens 8192]
     python benchmarks/matmul_bench.py --tile-sweep all [--ms ...] [--ops fwd,dA]
+    python benchmarks/matmul_bench.py --trace --ops dB --shapes 4096x4096 --ms 8
 
 --tile-sweep times jaxdet's forward and dA with every tile of the M-bucketed kernel sets forced
 (JAXDET_TESTING=gemm_tile=..., one process per tile, one more for jnp.dot and the rule's own
@@ -77,6 +78,12 @@ def parse():
     p.add_argument("--hbm-tbs", type=float, default=3.35, help="peak HBM bandwidth, TB/s (H100 SXM: 3.35)")
     p.add_argument("--tile-sweep", default="", help="'all' or tiles (64x128,...): time every forced tile")
     p.add_argument("--sweep-child", default="", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="instead of timing, profile one program of each op, shape and M (jax.profiler): the kernels "
+        "each side runs and the device's idle gaps",
+    )
     return p.parse_args()
 
 
@@ -335,6 +342,20 @@ def main():
     key = jax.random.PRNGKey(0)
     fns = _functions(use_api)
     u = lambda x: np.asarray(x).view(np.uint16)
+
+    if args.trace:
+        from trace_summary import traced
+
+        for K, N in shapes:
+            key, bs, a_all, dc_all = _inputs(key, K, N, ms, dt)
+            for M in ms:
+                sets = _sets(bs, a_all, dc_all, M, args.calls)
+                for op in ops:
+                    argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
+                    for side, fn in zip(("jnp", "jaxdet"), fns[op]):
+                        print(f"\n#### trace: {op} K={K} N={N} M={M}, {side}, {len(argsets)} products\n", flush=True)
+                        print(traced(_program(fn), (argsets,)), flush=True)
+        return
 
     for K, N in shapes:
         key, bs, a_all, dc_all = _inputs(key, K, N, ms, dt)

@@ -15,7 +15,8 @@
 #   attention: benchmarks/attention_schedule_bits.py), ncu-attention (Nsight Compute sections of the
 #   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), mma-latency (clocks per dependent k16 step
 #   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), narrow-stages (the forward's 16x32 GEMM tile
-#   by pipeline depth: benchmarks/gemm_narrow_stages.cu), buckets (the M-bucket tests,
+#   by pipeline depth: benchmarks/gemm_narrow_stages.cu), cluster-sweep (Hopper GEMM tiles in thread
+#   block clusters and the weight gradient's tiles, side by side: benchmarks/gemm_cluster_sweep.cu), buckets (the M-bucket tests,
 #   tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the
 #   bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
 #   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
@@ -238,6 +239,15 @@ fi
 if asked narrow-stages; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I /tmp/site/cutlass_library/source/include \
     benchmarks/gemm_narrow_stages.cu -o /tmp/gemm_narrow_stages && /tmp/gemm_narrow_stages | tee "$LOGS/narrow_stages.md"
+fi
+if asked cluster-sweep; then  # GEMM tiles and thread block clusters side by side (SWEEP_ROUNDS rounds)
+  for p in 0 1 2 3 main; do
+    def=$([ $p = main ] || echo -DSWEEP_PART=$p)
+    nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -I cuda \
+      -I /tmp/site/cutlass_library/source/include $def -c benchmarks/gemm_cluster_sweep.cu -o /tmp/sweep_$p.o &
+  done
+  wait
+  nvcc /tmp/sweep_*.o -o /tmp/gemm_cluster_sweep && /tmp/gemm_cluster_sweep ${SWEEP_ROUNDS:-5} ${SWEEP_ONLY:-} | tee "$LOGS/cluster_sweep.md"
 fi
 if asked mma-latency; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/mma_chain_latency.cu -o /tmp/mma_chain_latency \

@@ -44,16 +44,16 @@ namespace sm90 {
 // alternate). Either way each output element is one accumulator fed by the same wgmma K steps in
 // the same order, so the tile decides only which CTA computes an element, never its bits.
 constexpr int kTileK = 64;
-using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 // ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C. LayoutD_ is
 // column-major only for the swapped operands of the few-row tile (launch, below).
 template <class ElementAB, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN,
-          class LayoutD_ = cutlass::layout::RowMajor>
+          class LayoutD_ = cutlass::layout::RowMajor, int ClusterM = 1, int ClusterN = 1>
 struct Config {
   static_assert(TileM == 64 || TileM == 128, "Hopper tiles have 64 (ping-pong) or 128 (cooperative) rows");
   static constexpr bool kCooperative = TileM == 128;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<kTileK>>;
   using MainloopSchedule = std::conditional_t<kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                               cutlass::gemm::KernelTmaWarpSpecializedPingpong>;

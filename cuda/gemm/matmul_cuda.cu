@@ -131,7 +131,11 @@ constexpr int64_t kBucketMaxRows = 256;
 // M a 64-row CTA's time grows with K alone (not with its columns), so once every CTA runs at once
 // more CTAs buy nothing, and 64-row tiles narrower than 64 columns measured slower; the forward's
 // 16x32 tile (a mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64
-// gives 64 (docs/matmul_cuda.md).
+// gives 64 (docs/matmul_cuda.md). With two rows of 64-row tiles (64 < M <= 128) on Hopper the bar
+// is 9/20 of the SMs instead: there the bytes all CTAs pull from L2 together, not idle SMs, bound
+// the time, so half as many CTAs of twice the columns finish sooner (dA through the 128256-wide
+// layer at M = 128: 64x128 on 64 CTAs 0.49 ms, 64x64 on 128 CTAs 0.64 ms). With four rows (M = 256)
+// the wider tiles measured slower, and the 4/5 bar stays.
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
@@ -141,12 +145,14 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
     }
   }
   if (m > kBucketMaxRows) return set.tiles[0];
+  const bool two_rows = m > 64 && m <= 128 && use_sm90(d);
+  const int64_t min_ctas_x20 = (two_rows ? 9 : 16) * int64_t{d.sms};  // 20 x the CTAs a tile needs
   const TileKernel* smallest = &set.tiles[0];
   for (int i = 0; i < set.count; ++i) {
     const TileKernel& t = set.tiles[i];
     if (t.tile_m > std::max<int64_t>(m, 64) || t.tile_m < std::min<int64_t>(m, 64)) continue;
     const int64_t ctas = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
-    if (5 * ctas >= 4 * int64_t{d.sms}) return t;
+    if (20 * ctas >= min_ctas_x20) return t;
     smallest = &t;
   }
   return *smallest;
