@@ -133,9 +133,8 @@ constexpr int64_t kBucketMaxRows = 256;
 // 16x32 tile (a mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64
 // gives 64 (docs/matmul_cuda.md). With two rows of 64-row tiles (64 < M <= 128) on Hopper the bar
 // is 9/20 of the SMs instead: there the bytes all CTAs pull from L2 together, not idle SMs, bound
-// the time, so half as many CTAs of twice the columns finish sooner (dA through the 128256-wide
-// layer at M = 128: 64x128 on 64 CTAs 0.49 ms, 64x64 on 128 CTAs 0.64 ms). With four rows (M = 256)
-// the wider tiles measured slower, and the 4/5 bar stays.
+// the time, so half as many CTAs of twice the columns finish sooner; with four rows (M = 256) the
+// wider tiles measured slower, and the 4/5 bar stays (docs/matmul_cuda.md, "The rule").
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
