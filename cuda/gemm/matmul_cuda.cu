@@ -120,21 +120,32 @@ bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !d.f
 // share one B: a batched b's batches each have their own.)
 constexpr int64_t kBucketMaxRows = 256;
 
+// The least CTAs a tile must give, in sixtieths of the SMs, for M <= 256 rows. Off Hopper, and on
+// Hopper at one or four rows of 64-row tiles, 4/5: at small M a 64-row CTA's time grows with K
+// alone (not with its columns), so once every CTA runs at once more CTAs buy nothing (64x64 on 64
+// CTAs beat 64x128 on 32), and four rows fill one wave with 64x128. At two and three rows the bytes
+// all CTAs pull from L2 together, (rows + columns) per CTA and K step, bound the time, not idle
+// SMs: fewer CTAs of more columns finish sooner (two rows: 64x128 on 64 CTAs; three: 64x256 on 48,
+// where 4/5 left only 64x64, 192 CTAs in two waves on 132 SMs). Measured: docs/matmul_cuda.md.
+int min_ctas_sixtieths(const DeviceInfo& d, int64_t m) {
+  if (!use_sm90(d)) return 48;
+  switch ((m + 63) / 64) {  // rows of 64-row tiles
+    case 2: return 27;      // 9/20
+    case 3: return 20;      // 1/3
+    default: return 48;     // 4/5
+  }
+}
+
 // The M-bucket rule, the only place where a shape picks a kernel: the tile of `set` for a GEMM of
 // L batches of M x N outputs on `sms` SMs. Each output tile is computed by one CTA over all of K,
 // so a problem with fewer tiles than SMs leaves SMs idle (at M = 1 the 128x256 tile gives a
 // 4096-wide output 16 CTAs on 132 SMs, and each streams its 1/16 of B alone). For M <= 256
-// the rule takes the largest tile (the set's first) that still yields at least 4/5 as many CTAs
-// as there are SMs, else the smallest of them (the most CTAs); above, the first. A tile of more rows than
-// max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply), and so is
-// one of fewer rows than min(M, 64) (the 16-row tiles: B would be read once per 16 rows). At small
-// M a 64-row CTA's time grows with K alone (not with its columns), so once every CTA runs at once
-// more CTAs buy nothing, and 64-row tiles narrower than 64 columns measured slower; the forward's
-// 16x32 tile (a mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64
-// gives 64 (docs/matmul_cuda.md). With two rows of 64-row tiles (64 < M <= 128) on Hopper the bar
-// is 9/20 of the SMs instead: there the bytes all CTAs pull from L2 together, not idle SMs, bound
-// the time, so half as many CTAs of twice the columns finish sooner; with four rows (M = 256) the
-// wider tiles measured slower, and the 4/5 bar stays (docs/matmul_cuda.md, "The rule").
+// the rule takes the largest tile (the set's first) that still yields at least the CTAs of
+// min_ctas_sixtieths, else the smallest of them (the most CTAs); above, the first. A tile of more
+// rows than max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply),
+// and so is one of fewer rows than min(M, 64) (the 16-row tiles: B would be read once per 16
+// rows). 64-row tiles narrower than 64 columns measured slower; the forward's 16x32 tile (a
+// mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64 gives 64.
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
@@ -144,14 +155,13 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
     }
   }
   if (m > kBucketMaxRows) return set.tiles[0];
-  const bool two_rows = m > 64 && m <= 128 && use_sm90(d);
-  const int64_t min_ctas_x20 = (two_rows ? 9 : 16) * int64_t{d.sms};  // 20 x the CTAs a tile needs
+  const int64_t min_ctas_x60 = min_ctas_sixtieths(d, m) * int64_t{d.sms};
   const TileKernel* smallest = &set.tiles[0];
   for (int i = 0; i < set.count; ++i) {
     const TileKernel& t = set.tiles[i];
     if (t.tile_m > std::max<int64_t>(m, 64) || t.tile_m < std::min<int64_t>(m, 64)) continue;
     const int64_t ctas = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
-    if (20 * ctas >= min_ctas_x20) return t;
+    if (60 * ctas >= min_ctas_x60) return t;
     smallest = &t;
   }
   return *smallest;
