@@ -5,12 +5,14 @@
 //   dA (nt) at 128-256 rows with a long reduction: 64-row ping-pong tiles in thread block clusters
 //     of 2 along M (B multicast by TMA), 2 along N (A multicast) or 2x2, against the same tile alone;
 //   the weight gradient (tn) of a few tokens: 64-row ping-pong tiles against the 128x256
-//     cooperative tile (the output, not the math, bounds it there).
+//     cooperative tile (the output, not the math, bounds it there);
+//   ("rows: ...") the forward and dA of 4096-wide outputs at three and four rows of 64-row tiles
+//     (M = 160 ... 256): the sets' tiles against a 128x128 cooperative one.
 // The set's choice against jnp.dot: matmul_bench.py.
 //
-// Build (four units, so they compile in parallel) and run on a Hopper GPU
+// Build (five units, so they compile in parallel) and run on a Hopper GPU
 // (tools/gpu_session.sh cluster-sweep; arguments: rounds, and a prefix of the problems to run):
-//   for p in 0 1 2 3; do nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
+//   for p in 0 1 2 3 4; do nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
 //     -I cuda -I <cutlass>/include -DSWEEP_PART=$p -c benchmarks/gemm_cluster_sweep.cu -o sweep$p.o & done; wait
 //   nvcc -std=c++17 -O3 ... -c benchmarks/gemm_cluster_sweep.cu -o sweep_main.o && nvcc sweep*.o -o sweep && ./sweep
 #include <cuda_runtime.h>
@@ -29,7 +31,7 @@ namespace jaxdet {
 namespace gemm {
 namespace sweep {
 
-enum Op { kDA, kWgrad };
+enum Op { kDA, kWgrad, kFwd };
 
 // One variant: layout of the op, tile, cluster. Defined in the part that instantiates it.
 template <Op op, int TileM, int TileN, int ClusterM, int ClusterN>
@@ -52,7 +54,7 @@ using Col = cutlass::layout::ColumnMajor;
 
 template <Op op, int TileM, int TileN, int ClusterM, int ClusterN>
 Status run_variant(const GemmArgs& g, cudaStream_t stream) {
-  using LayoutA = std::conditional_t<op == kDA, Row, Col>;
+  using LayoutA = std::conditional_t<op == kWgrad, Col, Row>;
   using LayoutB = std::conditional_t<op == kDA, Col, Row>;
   return sm90::run<sm90::Config<Element, LayoutA, LayoutB, void, Element, TileM, TileN, Row, ClusterM, ClusterN>>(
       g, stream);
@@ -73,6 +75,12 @@ template Status run_variant<kDA, 64, 256, 1, 1>(const GemmArgs&, cudaStream_t);
 template Status run_variant<kDA, 64, 256, 2, 1>(const GemmArgs&, cudaStream_t);
 template Status run_variant<kDA, 64, 256, 1, 2>(const GemmArgs&, cudaStream_t);
 template Status run_variant<kDA, 128, 256, 1, 1>(const GemmArgs&, cudaStream_t);
+template Status run_variant<kDA, 128, 128, 1, 1>(const GemmArgs&, cudaStream_t);
+#elif SWEEP_PART == 4
+template Status run_variant<kFwd, 64, 128, 1, 1>(const GemmArgs&, cudaStream_t);
+template Status run_variant<kFwd, 64, 256, 1, 1>(const GemmArgs&, cudaStream_t);
+template Status run_variant<kFwd, 128, 128, 1, 1>(const GemmArgs&, cudaStream_t);
+template Status run_variant<kFwd, 128, 256, 1, 1>(const GemmArgs&, cudaStream_t);
 #else
 template Status run_variant<kWgrad, 128, 256, 1, 1>(const GemmArgs&, cudaStream_t);
 template Status run_variant<kWgrad, 128, 128, 1, 1>(const GemmArgs&, cudaStream_t);
@@ -99,14 +107,17 @@ struct Variant {
 #define V(op, tm, tn, cm, cn) \
   Variant { #tm "x" #tn " cluster " #cm "x" #cn, &sweep::run_variant<sweep::op, tm, tn, cm, cn> }
 
-// The first variant of each list is the set's tile for those problems today (the reference bits).
+// The first variant of each list is the reference of the bits column.
 const std::vector<Variant> kDA64 = {V(kDA, 64, 64, 1, 1), V(kDA, 64, 64, 2, 1), V(kDA, 64, 64, 1, 2),
                                     V(kDA, 64, 64, 2, 2), V(kDA, 64, 128, 1, 1), V(kDA, 64, 128, 2, 1),
                                     V(kDA, 64, 128, 1, 2), V(kDA, 64, 128, 2, 2), V(kDA, 64, 256, 1, 2)};
 const std::vector<Variant> kDA128 = {V(kDA, 64, 128, 1, 1), V(kDA, 64, 128, 2, 1), V(kDA, 64, 128, 1, 2),
                                      V(kDA, 64, 128, 2, 2), V(kDA, 64, 64, 1, 1),  V(kDA, 64, 64, 2, 1),
                                      V(kDA, 64, 64, 1, 2),  V(kDA, 64, 64, 2, 2),  V(kDA, 64, 256, 1, 1),
-                                     V(kDA, 64, 256, 2, 1), V(kDA, 64, 256, 1, 2), V(kDA, 128, 256, 1, 1)};
+                                     V(kDA, 64, 256, 2, 1), V(kDA, 64, 256, 1, 2), V(kDA, 128, 256, 1, 1),
+                                     V(kDA, 128, 128, 1, 1)};
+const std::vector<Variant> kFwdRows = {V(kFwd, 64, 128, 1, 1), V(kFwd, 64, 256, 1, 1), V(kFwd, 128, 128, 1, 1),
+                                       V(kFwd, 128, 256, 1, 1)};
 const std::vector<Variant> kWgrad = {V(kWgrad, 128, 256, 1, 1), V(kWgrad, 128, 128, 1, 1), V(kWgrad, 64, 256, 1, 1),
                                      V(kWgrad, 64, 128, 1, 1)};
 
@@ -165,7 +176,10 @@ void make_operands(const Problem& p, int sms, Operands* o) {
     g.l = 1;
     g.a = a;
     g.b = b;
-    if (p.op == sweep::kDA) {  // A row-major [M, K]; B stored [N, K] (the weight), read transposed
+    if (p.op == sweep::kFwd) {  // A row-major [M, K]; B row-major [K, N]
+      g.lda = p.k;
+      g.ldb = p.n;
+    } else if (p.op == sweep::kDA) {  // A row-major [M, K]; B stored [N, K] (the weight), read transposed
       g.lda = p.k;
       g.ldb = p.k;
     } else {  // A stored [K, M] (the activations, tokens first), read transposed; B row-major [K, N]
@@ -231,6 +245,25 @@ int main(int argc, char** argv) {
       {{"dA 4096x4096 M=32", sweep::kDA, 32, 4096, 4096}, &kDA64},
       {{"dA 14336x4096 M=256", sweep::kDA, 256, 14336, 4096}, &kDA128},
   };
+  // Three and four rows of 64-row tiles (M = 160 ... 256), 4096-wide outputs.
+  static const std::vector<std::string> rows_names = [] {
+    std::vector<std::string> v;
+    for (int m : {160, 192, 224, 256}) {
+      for (const char* what : {"fwd 14336x4096", "fwd 4096x4096", "dA 4096x14336", "dA 4096x128256"}) {
+        v.push_back(std::string("rows: ") + what + " M=" + std::to_string(m));
+      }
+    }
+    return v;
+  }();
+  for (size_t i = 0; i < rows_names.size(); ++i) {
+    const int64_t m = 160 + 32 * int64_t(i / 4);
+    switch (i % 4) {
+      case 0: problems.push_back({{rows_names[i].c_str(), sweep::kFwd, m, 4096, 14336}, &kFwdRows}); break;
+      case 1: problems.push_back({{rows_names[i].c_str(), sweep::kFwd, m, 4096, 4096}, &kFwdRows}); break;
+      case 2: problems.push_back({{rows_names[i].c_str(), sweep::kDA, m, 4096, 14336}, &kDA128}); break;
+      default: problems.push_back({{rows_names[i].c_str(), sweep::kDA, m, 4096, 128256}, &kDA128}); break;
+    }
+  }
   std::vector<std::string> wnames;
   std::vector<Problem> wprobs;
   for (int t : {1, 2, 4, 8, 16, 32, 64, 256}) {

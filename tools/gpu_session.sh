@@ -241,7 +241,7 @@ if asked narrow-stages; then
     benchmarks/gemm_narrow_stages.cu -o /tmp/gemm_narrow_stages && /tmp/gemm_narrow_stages | tee "$LOGS/narrow_stages.md"
 fi
 if asked cluster-sweep; then  # GEMM tiles and thread block clusters side by side (SWEEP_ROUNDS rounds)
-  for p in 0 1 2 3 main; do
+  for p in 0 1 2 3 4 main; do
     def=$([ $p = main ] || echo -DSWEEP_PART=$p)
     nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -I cuda \
       -I /tmp/site/cutlass_library/source/include $def -c benchmarks/gemm_cluster_sweep.cu -o /tmp/sweep_$p.o &

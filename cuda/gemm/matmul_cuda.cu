@@ -121,18 +121,19 @@ bool use_sm90(const DeviceInfo& d) { return d.major == 9 && d.minor == 0 && !d.f
 constexpr int64_t kBucketMaxRows = 256;
 
 // The least CTAs a tile must give, in sixtieths of the SMs, for M <= 256 rows. Off Hopper, and on
-// Hopper at one or four rows of 64-row tiles, 4/5: at small M a 64-row CTA's time grows with K
-// alone (not with its columns), so once every CTA runs at once more CTAs buy nothing (64x64 on 64
-// CTAs beat 64x128 on 32), and four rows fill one wave with 64x128. At two and three rows the bytes
-// all CTAs pull from L2 together, (rows + columns) per CTA and K step, bound the time, not idle
-// SMs: fewer CTAs of more columns finish sooner (two rows: 64x128 on 64 CTAs; three: 64x256 on 48,
-// where 4/5 left only 64x64, 192 CTAs in two waves on 132 SMs). Measured: docs/matmul_cuda.md.
+// Hopper at one row of 64-row tiles, 4/5: at small M a 64-row CTA's time grows with K alone (not
+// with its columns), so once every CTA runs at once more CTAs buy nothing (64x64 on 64 CTAs beat
+// 64x128 on 32). At two to four rows the bytes all CTAs pull from L2 together, (rows + columns) per
+// CTA and K step, bound the time, not idle SMs, and fewer CTAs of larger tiles finish sooner: 9/20
+// (two rows: 64x128 on 64 CTAs for a 4096-wide output; three and four: 128x128 on 64 CTAs), and 1/3
+// at three rows, where the float32-output sets, which lack 128x128, run 64x256 on 48 CTAs (4/5 left
+// only 64x64 there: 192 CTAs in two waves on 132 SMs). Measured: docs/matmul_cuda.md.
 int min_ctas_sixtieths(const DeviceInfo& d, int64_t m) {
   if (!use_sm90(d)) return 48;
   switch ((m + 63) / 64) {  // rows of 64-row tiles
-    case 2: return 27;      // 9/20
+    case 1: return 48;      // 4/5
     case 3: return 20;      // 1/3
-    default: return 48;     // 4/5
+    default: return 27;     // 9/20
   }
 }
 
