@@ -60,33 +60,18 @@ Status run_variant(const GemmArgs& g, cudaStream_t stream) {
       g, stream);
 }
 
-#if SWEEP_PART == 0
-template Status run_variant<kDA, 64, 64, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 64, 64, 2, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 64, 64, 1, 2>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 64, 64, 2, 2>(const GemmArgs&, cudaStream_t);
-#elif SWEEP_PART == 1
-template Status run_variant<kDA, 64, 128, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 64, 128, 2, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 64, 128, 1, 2>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 64, 128, 2, 2>(const GemmArgs&, cudaStream_t);
-#elif SWEEP_PART == 2
-template Status run_variant<kDA, 64, 256, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 64, 256, 2, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 64, 256, 1, 2>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 128, 256, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kDA, 128, 128, 1, 1>(const GemmArgs&, cudaStream_t);
-#elif SWEEP_PART == 4
-template Status run_variant<kFwd, 64, 128, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kFwd, 64, 256, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kFwd, 128, 128, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kFwd, 128, 256, 1, 1>(const GemmArgs&, cudaStream_t);
-#else
-template Status run_variant<kWgrad, 128, 256, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kWgrad, 128, 128, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kWgrad, 64, 256, 1, 1>(const GemmArgs&, cudaStream_t);
-template Status run_variant<kWgrad, 64, 128, 1, 1>(const GemmArgs&, cudaStream_t);
-#endif
+// The variants of each part, (op, tile rows, tile columns, cluster along M, cluster along N).
+#define SWEEP_PART_0(X) X(kDA, 64, 64, 1, 1) X(kDA, 64, 64, 2, 1) X(kDA, 64, 64, 1, 2) X(kDA, 64, 64, 2, 2)
+#define SWEEP_PART_1(X) X(kDA, 64, 128, 1, 1) X(kDA, 64, 128, 2, 1) X(kDA, 64, 128, 1, 2) X(kDA, 64, 128, 2, 2)
+#define SWEEP_PART_2(X) \
+  X(kDA, 64, 256, 1, 1) X(kDA, 64, 256, 2, 1) X(kDA, 64, 256, 1, 2) X(kDA, 128, 256, 1, 1) X(kDA, 128, 128, 1, 1)
+#define SWEEP_PART_3(X) \
+  X(kWgrad, 128, 256, 1, 1) X(kWgrad, 128, 128, 1, 1) X(kWgrad, 64, 256, 1, 1) X(kWgrad, 64, 128, 1, 1)
+#define SWEEP_PART_4(X) X(kFwd, 64, 128, 1, 1) X(kFwd, 64, 256, 1, 1) X(kFwd, 128, 128, 1, 1) X(kFwd, 128, 256, 1, 1)
+#define SWEEP_INSTANTIATE(op, tm, tn, cm, cn) template Status run_variant<op, tm, tn, cm, cn>(const GemmArgs&, cudaStream_t);
+#define SWEEP_CAT(a, b) a##b
+#define SWEEP_PART_OF(p) SWEEP_CAT(SWEEP_PART_, p)
+SWEEP_PART_OF(SWEEP_PART)(SWEEP_INSTANTIATE)
 
 }  // namespace sweep
 }  // namespace gemm
