@@ -14,7 +14,8 @@
 #   to diff between two builds: benchmarks/gemm_schedule_bits.py), attention-bits (the same for
 #   attention: benchmarks/attention_schedule_bits.py), ncu-attention (Nsight Compute sections of the
 #   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), mma-latency (clocks per dependent k16 step
-#   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), narrow-stages (the forward's 16x32 GEMM tile
+#   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), mma-zero-step (a k16 step of zero
+#   products on every kind of float32 accumulator: benchmarks/mma_zero_step.cu), narrow-stages (the forward's 16x32 GEMM tile
 #   by pipeline depth: benchmarks/gemm_narrow_stages.cu), cluster-sweep (Hopper GEMM tiles in thread
 #   block clusters and the weight gradient's tiles, side by side: benchmarks/gemm_cluster_sweep.cu;
 #   SWEEP_ROUNDS, SWEEP_ONLY=dA or dB), buckets (the M-bucket tests, tests/test_gemm_buckets.py;
@@ -248,6 +249,10 @@ if asked cluster-sweep; then  # GEMM tiles and thread block clusters side by sid
   done
   wait
   nvcc /tmp/sweep_*.o -o /tmp/gemm_cluster_sweep && /tmp/gemm_cluster_sweep ${SWEEP_ROUNDS:-5} ${SWEEP_ONLY:-} | tee "$LOGS/cluster_sweep.md"
+fi
+if asked mma-zero-step; then  # does a k16 step of zero products leave the accumulators unchanged?
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda benchmarks/mma_zero_step.cu -o /tmp/mma_zero_step \
+    && /tmp/mma_zero_step | tee "$LOGS/mma_zero_step.txt"
 fi
 if asked mma-latency; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/mma_chain_latency.cu -o /tmp/mma_chain_latency \
