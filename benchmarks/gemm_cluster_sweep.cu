@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -126,7 +125,7 @@ uint16_t* alloc_filled(size_t n, uint32_t seed) {
 }
 
 struct Problem {
-  const char* what;
+  std::string what;
   sweep::Op op;
   int64_t m, n, k;  // the GEMM's M, N, K (dA: M tokens, N = the layer's input width, K = its output width)
 };
@@ -215,7 +214,7 @@ std::vector<uint16_t> bits_of(const Launcher fn, const Operands& o) {
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 5;
-  const std::string only = argc > 2 ? argv[2] : "";  // problems whose name starts with this (dA, dB)
+  const std::string only = argc > 2 ? argv[2] : "";  // problems whose name starts with this (dA, dB, rows)
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# %s, %d SMs; median over %d alternating rounds; bits: elements differing from the first variant\n\n",
@@ -231,39 +230,22 @@ int main(int argc, char** argv) {
       {{"dA 14336x4096 M=256", sweep::kDA, 256, 14336, 4096}, &kDA128},
   };
   // Three and four rows of 64-row tiles (M = 160 ... 256), 4096-wide outputs.
-  static const std::vector<std::string> rows_names = [] {
-    std::vector<std::string> v;
-    for (int m : {160, 192, 224, 256}) {
-      for (const char* what : {"fwd 14336x4096", "fwd 4096x4096", "dA 4096x14336", "dA 4096x128256"}) {
-        v.push_back(std::string("rows: ") + what + " M=" + std::to_string(m));
-      }
-    }
-    return v;
-  }();
-  for (size_t i = 0; i < rows_names.size(); ++i) {
-    const int64_t m = 160 + 32 * int64_t(i / 4);
-    switch (i % 4) {
-      case 0: problems.push_back({{rows_names[i].c_str(), sweep::kFwd, m, 4096, 14336}, &kFwdRows}); break;
-      case 1: problems.push_back({{rows_names[i].c_str(), sweep::kFwd, m, 4096, 4096}, &kFwdRows}); break;
-      case 2: problems.push_back({{rows_names[i].c_str(), sweep::kDA, m, 4096, 14336}, &kDA128}); break;
-      default: problems.push_back({{rows_names[i].c_str(), sweep::kDA, m, 4096, 128256}, &kDA128}); break;
-    }
+  for (int64_t m : {160, 192, 224, 256}) {
+    const std::string at = " M=" + std::to_string(m);
+    problems.push_back({{"rows: fwd 14336x4096" + at, sweep::kFwd, m, 4096, 14336}, &kFwdRows});
+    problems.push_back({{"rows: fwd 4096x4096" + at, sweep::kFwd, m, 4096, 4096}, &kFwdRows});
+    problems.push_back({{"rows: dA 4096x14336" + at, sweep::kDA, m, 4096, 14336}, &kDA128});
+    problems.push_back({{"rows: dA 4096x128256" + at, sweep::kDA, m, 4096, 128256}, &kDA128});
   }
-  std::vector<std::string> wnames;
-  std::vector<Problem> wprobs;
-  for (int t : {1, 2, 4, 8, 16, 32, 64, 256}) {
+  for (int64_t t : {1, 2, 4, 8, 16, 32, 64, 256}) {
     for (auto [kw, nw] : {std::pair<int64_t, int64_t>{4096, 4096}, {4096, 14336}, {14336, 4096}, {4096, 128256}}) {
-      wnames.push_back("dB " + std::to_string(kw) + "x" + std::to_string(nw) + " tokens=" + std::to_string(t));
-      wprobs.push_back({nullptr, sweep::kWgrad, kw, nw, t});
+      const std::string what = "dB " + std::to_string(kw) + "x" + std::to_string(nw) + " tokens=" + std::to_string(t);
+      problems.push_back({{what, sweep::kWgrad, kw, nw, t}, &kWgrad});
     }
-  }
-  for (size_t i = 0; i < wprobs.size(); ++i) {
-    wprobs[i].what = wnames[i].c_str();
-    problems.push_back({wprobs[i], &kWgrad});
   }
 
   for (const auto& [p, variants] : problems) {
-    if (std::string(p.what).rfind(only, 0) != 0) continue;
+    if (p.what.rfind(only, 0) != 0) continue;
     Operands o;
     make_operands(p, prop.multiProcessorCount, &o);
     CHECK(cudaDeviceSynchronize());
@@ -276,7 +258,7 @@ int main(int argc, char** argv) {
     }
     const std::vector<uint16_t> ref = bits_of((*variants)[0].fn, o);
     std::printf("## %s (M=%lld N=%lld K=%lld)\n\n| variant | us (median) | vs first | HBM TB/s | bits |\n|---|---|---|---|---|\n",
-                p.what, (long long)p.m, (long long)p.n, (long long)p.k);
+                p.what.c_str(), (long long)p.m, (long long)p.n, (long long)p.k);
     float first = 0;
     for (size_t i = 0; i < variants->size(); ++i) {
       std::sort(us[i].begin(), us[i].end());

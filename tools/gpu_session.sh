@@ -15,12 +15,13 @@
 #   attention: benchmarks/attention_schedule_bits.py), ncu-attention (Nsight Compute sections of the
 #   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), mma-latency (clocks per dependent k16 step
 #   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), mma-zero-step (a k16 step of zero
-#   products on every kind of float32 accumulator: benchmarks/mma_zero_step.cu), narrow-stages (the forward's 16x32 GEMM tile
-#   by pipeline depth: benchmarks/gemm_narrow_stages.cu), cluster-sweep (Hopper GEMM tiles in thread
-#   block clusters and the weight gradient's tiles, side by side: benchmarks/gemm_cluster_sweep.cu;
-#   SWEEP_ROUNDS, SWEEP_ONLY=dA or dB), buckets (the M-bucket tests, tests/test_gemm_buckets.py;
-#   BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps
-#   the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
+#   products on every kind of float32 accumulator: benchmarks/mma_zero_step.cu), narrow-stages (the
+#   forward's 16x32 GEMM tile by pipeline depth: benchmarks/gemm_narrow_stages.cu), cluster-sweep
+#   (Hopper GEMM tiles and thread block clusters side by side, bits compared:
+#   benchmarks/gemm_cluster_sweep.cu; SWEEP_ROUNDS, SWEEP_ONLY=dA, dB or rows), buckets (the M-bucket
+#   tests, tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile
+#   of the bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also
+#   sweeps the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
 #   SM80_BENCH_ARGS), sanitize-sm80 (memcheck and racecheck of the sm_80 kernels, forced), multi-gpu
 #   (two or more GPUs: the device-count and multi-process GPU tests, the all-reduce, sharded-matmul
 #   and data-parallel step benchmarks; NVLink multicast off).
