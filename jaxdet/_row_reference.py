@@ -208,8 +208,10 @@ def softmax_stats(x):
 
 
 def prob(x, M, S):
+    """e^(x - M) * (1 / S): one reciprocal per row, then a product per element."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        return (exp(_f32(x) - M[:, None]) / S[:, None]).astype(F32)
+        inv_s = (F32(1.0) / S).astype(F32)
+        return (exp(_f32(x) - M[:, None]) * inv_s[:, None]).astype(F32)
 
 
 def softmax(x):

@@ -144,7 +144,7 @@ xent_bwd_p = _ffi.define_primitive(
 
 # ---- jaxdet_det_math: the shared exp / log / rsqrt elementwise on float32 (tests and report). ----
 
-_MATH_OPS = {"exp": 0, "log": 1, "rsqrt": 2}
+_MATH_OPS = {"exp": 0, "log": 1, "rsqrt": 2, "exp_nonpositive": 3}
 
 det_math_p = _ffi.define_primitive(
     "jaxdet_det_math",
@@ -155,8 +155,9 @@ det_math_p = _ffi.define_primitive(
 
 
 def det_math(x, op: str):
-    """det_math.h's ``exp``, ``log`` or ``rsqrt`` of a float32 array, on x's device: the functions
-    every softmax kernel uses (the same bits on CPU and GPU)."""
+    """det_math.h's ``exp``, ``log``, ``rsqrt`` or ``exp_nonpositive`` of a float32 array, on x's
+    device: the functions every softmax kernel uses (the same bits on CPU and GPU).
+    ``exp_nonpositive`` is ``exp`` for x <= 0 or NaN (softmax's x - M), unspecified elsewhere."""
     if op not in _MATH_OPS:
         raise ValueError(f"op must be one of {sorted(_MATH_OPS)}, got {op!r}")
     x = jnp.asarray(x)

@@ -2,7 +2,8 @@
 the contracts of docs/softmax.md.
 
   * exp, log, rsqrt (cuda/common/det_math.h): bitwise equal to the NumPy re-implementation over a
-    stride through all float32 bit patterns, and their error in ulps against float64;
+    stride through all float32 bit patterns (exp_nonpositive: equal to exp on x <= 0 and NaN), and
+    their error in ulps against float64;
   * row invariance, forward and backward (a row alone vs inside batches of 4-64, bitwise);
   * the canonical order (segments, lanes, trees): outputs and gradients bitwise equal to the NumPy
     re-implementation, including rows of several segments -- the host side of CPU == GPU;

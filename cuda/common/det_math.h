@@ -80,7 +80,7 @@ JAXDET_HD float sqrt(float a) {
 #endif
 }
 
-JAXDET_HD bool is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+JAXDET_HD bool is_nan(float x) { return x != x; }  // (the builds never assume finite math)
 JAXDET_HD float nan() { return f32_from_bits(kCanonicalNanBits); }
 JAXDET_HD float canonical(float x) { return is_nan(x) ? nan() : x; }
 JAXDET_HD float pos_inf() { return f32_from_bits(0x7F800000u); }
@@ -102,24 +102,22 @@ JAXDET_HD float max(float a, float b) {
 // 2^k for -126 <= k <= 127, exactly.
 JAXDET_HD float pow2(int k) { return f32_from_bits(static_cast<uint32_t>(k + 127) << 23); }
 
-// e^x. Range reduction x = k ln2 + r with k = nearest integer to x * log2(e) and |r| <= ~ln2/2
-// (Cody-Waite: x - k * kLn2Hi is exact by Sterbenz, then k * kLn2Lo subtracted in one fused
-// multiply-add); e^r by its Taylor polynomial of degree 7 in Horner form with fused multiply-adds
-// (truncation below 0.1 ulp); then the scale
-// 2^k applied as two multiplies by 2^(k/2) and 2^(k - k/2): the first exact, the second rounding
-// once (into the subnormal range, or to inf, when the result is there). x > 89 gives +inf (e^89 >
-// FLT_MAX), x < -104 gives +0 (e^-104 < 2^-150), NaN gives NaN. Written without branches (the
-// special cases are selected at the end, the polynomial runs on x clamped into range), so that a
-// device thread interleaves the exponentials of the elements it holds. Max error measured over a
-// stride through all float32 inputs: tests/test_softmax.py::test_exp_and_log_error_vs_float64.
-JAXDET_HD float exp(float x) {
+// e^x for x in [-112, 89]. Range reduction x = k ln2 + r with k = nearest integer to x * log2(e)
+// and |r| <= ~ln2/2 (Cody-Waite: x - k * kLn2Hi is exact by Sterbenz, then k * kLn2Lo subtracted
+// in one fused multiply-add); e^r by its Taylor polynomial of degree 7 in Horner form with fused
+// multiply-adds (truncation below 0.1 ulp); then the scale 2^k applied as two multiplies by 2^k1
+// and 2^(k - k1), k1 = floor(k / 2): the first exact, the second rounding once (into the subnormal
+// range, or to inf, when the result is there). Below -104 every result rounds to +0 (e^-104 is
+// 0.97 * 2^-150), so a clamp at -112 needs no select of its own. Written without branches, so
+// that a device thread interleaves the exponentials of the elements it holds.
+JAXDET_HD float exp_clamped(float x) {
   constexpr float kLog2e = 0x1.715476p+0f;  // float32(log2(e))
-  constexpr float kShift = 12582912.0f;                   // 1.5 * 2^23: adding it rounds to an integer
-  constexpr float kLn2Hi = 0.693145751953125f;            // 0x3F317200: 15 significant bits
-  constexpr float kLn2Lo = 0x1.7f7d1cp-20f;  // float32(ln2 - kLn2Hi)
-  const float xc = fminf(fmaxf(x, -104.0f), 89.0f);  // (NaN -> -104: any finite value will do)
-  const float kf = sub(fma(xc, kLog2e, kShift), kShift);  // integer in [-150, 128]
-  const float r = fma(-kf, kLn2Lo, fma(-kf, kLn2Hi, xc));  // the inner one exact (Sterbenz)
+  constexpr float kShift = 12582912.0f;     // 1.5 * 2^23: adding it rounds to an integer
+  constexpr float kLn2Hi = 0.693145751953125f;  // 0x3F317200: 15 significant bits
+  constexpr float kLn2Lo = 0x1.7f7d1cp-20f;     // float32(ln2 - kLn2Hi)
+  const float shifted = fma(x, kLog2e, kShift);  // 1.5 * 2^23 + k: its low bits hold k
+  const float kf = sub(shifted, kShift);         // k, an integer in [-162, 128]
+  const float r = fma(-kf, kLn2Lo, fma(-kf, kLn2Hi, x));  // the inner one exact (Sterbenz)
   float p = 0x1.a01a02p-13f;  // float32(1/k!), k = 7 ... 2
   p = fma(p, r, 0x1.6c16c2p-10f);
   p = fma(p, r, 0x1.111112p-7f);
@@ -128,13 +126,26 @@ JAXDET_HD float exp(float x) {
   p = fma(p, r, 0.5f);
   p = fma(p, r, 1.0f);
   p = fma(p, r, 1.0f);
-  const int k = static_cast<int>(kf);
-  const int k1 = k / 2;  // truncation toward zero: k1, k - k1 in [-75, 64]
-  // p is in [0.70, 1.42]: p * 2^k1 is a normal float, exact.
-  const float e = mul(mul(p, pow2(k1)), pow2(k - k1));
-  const float special = x > 89.0f ? pos_inf() : 0.0f;
-  const float result = xc == x ? e : special;  // x in [-104, 89], or beyond it (or NaN)
-  return is_nan(x) ? nan() : result;
+  // k from the bits (the float-to-int conversion would be a quarter-rate instruction on the GPU).
+  const int k = static_cast<int>(f32_bits(shifted)) - static_cast<int>(f32_bits(kShift));
+  const int k1 = k >> 1;  // floor(k / 2): k1, k - k1 in [-81, 64]
+  // p is in [0.70, 1.42]: p * 2^k1 is a normal float, exact (so the product's one rounding is the
+  // second multiply's, whichever split of k).
+  return mul(mul(p, pow2(k1)), pow2(k - k1));
+}
+
+// e^x: x > 89 gives +inf (e^89 > FLT_MAX), x < -104 gives +0 (e^-104 < 2^-150), NaN gives NaN.
+// Max error measured over a stride through all float32 inputs:
+// tests/test_softmax.py::test_exp_and_log_error_vs_float64.
+JAXDET_HD float exp(float x) {
+  const float e = exp_clamped(fminf(fmaxf(x, -112.0f), 89.0f));  // (NaN -> -112: selected below)
+  return is_nan(x) ? nan() : x > 89.0f ? pos_inf() : e;
+}
+
+// exp(x) for x <= 0 or NaN, bit for bit, without the overflow test (softmax's x - M).
+JAXDET_HD float exp_nonpositive(float x) {
+  const float e = exp_clamped(fmaxf(x, -112.0f));
+  return is_nan(x) ? nan() : e;
 }
 
 // ln(x). x = 2^e * m with m in [sqrt(1/2), sqrt(2)) (subnormals are first scaled by 2^23, exactly);

@@ -56,7 +56,8 @@ void SoftmaxRows(const void* x, void* y, float* stats, int64_t rows, int64_t n, 
     stats[2 * r] = st.M;
     stats[2 * r + 1] = st.S;
     if (mode == sm::kSoftmax) {
-      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::prob(S::load(xr[e]), st.M, st.S));
+      const float inv_s = sm::reciprocal(st.S);
+      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::prob(S::load(xr[e]), st.M, inv_s));
     } else {
       const float log_s = dm::log(st.S);
       for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::log_prob(S::load(xr[e]), st.M, log_s));
@@ -84,11 +85,11 @@ void SoftmaxBwdRows(const void* x, const float* stats, const void* g, void* dx, 
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
     const Bits* gr = static_cast<const Bits*>(g) + r * n;
     Bits* dr = static_cast<Bits*>(dx) + r * n;
-    const float M = stats[2 * r], Ssum = stats[2 * r + 1];
+    const float M = stats[2 * r], inv_s = sm::reciprocal(stats[2 * r + 1]);
     const float total = RowSum(
-        n, [&](int64_t e) { return sm::bwd_term(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), mode); });
+        n, [&](int64_t e) { return sm::bwd_term(S::load(gr[e]), sm::prob(S::load(xr[e]), M, inv_s), mode); });
     for (int64_t e = 0; e < n; ++e) {
-      dr[e] = S::store(sm::bwd(S::load(gr[e]), sm::prob(S::load(xr[e]), M, Ssum), total, mode));
+      dr[e] = S::store(sm::bwd(S::load(gr[e]), sm::prob(S::load(xr[e]), M, inv_s), total, mode));
     }
   }
 }
@@ -154,9 +155,9 @@ void XentBwdRows(const void* x, const int32_t* labels, const float* stats, const
     Bits* dr = static_cast<Bits*>(dx) + r * n;
     const int32_t label = labels[r];
     const bool valid = label >= 0 && label < n;
-    const float M = stats[2 * r], Ssum = stats[2 * r + 1], gr = g[r];
+    const float M = stats[2 * r], inv_s = sm::reciprocal(stats[2 * r + 1]), gr = g[r];
     for (int64_t e = 0; e < n; ++e) {
-      dr[e] = S::store(sm::xent_bwd(gr, sm::prob(S::load(xr[e]), M, Ssum), e == label, valid));
+      dr[e] = S::store(sm::xent_bwd(gr, sm::prob(S::load(xr[e]), M, inv_s), e == label, valid));
     }
   }
 }
@@ -174,7 +175,8 @@ ffi::Error XentBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// The deterministic math functions elementwise (op 0: exp, 1: log, 2: rsqrt), for the tests.
+// The deterministic math functions elementwise (op 0: exp, 1: log, 2: rsqrt, 3: exp_nonpositive),
+// for the tests.
 ffi::Error DetMathCpu(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t op) {
   IeeeSubnormalsScope ieee;
   const float* src = x.typed_data();
@@ -182,7 +184,10 @@ ffi::Error DetMathCpu(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>
   const int64_t count = static_cast<int64_t>(x.element_count());
   for (int64_t i = 0; i < count; ++i) {
     const float v = src[i];
-    dst[i] = dm::canonical(op == 0 ? dm::exp(v) : op == 1 ? dm::log(v) : dm::rsqrt(v));
+    dst[i] = dm::canonical(op == 0   ? dm::exp(v)
+                            : op == 1 ? dm::log(v)
+                            : op == 2 ? dm::rsqrt(v)
+                                      : dm::exp_nonpositive(v));
   }
   return ffi::Error::Success();
 }

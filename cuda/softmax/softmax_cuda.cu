@@ -57,6 +57,24 @@ __device__ __forceinline__ void load_span(const typename S::Bits* __restrict__ p
   for (int k = 0; k < kSteps; ++k) dm::load_lane<S>(p, k * kStep + threadIdx.x * kVec, len, vec, 0.0f, v[k]);
 }
 
+// The lane's vectors of a span of `len` storage elements, kept in storage form (a bfloat16/float16
+// cotangent then takes half the registers; it widens exactly at each use). Elements past len read
+// as +0 (masked by the callers).
+template <typename Bits, int kSteps>
+__device__ __forceinline__ void load_span_vecs(const Bits* __restrict__ p, int64_t len, bool vec,
+                                               dm::Vec<Bits> (&b)[kSteps]) {
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int64_t base = k * kStep + threadIdx.x * kVec;
+    if (vec && base + kVec <= len) {
+      b[k] = *reinterpret_cast<const dm::Vec<Bits>*>(p + base);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) b[k].e[j] = base + j < len ? p[base + j] : Bits{0};
+    }
+  }
+}
+
 // (A span has at most kSegment elements: int arithmetic.)
 __device__ __forceinline__ bool in_span(int k, int j, int64_t len) {
   return k * kStep + static_cast<int>(threadIdx.x) * kVec + j < static_cast<int>(len);
@@ -106,13 +124,25 @@ __device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_
 }
 
 // The span's sum of e^(x - M) (its part of S). Every thread gets it. With keep_exp, v's elements
-// are replaced by their terms e^(x - M) (softmax's numerators).
+// are replaced by their terms e^(x - M) (softmax's numerators). The terms are sm::exp_term's, with
+// its test of M taken once for the block (M is the block's): per element it would put a branch
+// around each exponential, which keeps a thread from interleaving its elements' math.
 template <int kSteps>
 __device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t len, float M, float* sh,
                                               bool keep_exp) {
+  if (M == dm::neg_inf()) {  // a row of -inf: every term is +0, and so is the sum
+    if (keep_exp) {
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[k][j] = 0.0f;
+      }
+    }
+    return 0.0f;
+  }
   float acc = 0.0f;
   for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
-    const float e = sm::exp_term(v[k][j], M);
+    const float e = dm::exp_nonpositive(dm::sub(v[k][j], M));
     if (inside) acc = dm::add(acc, e);
     if (keep_exp) v[k][j] = e;
   });
@@ -139,6 +169,7 @@ __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], ty
                                               int64_t len, bool vec, float M, float Ssum, int32_t mode,
                                               bool numerators) {
   const float log_s = mode == sm::kLogSoftmax ? dm::log(Ssum) : 0.0f;
+  const float inv_s = sm::reciprocal(Ssum);
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int64_t base = k * kStep + threadIdx.x * kVec;
@@ -146,7 +177,7 @@ __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], ty
     float out[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      out[j] = mode == sm::kSoftmax ? (numerators ? dm::div(v[k][j], Ssum) : sm::prob(v[k][j], M, Ssum))
+      out[j] = mode == sm::kSoftmax ? (numerators ? dm::mul(v[k][j], inv_s) : sm::prob(v[k][j], M, inv_s))
                                     : sm::log_prob(v[k][j], M, log_s);
     }
     dm::store_lane<S>(y, base, len, vec, out);
@@ -328,6 +359,24 @@ __device__ __forceinline__ void load_staged(const typename dm::Vec<typename S::B
     }
   }
 }
+
+// The staged span's vectors in storage form (as load_span_vecs; after load_staged, whose wait
+// covered these copies too).
+template <typename Bits>
+__device__ __forceinline__ void load_staged_vecs(const dm::Vec<Bits>* __restrict__ stage, const Bits* __restrict__ src,
+                                                 int64_t len, dm::Vec<Bits> (&b)[sm::kSegmentSteps]) {
+  const bool vec = dm::vec_aligned<Bits>(src);
+#pragma unroll
+  for (int k = 0; k < sm::kSegmentSteps; ++k) {
+    const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
+    if (vec && base + kVec <= len) {
+      b[k] = stage[base / kVec];
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) b[k].e[j] = base + j < len ? src[base + j] : Bits{0};
+    }
+  }
+}
 #endif
 
 // Block r of a row's cluster holds segment r: its max, then (after the cluster's M) its sum of
@@ -485,28 +534,31 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 
 // ---- Backward of softmax / log_softmax. ----
 
-// v's elements x -> p = e^(x - M) / S (the probabilities both backward formulas use).
+// v's elements x -> p = e^(x - M) * (1 / S) (the probabilities both backward formulas use).
 template <int kSteps>
 __device__ __forceinline__ void to_prob(float (&v)[kSteps][kVec], float M, float Ssum) {
+  const float inv_s = sm::reciprocal(Ssum);
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) v[k][j] = sm::prob(v[k][j], M, Ssum);
+    for (int j = 0; j < kVec; ++j) v[k][j] = sm::prob(v[k][j], M, inv_s);
   }
 }
 
-template <int kSteps>
-__device__ __forceinline__ float span_bwd_sum(const float (&p)[kSteps][kVec], const float (&gv)[kSteps][kVec],
-                                              int64_t len, int32_t mode, float* sh) {
+template <typename S, int kSteps>
+__device__ __forceinline__ float span_bwd_sum(const float (&p)[kSteps][kVec],
+                                              const dm::Vec<typename S::Bits> (&gv)[kSteps], int64_t len,
+                                              int32_t mode, float* sh) {
   float acc = 0.0f;
   for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
-    if (inside) acc = dm::add(acc, sm::bwd_term(gv[k][j], p[k][j], mode));
+    if (inside) acc = dm::add(acc, sm::bwd_term(S::load(gv[k].e[j]), p[k][j], mode));
   });
   return dm::block_tree_sum(acc, sh);
 }
 
 template <typename S, int kSteps>
-__device__ __forceinline__ void write_bwd(const float (&p)[kSteps][kVec], const float (&gv)[kSteps][kVec],
+__device__ __forceinline__ void write_bwd(const float (&p)[kSteps][kVec],
+                                          const dm::Vec<typename S::Bits> (&gv)[kSteps],
                                           typename S::Bits* __restrict__ dx, int64_t len, bool vec, float total,
                                           int32_t mode) {
 #pragma unroll
@@ -515,7 +567,7 @@ __device__ __forceinline__ void write_bwd(const float (&p)[kSteps][kVec], const 
     if (base >= len) continue;
     float out[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = sm::bwd(gv[k][j], p[k][j], total, mode);
+    for (int j = 0; j < kVec; ++j) out[j] = sm::bwd(S::load(gv[k].e[j]), p[k][j], total, mode);
     dm::store_lane<S>(dx, base, len, vec, out);
   }
 }
@@ -530,11 +582,12 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t offset = row * n;
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
-    float v[kSteps][kVec], gv[kSteps][kVec];
+    float v[kSteps][kVec];
+    dm::Vec<Bits> gv[kSteps];
     load_span<S, kSteps>(x + offset, n, vec, v);
-    load_span<S, kSteps>(g + offset, n, vec, gv);
+    load_span_vecs<Bits, kSteps>(g + offset, n, vec, gv);
     to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
-    const float total = span_bwd_sum<kSteps>(v, gv, n, mode, sh);
+    const float total = span_bwd_sum<S, kSteps>(v, gv, n, mode, sh);
     write_bwd<S, kSteps>(v, gv, dx + offset, n, dm::vec_aligned<Bits>(dx + offset), total, mode);
   }
 }
@@ -552,11 +605,12 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
     const auto [row, offset, len] = segment_item(q, segments, n);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
-    float v[kSteps][kVec], gv[kSteps][kVec];
+    float v[kSteps][kVec];
+    dm::Vec<Bits> gv[kSteps];
     load_span<S, kSteps>(x + offset, len, vec, v);
-    load_span<S, kSteps>(g + offset, len, vec, gv);
+    load_span_vecs<Bits, kSteps>(g + offset, len, vec, gv);
     to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
-    const float total = span_bwd_sum<kSteps>(v, gv, len, mode, sh);
+    const float total = span_bwd_sum<S, kSteps>(v, gv, len, mode, sh);
     if (threadIdx.x == 0) ws[q] = total;
   }
 }
@@ -575,9 +629,10 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     const auto [row, offset, len] = segment_item(q, segments, n);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
     const float total = row_sum_from(ws + row * segments, segments, &shared);
-    float v[kSteps][kVec], gv[kSteps][kVec];
+    float v[kSteps][kVec];
+    dm::Vec<Bits> gv[kSteps];
     load_span<S, kSteps>(x + offset, len, vec, v);
-    load_span<S, kSteps>(g + offset, len, vec, gv);
+    load_span_vecs<Bits, kSteps>(g + offset, len, vec, gv);
     to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
     write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
   }
@@ -612,16 +667,17 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   uint32_t it = 0;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y, ++it) {
     const int64_t offset = row * n + seg * sm::kSegment;
-    float v[kSteps][kVec], gv[kSteps][kVec];
+    float v[kSteps][kVec];
+    dm::Vec<Bits> gv[kSteps];
     load_staged<S>(stage_x, x + offset, len, v);
-    load_staged<S>(stage_g, g + offset, len, gv);
+    load_staged_vecs<Bits>(stage_g, g + offset, len, gv);
     if (row + gridDim.y < rows) {
       stage_span<Bits>(stage_x, x + offset + int64_t{gridDim.y} * n, len);
       stage_span<Bits>(stage_g, g + offset + int64_t{gridDim.y} * n, len);
     }
     to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
     Slots& row_sums = sums[it & 1];
-    slots_send(row_sums, span_bwd_sum<kSteps>(v, gv, len, mode, sh), seg, segments);
+    slots_send(row_sums, span_bwd_sum<S, kSteps>(v, gv, len, mode, sh), seg, segments);
     slots_wait(row_sums, it >> 1);
     const float total = slots_tree_sum(row_sums, segments);
     write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
@@ -644,18 +700,19 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<Bits>(x + offset), v);
     const int32_t label = labels[row];
     const bool valid = label >= 0 && label < n;
-    const float M = stats[2 * row], Ssum = stats[2 * row + 1], gr = g[row];
+    const float M = stats[2 * row], inv_s = sm::reciprocal(stats[2 * row + 1]), gr = g[row];
     const bool vec = dm::vec_aligned<Bits>(dx + offset);
-    const int64_t first = offset - row * n;  // the segment's first column
+    // The label's place in this segment (int: a segment has kSegment elements), -1 if elsewhere.
+    const int64_t at = label - (offset - row * n);
+    const int label_here = valid && at >= 0 && at < len ? static_cast<int>(at) : -1;
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) {
-      const int64_t base = k * kStep + threadIdx.x * kVec;
+      const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
       if (base >= len) continue;
       float out[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const int64_t e = first + base + j;
-        out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], M, Ssum), e == label, valid);
+        out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], M, inv_s), base + j == label_here, valid);
       }
       dm::store_lane<S>(dx + offset, base, len, vec, out);
     }
@@ -667,7 +724,10 @@ __global__ void DetMathKernel(const float* __restrict__ x, float* __restrict__ y
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
     const float v = x[i];
-    y[i] = dm::canonical(op == 0 ? dm::exp(v) : op == 1 ? dm::log(v) : dm::rsqrt(v));
+    y[i] = dm::canonical(op == 0   ? dm::exp(v)
+                          : op == 1 ? dm::log(v)
+                          : op == 2 ? dm::rsqrt(v)
+                                    : dm::exp_nonpositive(v));
   }
 }
 

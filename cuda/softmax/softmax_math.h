@@ -5,7 +5,7 @@
 // at most kSegment elements is one segment). M = the row's max (order-free, detmath::max). Per
 // segment, s = the canonical span sum (det_math.h) of e^(x - M) (every term 0 when M = -inf); the
 // segments' sums are combined by the canonical padded tree (detmath::tree_fold) with plain
-// addition, giving S. Every other row sum (of g * p, or of g, in the backward) uses the same
+// addition, giving S; probabilities multiply by its reciprocal. Every other row sum (of g * p, or of g, in the backward) uses the same
 // segments and tree. Everything is float32, rounded after every operation. M first and one
 // exponential per element (not per-segment maxima merged by rescaling): a kernel that holds a
 // segment computes each e^(x - M) once and keeps it for softmax's output.
@@ -34,9 +34,13 @@ JAXDET_HD int64_t segment_length(int64_t n, int64_t seg) {
   return rest < kSegment ? rest : kSegment;
 }
 
-// p = e^(x - M) / S: softmax's output before storage rounding, and the probabilities every
-// backward uses.
-JAXDET_HD float prob(float x, float M, float S) { return dm::div(dm::exp(dm::sub(x, M)), S); }
+// 1 / S, once per row: every probability is a product with it (a division per element would cost
+// the GPU a slow-path branch per element, which keeps it from interleaving the elements' math).
+JAXDET_HD float reciprocal(float S) { return dm::div(1.0f, S); }
+
+// p = e^(x - M) * (1 / S): softmax's output before storage rounding, and the probabilities every
+// backward uses (inv_s = reciprocal(S)).
+JAXDET_HD float prob(float x, float M, float inv_s) { return dm::mul(dm::exp_nonpositive(dm::sub(x, M)), inv_s); }
 
 // log_softmax = (x - M) - ln S.
 JAXDET_HD float log_prob(float x, float M, float log_s) { return dm::sub(dm::sub(x, M), log_s); }
@@ -65,8 +69,11 @@ JAXDET_HD float xent_bwd(float g, float p, bool is_label, bool valid) {
   return dm::mul(g, is_label ? dm::sub(p, 1.0f) : p);
 }
 
-// The term S sums for element x: e^(x - M) (0 for a row whose max is -inf).
-JAXDET_HD float exp_term(float x, float M) { return M == dm::neg_inf() ? 0.0f : dm::exp(dm::sub(x, M)); }
+// The term S sums for element x: e^(x - M) (0 for a row whose max is -inf). x - M is never
+// positive (M is the row's max; NaN when the row has one), hence exp_nonpositive.
+JAXDET_HD float exp_term(float x, float M) {
+  return M == dm::neg_inf() ? 0.0f : dm::exp_nonpositive(dm::sub(x, M));
+}
 
 }  // namespace softmax
 }  // namespace jaxdet

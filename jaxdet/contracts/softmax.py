@@ -111,6 +111,11 @@ def math_inputs():
             88.7228317,
             -103.97,
             -103.2,
+            -104.0,
+            -104.5,
+            -111.9,
+            -112.0,
+            -112.5,
             -87.5,
             1e-45,
             1e-40,
@@ -123,19 +128,25 @@ def math_inputs():
 
 
 def check_math_functions():
-    """det_math.h's exp, log and rsqrt on this device: bitwise equal to the NumPy re-implementation."""
+    """det_math.h's exp, log and rsqrt on this device: bitwise equal to the NumPy re-implementation;
+    exp_nonpositive (softmax's exp of x - M) bitwise equal to exp on every x <= 0 and NaN."""
     x = math_inputs()
-    xd = jax.device_put(jnp.asarray(x), _device())
+    nonpositive = np.where(x > 0, -x, x)  # NaN stays NaN
     with np.errstate(all="ignore"):
-        wants = {"exp": ref.exp(x), "log": ref.log(x), "rsqrt": ref.canonical(np.float32(1) / np.sqrt(x))}
-    bad = [
-        f"{op}: {count_bit_differences(np.asarray(det_math(xd, op)), want)} differ"
-        for op, want in wants.items()
-        if not same_bits(det_math(xd, op), want)
-    ]
+        wants = {
+            "exp": (x, ref.exp(x)),
+            "log": (x, ref.log(x)),
+            "rsqrt": (x, ref.canonical(np.float32(1) / np.sqrt(x))),
+            "exp_nonpositive": (nonpositive, ref.exp(nonpositive)),
+        }
+    bad = []
+    for op, (arg, want) in wants.items():
+        got = det_math(jax.device_put(jnp.asarray(arg), _device()), op)
+        if not same_bits(got, want):
+            bad.append(f"{op}: {count_bit_differences(np.asarray(got), want)} differ")
     ok = not bad
     return ok, (
-        f"exp, log, rsqrt of {x.size} float32 values on {_device().platform} vs NumPy: "
+        f"exp, log, rsqrt, exp_nonpositive of {x.size} float32 values on {_device().platform} vs NumPy: "
         + ("bitwise equal" if ok else "; ".join(bad))
     )
 
@@ -243,11 +254,11 @@ def check_cpu_equals_device_math():
     cpu = jax.devices("cpu")[0]
     bad = [
         op
-        for op in ("exp", "log", "rsqrt")
+        for op in ("exp", "log", "rsqrt", "exp_nonpositive")
         if not same_bits(det_math(jax.device_put(x, cpu), op), det_math(jax.device_put(x, dev), op))
     ]
     ok = not bad
-    return ok, f"exp, log, rsqrt of {x.size} values: CPU vs {dev.device_kind} " + (
+    return ok, f"exp, log, rsqrt, exp_nonpositive of {x.size} values: CPU vs {dev.device_kind} " + (
         "bitwise equal" if ok else "DIFFER: " + ", ".join(bad)
     )
 
@@ -272,7 +283,7 @@ def report_checks():
         ("softmax: bitwise equal to the documented canonical order", lambda: _all(check_canonical_order)),
         ("softmax: label_log_probs == -cross-entropy == log_softmax at the label", check_label_log_probs),
         ("softmax: accuracy vs float64", lambda: _all(check_accuracy)),
-        ("softmax: CPU == default device, bitwise (exp, log, rsqrt)", check_cpu_equals_device_math),
+        ("softmax: CPU == default device, bitwise (exp, log, rsqrt, exp_nonpositive)", check_cpu_equals_device_math),
         ("softmax: CPU == default device, bitwise", lambda: _all(check_cpu_equals_device)),
         ("softmax: run-to-run bitwise", lambda: _all(check_run_to_run)),
     ]
