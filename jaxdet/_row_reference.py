@@ -198,29 +198,56 @@ def token_tree(terms):
 # ---- softmax, log_softmax, cross-entropy (docs/softmax.md). x [R, n] float32 (widened). ----
 
 
-def softmax_stats(x):
-    """Per-row (M, S): M the row max, S the segment_sum of e^(x - M) (every term 0 when M = -inf)."""
-    x = _f32(x)
-    M = span_max(x)
+def _segment_bounds(n):
+    segments = 1 if n <= SOFTMAX_SEGMENT else -(-n // SOFTMAX_SEGMENT)
+    return [(k * SOFTMAX_SEGMENT, min(n, (k + 1) * SOFTMAX_SEGMENT)) for k in range(segments)]
+
+
+def _exp_terms(x, m):
+    """e^(x - m) per element of a segment with max m [rows] (every term 0 where m = -inf)."""
     with np.errstate(invalid="ignore"):
-        terms = np.where((M == -np.inf)[:, None], F32(0.0), exp(x - M[:, None]))
-    return M, segment_sum(terms)
+        return np.where((m == -np.inf)[:, None], F32(0.0), exp(_f32(x) - m[:, None])).astype(F32)
 
 
-def prob(x, M, S):
-    """e^(x - M) * (1 / S): one reciprocal per row, then a product per element."""
+def segment_maxima(x):
+    """Each segment's max m_k: [rows, segments]."""
+    x = _f32(x)
+    return np.stack([span_max(x[:, a:b]) for a, b in _segment_bounds(x.shape[1])], axis=1)
+
+
+def softmax_stats(x):
+    """Per-row (M, S) and the segments' maxima m_k [rows, segments]: s_k = span_sum of e^(x - m_k),
+    M = max of the m_k, S = the tree over the segments' terms s_k * e^(m_k - M) (0 where m_k = -inf)."""
+    x = _f32(x)
+    m = segment_maxima(x)
+    M = span_max(m)
+    leaves = []
+    for k, (a, b) in enumerate(_segment_bounds(x.shape[1])):
+        s_k = span_sum(_exp_terms(x[:, a:b], m[:, k]))
+        with np.errstate(invalid="ignore"):
+            leaf = np.where(m[:, k] == -np.inf, F32(0.0), s_k * exp(m[:, k] - M))
+        leaves.append(leaf.astype(F32))
+    return M, tree_fold(leaves, lambda a, b: a + b), m
+
+
+def prob(x, M, S, m):
+    """e^(x - m_k) * w_k per element of segment k, w_k = e^(m_k - M) * (1 / S)."""
+    x = _f32(x)
+    out = np.empty_like(x)
     with np.errstate(invalid="ignore", divide="ignore"):
         inv_s = (F32(1.0) / S).astype(F32)
-        return (exp(_f32(x) - M[:, None]) * inv_s[:, None]).astype(F32)
+        for k, (a, b) in enumerate(_segment_bounds(x.shape[1])):
+            w = (exp(m[:, k] - M) * inv_s).astype(F32)
+            out[:, a:b] = _exp_terms(x[:, a:b], m[:, k]) * w[:, None]
+    return out
 
 
 def softmax(x):
-    M, S = softmax_stats(x)
-    return prob(x, M, S)
+    return prob(x, *softmax_stats(x))
 
 
 def log_softmax(x):
-    M, S = softmax_stats(x)
+    M, S, _ = softmax_stats(x)
     with np.errstate(invalid="ignore"):
         return ((_f32(x) - M[:, None]) - log(S)[:, None]).astype(F32)
 
@@ -236,8 +263,7 @@ def segment_sum(terms):
 
 def softmax_backward(x, g, mode):
     """dx of softmax (mode "softmax") or log_softmax ("log_softmax") for cotangent g, float32."""
-    M, S = softmax_stats(x)
-    p, g = prob(x, M, S), _f32(g)
+    p, g = prob(x, *softmax_stats(x)), _f32(g)
     with np.errstate(invalid="ignore"):
         if mode == "softmax":
             return p * (g - segment_sum(g * p)[:, None])
@@ -247,7 +273,7 @@ def softmax_backward(x, g, mode):
 def cross_entropy(x, labels, log_prob=False):
     """Per-row loss ln S - (x_label - M) (or the log-prob (x_label - M) - ln S); NaN if out of range."""
     x = _f32(x)
-    M, S = softmax_stats(x)
+    M, S, _ = softmax_stats(x)
     n = x.shape[1]
     labels = np.asarray(labels, np.int64)
     valid = (labels >= 0) & (labels < n)
@@ -260,8 +286,7 @@ def cross_entropy(x, labels, log_prob=False):
 def cross_entropy_backward(x, labels, g):
     """g * (p - one_hot(label)); an out-of-range label: 0 where g == 0, else NaN."""
     x = _f32(x)
-    M, S = softmax_stats(x)
-    p = prob(x, M, S)
+    p = prob(x, *softmax_stats(x))
     n = x.shape[1]
     labels = np.asarray(labels, np.int64)
     valid = (labels >= 0) & (labels < n)

@@ -44,6 +44,13 @@ def _segments(n):
     return 1 if n <= SEGMENT else -(-n // SEGMENT)
 
 
+def _stat_width(n):
+    # The statistics a forward saves: M, S and, for rows of several segments, each segment's max
+    # (cuda/softmax/softmax_math.h stat_width).
+    s = _segments(n)
+    return 2 + s if s > 1 else 2
+
+
 def _workspace_segments(n):
     # The CUDA kernels keep per-segment partials there when a row has several segments.
     s = _segments(n)
@@ -75,14 +82,14 @@ def _batch_rows(primitive):
     return rule
 
 
-# ---- jaxdet_softmax_fwd: x [R, n] -> y [R, n], stats f32 [R, 2] = (M, S), workspace. ----
+# ---- jaxdet_softmax_fwd: x [R, n] -> y [R, n], stats f32 [R, W] = (M, S, segment maxima), workspace. ----
 
 
 def _sfwd_abstract_eval(x, *, mode):
     R, n = x.shape
     return (
         _rows.shaped(x.shape, x.dtype),
-        _rows.shaped((R, 2), _F32),
+        _rows.shaped((R, _stat_width(n)), _F32),
         _rows.shaped((R, _workspace_segments(n), 2), _F32),
     )
 
@@ -118,7 +125,11 @@ softmax_bwd_p = _ffi.define_primitive(
 
 def _xfwd_abstract_eval(x, labels, *, log_prob):
     R, n = x.shape
-    return (_rows.shaped((R,), _F32), _rows.shaped((R, 2), _F32), _rows.shaped((R, _workspace_segments(n), 2), _F32))
+    return (
+        _rows.shaped((R,), _F32),
+        _rows.shaped((R, _stat_width(n)), _F32),
+        _rows.shaped((R, _workspace_segments(n), 2), _F32),
+    )
 
 
 xent_fwd_p = _ffi.define_primitive(
@@ -195,7 +206,7 @@ def _composite(name, abstract_eval, factors, local, nout):
     prim = _ffi.define_composite(
         name,
         abstract_eval,
-        _ffi.Partitioning(factors, replicated=frozenset({"n", "two"}), local=local),
+        _ffi.Partitioning(factors, replicated=frozenset({"n", "stats"}), local=local),
         batching_rule=batch,
         multiple_results=nout > 1,
     )
@@ -205,17 +216,20 @@ def _composite(name, abstract_eval, factors, local, nout):
 def _sm_local(params, axes, shapes):
     def run(x):
         y, stats, _ = softmax_fwd_p.bind(_flat(x), mode=params["mode"])
-        return [y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))]
+        return [y.reshape(x.shape), stats.reshape(x.shape[:-1] + stats.shape[-1:])]
 
     return run
 
 
 softmax_rows_p = _composite(
     "jaxdet_softmax_rows",
-    lambda x, *, mode: [_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:-1] + (2,), _F32)],
+    lambda x, *, mode: [
+        _rows.shaped(x.shape, x.dtype),
+        _rows.shaped(x.shape[:-1] + (_stat_width(x.shape[-1]),), _F32),
+    ],
     lambda params, shapes: (
         [_row_factors(shapes[0], 1) + ("n",)],
-        [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1) + ("two",)],
+        [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1) + ("stats",)],
     ),
     _sm_local,
     2,
@@ -224,7 +238,8 @@ softmax_rows_p = _composite(
 
 def _sm_bwd_local(params, axes, shapes):
     def run(x, stats, g):
-        return softmax_bwd_p.bind(_flat(x), stats.reshape(-1, 2), _flat(g), mode=params["mode"])[0].reshape(x.shape)
+        flat_stats = stats.reshape(-1, stats.shape[-1])
+        return softmax_bwd_p.bind(_flat(x), flat_stats, _flat(g), mode=params["mode"])[0].reshape(x.shape)
 
     return run
 
@@ -235,7 +250,7 @@ softmax_rows_bwd_p = _composite(
     lambda params, shapes: (
         [
             _row_factors(shapes[0], 1) + ("n",),
-            _row_factors(shapes[0], 1) + ("two",),
+            _row_factors(shapes[0], 1) + ("stats",),
             _row_factors(shapes[0], 1) + ("n",),
         ],
         [_row_factors(shapes[0], 1) + ("n",)],
@@ -248,17 +263,20 @@ softmax_rows_bwd_p = _composite(
 def _xent_local(params, axes, shapes):
     def run(x, labels):
         out, stats, _ = xent_fwd_p.bind(_flat(x), labels.reshape(-1), log_prob=params["log_prob"])
-        return [out.reshape(labels.shape), stats.reshape(labels.shape + (2,))]
+        return [out.reshape(labels.shape), stats.reshape(labels.shape + stats.shape[-1:])]
 
     return run
 
 
 xent_rows_p = _composite(
     "jaxdet_xent_rows",
-    lambda x, labels, *, log_prob: [_rows.shaped(labels.shape, _F32), _rows.shaped(labels.shape + (2,), _F32)],
+    lambda x, labels, *, log_prob: [
+        _rows.shaped(labels.shape, _F32),
+        _rows.shaped(labels.shape + (_stat_width(x.shape[-1]),), _F32),
+    ],
     lambda params, shapes: (
         [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1)],
-        [_row_factors(shapes[0], 1), _row_factors(shapes[0], 1) + ("two",)],
+        [_row_factors(shapes[0], 1), _row_factors(shapes[0], 1) + ("stats",)],
     ),
     _xent_local,
     2,
@@ -267,7 +285,8 @@ xent_rows_p = _composite(
 
 def _xent_bwd_local(params, axes, shapes):
     def run(x, labels, stats, g):
-        return xent_bwd_p.bind(_flat(x), labels.reshape(-1), stats.reshape(-1, 2), g.reshape(-1)).reshape(x.shape)
+        flat_stats = stats.reshape(-1, stats.shape[-1])
+        return xent_bwd_p.bind(_flat(x), labels.reshape(-1), flat_stats, g.reshape(-1)).reshape(x.shape)
 
     return run
 
@@ -279,7 +298,7 @@ xent_rows_bwd_p = _composite(
         [
             _row_factors(shapes[0], 1) + ("n",),
             _row_factors(shapes[0], 1),
-            _row_factors(shapes[0], 1) + ("two",),
+            _row_factors(shapes[0], 1) + ("stats",),
             _row_factors(shapes[0], 1),
         ],
         [_row_factors(shapes[0], 1) + ("n",)],

@@ -14,26 +14,29 @@ namespace detmath {
 
 static_assert(kLanes == 256, "the block trees below are written for 256 lanes");
 
-// The pairwise lane tree (s = 128, 64 in shared memory, 32 ... 1 in warp 0 by shuffles: lane i
-// adds lane i + s, as HostLanes::tree does). Every thread gets the root. `sh` holds kLanes floats;
-// the function starts and ends with a barrier, so `sh` may be reused at once.
+// The pairwise lane tree (lane i adds lane i + s for s = 128, 64, ..., 1, as HostLanes::tree
+// does). Every thread gets the root. After one barrier every warp reads the 256 lane values and
+// walks the same tree (its lane i holds the nodes i, i + 32, ... of each level, then shuffles),
+// so no second barrier is needed to hand out the root. `sh` holds kLanes floats; the function
+// starts and ends with a barrier, so `sh` may be reused at once.
 __device__ __forceinline__ float block_tree_sum(float v, float* sh) {
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, i = t & 31;
   __syncthreads();
   sh[t] = v;
   __syncthreads();
-  if (t < 128) sh[t] = add(sh[t], sh[t + 128]);
-  __syncthreads();
-  if (t < 64) sh[t] = add(sh[t], sh[t + 64]);
-  __syncthreads();
-  if (t < 32) {
-    float r = add(sh[t], sh[t + 32]);
+  float a[8];
 #pragma unroll
-    for (int s = 16; s >= 1; s >>= 1) r = add(r, __shfl_down_sync(0xFFFFFFFFu, r, s));
-    if (t == 0) sh[0] = r;
-  }
+  for (int j = 0; j < 8; ++j) a[j] = sh[i + 32 * j];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a[j] = add(a[j], a[j + 4]);  // s = 128
+#pragma unroll
+  for (int j = 0; j < 2; ++j) a[j] = add(a[j], a[j + 2]);  // s = 64
+  float r = add(a[0], a[1]);                                // s = 32
+#pragma unroll
+  for (int s = 16; s >= 1; s >>= 1) r = add(r, __shfl_down_sync(0xFFFFFFFFu, r, s));
+  r = __shfl_sync(0xFFFFFFFFu, r, 0);
   __syncthreads();
-  return sh[0];
+  return r;
 }
 
 // Two independent trees at once (one barrier sequence): the same bits as two block_tree_sum calls.
@@ -64,7 +67,9 @@ __device__ __forceinline__ float2 block_tree_sum2(float a, float b, float2* sh) 
   return sh[0];
 }
 
-// The maximum over the block (detmath::max does not depend on the order). Every thread gets it.
+// The maximum over the block (detmath::max does not depend on the order). Every thread gets it:
+// every warp reduces the warps' maxima itself (one barrier to publish them). Starts and ends with
+// a barrier, so `sh` may be reused at once.
 __device__ __forceinline__ float block_max(float v, float* sh) {
   const int t = threadIdx.x;
 #pragma unroll
@@ -72,14 +77,11 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
   __syncthreads();
   if ((t & 31) == 0) sh[t >> 5] = v;
   __syncthreads();
-  if (t < 32) {
-    float r = t < kLanes / 32 ? sh[t] : neg_inf();
+  float r = sh[t & (kLanes / 32 - 1)];  // every group of 8 lanes holds the 8 warps' maxima
 #pragma unroll
-    for (int s = 16; s >= 1; s >>= 1) r = max(r, __shfl_xor_sync(0xFFFFFFFFu, r, s));
-    if (t == 0) sh[0] = r;
-  }
+  for (int s = kLanes / 64; s >= 1; s >>= 1) r = max(r, __shfl_xor_sync(0xFFFFFFFFu, r, s));
   __syncthreads();
-  return sh[0];
+  return r;
 }
 
 // The canonical tree sum (detmath::tree_fold's padded tree with add) over up to 32 leaves held by

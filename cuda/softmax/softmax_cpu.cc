@@ -2,11 +2,13 @@
 // deterministic math functions themselves (a test target). Plain loops walking the segments,
 // lanes and trees of softmax_math.h / det_math.h, so the bits equal the CUDA kernels'.
 //
-// Layouts (jaxdet/softmax.py): x, y, g, dx [R, n]; stats float32 [R, 2] = (M, S) per row; labels
+// Layouts (jaxdet/softmax.py): x, y, g, dx [R, n]; stats float32 [R, stat_width(n)] = (M, S, the
+// segments' maxima when there are several) per row (softmax_math.h); labels
 // int32 [R]; per-row losses and their cotangents float32 [R]. The workspace results are used by the
 // CUDA kernels only (rows of several segments); here they are left untouched.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/det_math.h"
 #include "common/ffi_common.h"
@@ -33,17 +35,46 @@ float RowSum(int64_t n, Term term) {
       [](float a, float b) { return dm::add(a, b); });
 }
 
-struct RowStatistics {
-  float M;
-  float S;
-};
-
-// M = the row's max; S = the row sum of e^(x - M).
+// Writes a row's statistics (stat_width(n) floats: M, S and, with several segments, each m_k).
 template <typename S>
-RowStatistics RowStats(const typename S::Bits* x, int64_t n) {
+void RowStats(const typename S::Bits* x, int64_t n, float* st) {
+  const int64_t segments = sm::segment_count(n);
   float M = dm::neg_inf();
-  for (int64_t e = 0; e < n; ++e) M = dm::max(M, S::load(x[e]));
-  return RowStatistics{M, RowSum(n, [&](int64_t e) { return sm::exp_term(S::load(x[e]), M); })};
+  for (int64_t seg = 0; seg < segments; ++seg) {
+    float m = dm::neg_inf();
+    for (int64_t e = seg * sm::kSegment; e < seg * sm::kSegment + sm::segment_length(n, seg); ++e) {
+      m = dm::max(m, S::load(x[e]));
+    }
+    if (segments > 1) st[2 + seg] = m;
+    M = dm::max(M, m);
+  }
+  st[0] = M;
+  st[1] = dm::tree_fold<float>(
+      segments,
+      [&](int64_t seg) {
+        const float m = segments > 1 ? st[2 + seg] : M;
+        dm::HostLanes lanes;
+        for (int64_t e = 0; e < sm::segment_length(n, seg); ++e) {
+          lanes.add_term(e, sm::exp_term(S::load(x[seg * sm::kSegment + e]), m));
+        }
+        return sm::segment_term(lanes.tree(), m, M);
+      },
+      [](float a, float b) { return dm::add(a, b); });
+}
+
+// Every segment's (m_k, w_k) of a row from its statistics.
+std::vector<sm::SegmentScale> SegmentScales(const float* st, int64_t n) {
+  const int64_t segments = sm::segment_count(n);
+  std::vector<sm::SegmentScale> scales(segments);
+  for (int64_t seg = 0; seg < segments; ++seg) scales[seg] = sm::segment_scale(st, seg, segments);
+  return scales;
+}
+
+// p of element e of a row.
+template <typename S>
+float Prob(const typename S::Bits* x, const std::vector<sm::SegmentScale>& scales, int64_t e) {
+  const sm::SegmentScale& sc = scales[e / sm::kSegment];
+  return sm::prob(S::load(x[e]), sc.m, sc.w);
 }
 
 template <typename S>
@@ -52,15 +83,14 @@ void SoftmaxRows(const void* x, void* y, float* stats, int64_t rows, int64_t n, 
   for (int64_t r = 0; r < rows; ++r) {
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
     Bits* yr = static_cast<Bits*>(y) + r * n;
-    const RowStatistics st = RowStats<S>(xr, n);
-    stats[2 * r] = st.M;
-    stats[2 * r + 1] = st.S;
+    float* st = stats + r * sm::stat_width(n);
+    RowStats<S>(xr, n, st);
     if (mode == sm::kSoftmax) {
-      const float inv_s = sm::reciprocal(st.S);
-      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::prob(S::load(xr[e]), st.M, inv_s));
+      const std::vector<sm::SegmentScale> scales = SegmentScales(st, n);
+      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(Prob<S>(xr, scales, e));
     } else {
-      const float log_s = dm::log(st.S);
-      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::log_prob(S::load(xr[e]), st.M, log_s));
+      const float log_s = dm::log(st[1]);
+      for (int64_t e = 0; e < n; ++e) yr[e] = S::store(sm::log_prob(S::load(xr[e]), st[0], log_s));
     }
   }
 }
@@ -85,11 +115,11 @@ void SoftmaxBwdRows(const void* x, const float* stats, const void* g, void* dx, 
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
     const Bits* gr = static_cast<const Bits*>(g) + r * n;
     Bits* dr = static_cast<Bits*>(dx) + r * n;
-    const float M = stats[2 * r], inv_s = sm::reciprocal(stats[2 * r + 1]);
-    const float total = RowSum(
-        n, [&](int64_t e) { return sm::bwd_term(S::load(gr[e]), sm::prob(S::load(xr[e]), M, inv_s), mode); });
+    const std::vector<sm::SegmentScale> scales = SegmentScales(stats + r * sm::stat_width(n), n);
+    const float total =
+        RowSum(n, [&](int64_t e) { return sm::bwd_term(S::load(gr[e]), Prob<S>(xr, scales, e), mode); });
     for (int64_t e = 0; e < n; ++e) {
-      dr[e] = S::store(sm::bwd(S::load(gr[e]), sm::prob(S::load(xr[e]), M, inv_s), total, mode));
+      dr[e] = S::store(sm::bwd(S::load(gr[e]), Prob<S>(xr, scales, e), total, mode));
     }
   }
 }
@@ -103,6 +133,7 @@ ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::Any
   if (g.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (rows == 0 || n == 0) return ffi::Error::Success();
+  if (auto err = sm::stats_fit(stats, rows, sm::stat_width(n), kOp); !err.success()) return err;
   IeeeSubnormalsScope ieee;
   JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
                         SoftmaxBwdRows<S>(x.untyped_data(), stats.typed_data(), g.untyped_data(),
@@ -116,15 +147,14 @@ void XentRows(const void* x, const int32_t* labels, float* out, float* stats, in
   using Bits = typename S::Bits;
   for (int64_t r = 0; r < rows; ++r) {
     const Bits* xr = static_cast<const Bits*>(x) + r * n;
-    const RowStatistics st = RowStats<S>(xr, n);
-    stats[2 * r] = st.M;
-    stats[2 * r + 1] = st.S;
+    float* st = stats + r * sm::stat_width(n);
+    RowStats<S>(xr, n, st);
     const int32_t label = labels[r];
     const bool valid = label >= 0 && label < n;
     const float x_label = valid ? S::load(xr[label]) : 0.0f;
-    const float log_s = dm::log(st.S);
-    out[r] = log_prob ? sm::label_log_prob(x_label, st.M, log_s, valid)
-                      : sm::cross_entropy(x_label, st.M, log_s, valid);
+    const float log_s = dm::log(st[1]);
+    out[r] = log_prob ? sm::label_log_prob(x_label, st[0], log_s, valid)
+                      : sm::cross_entropy(x_label, st[0], log_s, valid);
   }
 }
 
@@ -155,9 +185,10 @@ void XentBwdRows(const void* x, const int32_t* labels, const float* stats, const
     Bits* dr = static_cast<Bits*>(dx) + r * n;
     const int32_t label = labels[r];
     const bool valid = label >= 0 && label < n;
-    const float M = stats[2 * r], inv_s = sm::reciprocal(stats[2 * r + 1]), gr = g[r];
+    const std::vector<sm::SegmentScale> scales = SegmentScales(stats + r * sm::stat_width(n), n);
+    const float gr = g[r];
     for (int64_t e = 0; e < n; ++e) {
-      dr[e] = S::store(sm::xent_bwd(gr, sm::prob(S::load(xr[e]), M, inv_s), e == label, valid));
+      dr[e] = S::store(sm::xent_bwd(gr, Prob<S>(xr, scales, e), e == label, valid));
     }
   }
 }
@@ -168,6 +199,7 @@ ffi::Error XentBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Buffe
   int64_t rows, n;
   if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
+  if (auto err = sm::stats_fit(stats, rows, sm::stat_width(n), kOp); !err.success()) return err;
   IeeeSubnormalsScope ieee;
   JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
                         XentBwdRows<S>(x.untyped_data(), labels.typed_data(), stats.typed_data(), g.typed_data(),
@@ -185,9 +217,9 @@ ffi::Error DetMathCpu(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>
   for (int64_t i = 0; i < count; ++i) {
     const float v = src[i];
     dst[i] = dm::canonical(op == 0   ? dm::exp(v)
-                            : op == 1 ? dm::log(v)
-                            : op == 2 ? dm::rsqrt(v)
-                                      : dm::exp_nonpositive(v));
+                           : op == 1 ? dm::log(v)
+                           : op == 2 ? dm::rsqrt(v)
+                                     : dm::exp_nonpositive(v));
   }
   return ffi::Error::Success();
 }

@@ -1,20 +1,23 @@
 // CUDA targets of softmax, log_softmax and cross-entropy. A 256-thread block works on one segment
 // of one row at a time (thread t is lane t of the canonical span order), so a row's bits depend on
-// that row only, never on the number of rows or the launch grid.
+// that row only, never on the number of rows or the launch grid. Each segment is reduced against
+// its own max (softmax_math.h), so a block needs no other block's result before its exponentials.
 //
 //   rows of one segment (n <= 8192): one fused kernel per call; the row is held in registers, so
 //     x is read once (forward) or x and g once (backward).
-//   rows of 2 to 16 segments on GPUs with thread block clusters (Hopper and later): one cluster per
-//     row, block r holding segment r in registers; the segments' maxima and partial sums reach
-//     every block's shared memory (Slots), where every block combines them by the same tree. x is
-//     read once and e^(x - M) computed once per element (forward); x and g read once (backward).
-//   other rows of several segments: passes over the row with the partials in a float32 workspace
-//     (maxima, then sums of e^(x - M), then each row's (M, S), then the outputs; in the backward
-//     partial sums, then the outputs), segments of one row in parallel.
+//   softmax / log_softmax, rows of 2 to 16 segments on GPUs with thread block clusters (Hopper and
+//     later): one cluster per row, block r holding segment r in registers; the segments' maxima
+//     and sums reach every block's shared memory (Slots, one exchange per row), where every block
+//     combines them by the same tree. x is read once and e^(x - m) computed once per element.
+//   cross-entropy, rows of several segments: every (row, segment) reduced independently into the
+//     workspace (no block waits for another), then one warp per row combines its segments.
+//   other rows of several segments: the same, then the outputs (x read twice); in the backward,
+//     partial sums, then the outputs.
+//   backward of rows of 2 to 16 segments with clusters: block r holds segment r of x and g; the
+//     segments' partial sums reach every block (Slots).
 //
-// Layouts as in softmax_cpu.cc; the workspace is float32 [R, segments, 2] (forward) or
-// [R, segments] (backward) when rows have several segments, else empty (the cluster kernels leave
-// it untouched).
+// Layouts as in softmax_cpu.cc (stats float32 [R, stat_width(n)]); the workspace is float32 [R,
+// segments, 2] (forward) or [R, segments] (backward) when rows have several segments, else empty.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -149,6 +152,34 @@ __device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t 
   return dm::block_tree_sum(acc, sh);
 }
 
+// v's elements x -> e^(x - m) (sm::exp_term, with its test of m taken once: m is the block's).
+template <int kSteps>
+__device__ __forceinline__ void to_exp(float (&v)[kSteps][kVec], float m) {
+  const bool empty = m == dm::neg_inf();
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[k][j] = empty ? 0.0f : v[k][j];
+  }
+  if (empty) return;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[k][j] = dm::exp_nonpositive(dm::sub(v[k][j], m));
+  }
+}
+
+// v's elements x -> p = e^(x - m) * w (sm::prob) for a segment of scale sc.
+template <int kSteps>
+__device__ __forceinline__ void to_prob(float (&v)[kSteps][kVec], sm::SegmentScale sc) {
+  to_exp<kSteps>(v, sc.m);
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[k][j] = dm::mul(v[k][j], sc.w);
+  }
+}
+
 // The row's sum from its segments' partial sums by the canonical tree, computed by warp 0 and
 // broadcast to the block through shared memory.
 __device__ __forceinline__ float row_sum_from(const float* __restrict__ ws, int64_t segments, float* shared) {
@@ -161,15 +192,12 @@ __device__ __forceinline__ float row_sum_from(const float* __restrict__ ws, int6
   return *shared;
 }
 
-// Softmax or log_softmax of the span held in v; `numerators`: v holds e^(x - M) already (the same
-// bits as prob's own exp, except that a row of all -inf gives 0 / 0 instead of NaN / 0: NaN
-// either way, stored canonical).
+// Softmax or log_softmax of the span held in v. Softmax: v holds the numerators e^(x - m) (the
+// terms of the segment's sum) and the outputs are e * w (sm::prob's bits); log_softmax: v holds x.
 template <typename S, int kSteps>
 __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], typename S::Bits* __restrict__ y,
-                                              int64_t len, bool vec, float M, float Ssum, int32_t mode,
-                                              bool numerators) {
+                                              int64_t len, bool vec, int32_t mode, float M, float Ssum, float w) {
   const float log_s = mode == sm::kLogSoftmax ? dm::log(Ssum) : 0.0f;
-  const float inv_s = sm::reciprocal(Ssum);
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int64_t base = k * kStep + threadIdx.x * kVec;
@@ -177,8 +205,7 @@ __device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], ty
     float out[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      out[j] = mode == sm::kSoftmax ? (numerators ? dm::mul(v[k][j], inv_s) : sm::prob(v[k][j], M, inv_s))
-                                    : sm::log_prob(v[k][j], M, log_s);
+      out[j] = mode == sm::kSoftmax ? dm::mul(v[k][j], w) : sm::log_prob(v[k][j], M, log_s);
     }
     dm::store_lane<S>(y, base, len, vec, out);
   }
@@ -197,13 +224,13 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     load_span<S, kSteps>(xr, n, dm::vec_aligned<typename S::Bits>(xr), v);
     const float M = span_max<kSteps>(v, n, sh);
     // softmax's numerators are the sum's terms: kept.
-    const bool numerators = mode == sm::kSoftmax;
-    const float Ssum = span_exp_sum<kSteps>(v, n, M, sh, numerators);
+    const float Ssum = sm::segment_term(span_exp_sum<kSteps>(v, n, M, sh, mode == sm::kSoftmax), M, M);
     if (threadIdx.x == 0) {
       stats[2 * row] = M;
       stats[2 * row + 1] = Ssum;
     }
-    write_outputs<S, kSteps>(v, yr, n, dm::vec_aligned<typename S::Bits>(yr), M, Ssum, mode, numerators);
+    const float w = sm::segment_weight(M, M, sm::reciprocal(Ssum));
+    write_outputs<S, kSteps>(v, yr, n, dm::vec_aligned<typename S::Bits>(yr), mode, M, Ssum, w);
   }
 }
 
@@ -227,7 +254,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     float v[kSteps][kVec];
     load_span<S, kSteps>(xr, n, dm::vec_aligned<typename S::Bits>(xr), v);
     const float M = span_max<kSteps>(v, n, sh);
-    const float Ssum = span_exp_sum<kSteps>(v, n, M, sh, false);
+    const float Ssum = sm::segment_term(span_exp_sum<kSteps>(v, n, M, sh, false), M, M);
     if (threadIdx.x == 0) {
       stats[2 * row] = M;
       stats[2 * row + 1] = Ssum;
@@ -236,7 +263,72 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   }
 }
 
-// ---- Rows of 2 to 16 segments, GPUs with thread block clusters: one cluster per row. ----
+// ---- Staging: the next item's segment is copied into shared memory (cp.async) while this one is
+// computed. ----
+
+// Each thread stages exactly the vectors it will read itself, so it waits for its own copies only, and
+// it issues the next copy into the same buffer after converting this row's values to registers.
+template <typename Bits>
+__device__ __forceinline__ void stage_span(typename dm::Vec<Bits>* __restrict__ stage,
+                                           const Bits* __restrict__ src, int64_t len) {
+  constexpr int kSteps = sm::kSegmentSteps;
+  if (dm::vec_aligned<Bits>(src)) {
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
+      if (base + kVec <= len) {
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + base / kVec));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src + base),
+                     "n"(sizeof(dm::Vec<Bits>)));
+      }
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// The staged span into v (elements past len read as 0); vectors that were not staged (a short
+// vector at the end, a misaligned row) come from global memory.
+template <typename S>
+__device__ __forceinline__ void load_staged(const typename dm::Vec<typename S::Bits>* __restrict__ stage,
+                                            const typename S::Bits* __restrict__ src, int64_t len,
+                                            float (&v)[sm::kSegmentSteps][kVec]) {
+  using Bits = typename S::Bits;
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  const bool vec = dm::vec_aligned<Bits>(src);
+#pragma unroll
+  for (int k = 0; k < sm::kSegmentSteps; ++k) {
+    const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
+    if (vec && base + kVec <= len) {
+      const dm::Vec<Bits> t = stage[base / kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[k][j] = S::load(t.e[j]);
+    } else {
+      dm::load_lane<S>(src, base, len, false, 0.0f, v[k]);
+    }
+  }
+}
+
+// The staged span's vectors in storage form (as load_span_vecs; after load_staged, whose wait
+// covered these copies too).
+template <typename Bits>
+__device__ __forceinline__ void load_staged_vecs(const dm::Vec<Bits>* __restrict__ stage,
+                                                 const Bits* __restrict__ src, int64_t len,
+                                                 dm::Vec<Bits> (&b)[sm::kSegmentSteps]) {
+  const bool vec = dm::vec_aligned<Bits>(src);
+#pragma unroll
+  for (int k = 0; k < sm::kSegmentSteps; ++k) {
+    const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
+    if (vec && base + kVec <= len) {
+      b[k] = stage[base / kVec];
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) b[k].e[j] = base + j < len ? src[base + j] : Bits{0};
+    }
+  }
+}
+
+// ---- softmax / log_softmax, rows of 2 to 16 segments, GPUs with thread block clusters: one
+// cluster per row. ----
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define JAXDET_SOFTMAX_CLUSTERS 1
 
@@ -309,6 +401,15 @@ __device__ __forceinline__ float slots_max(const Slots& slots, int blocks) {
   return m;
 }
 
+// S from the blocks' maxima and sums: the canonical tree (warp_tree_sum) over the segments' terms
+// s_k * e^(m_k - M) in rank (= segment) order; every warp computes it, every thread gets it.
+__device__ __forceinline__ float slots_row_sum(const Slots& sums, const Slots& maxima, float M, int blocks) {
+  const int lane = threadIdx.x & 31;
+  const int k = lane < blocks ? lane : 0;
+  const float v = dm::warp_tree_sum(sm::segment_term(sums.value[k], maxima.value[k], M), blocks);
+  return __shfl_sync(0xFFFFFFFFu, v, 0);
+}
+
 // The canonical tree sum (warp_tree_sum) of the blocks' values in rank (= segment) order; every
 // warp computes it, every thread gets it.
 __device__ __forceinline__ float slots_tree_sum(const Slots& slots, int blocks) {
@@ -316,77 +417,14 @@ __device__ __forceinline__ float slots_tree_sum(const Slots& slots, int blocks) 
   const float v = dm::warp_tree_sum(slots.value[lane < blocks ? lane : 0], blocks);
   return __shfl_sync(0xFFFFFFFFu, v, 0);
 }
-
-// The next row's segment is copied into shared memory (cp.async) while this row is computed: each
-// thread stages exactly the vectors it will read itself, so it waits for its own copies only, and
-// it issues the next copy into the same buffer after converting this row's values to registers.
-template <typename Bits>
-__device__ __forceinline__ void stage_span(typename dm::Vec<Bits>* __restrict__ stage,
-                                           const Bits* __restrict__ src, int64_t len) {
-  constexpr int kSteps = sm::kSegmentSteps;
-  if (dm::vec_aligned<Bits>(src)) {
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-      const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
-      if (base + kVec <= len) {
-        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + base / kVec));
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src + base),
-                     "n"(sizeof(dm::Vec<Bits>)));
-      }
-    }
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-
-// The staged span into v (elements past len read as 0); vectors that were not staged (a short
-// vector at the end, a misaligned row) come from global memory.
-template <typename S>
-__device__ __forceinline__ void load_staged(const typename dm::Vec<typename S::Bits>* __restrict__ stage,
-                                            const typename S::Bits* __restrict__ src, int64_t len,
-                                            float (&v)[sm::kSegmentSteps][kVec]) {
-  using Bits = typename S::Bits;
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-  const bool vec = dm::vec_aligned<Bits>(src);
-#pragma unroll
-  for (int k = 0; k < sm::kSegmentSteps; ++k) {
-    const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
-    if (vec && base + kVec <= len) {
-      const dm::Vec<Bits> t = stage[base / kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v[k][j] = S::load(t.e[j]);
-    } else {
-      dm::load_lane<S>(src, base, len, false, 0.0f, v[k]);
-    }
-  }
-}
-
-// The staged span's vectors in storage form (as load_span_vecs; after load_staged, whose wait
-// covered these copies too).
-template <typename Bits>
-__device__ __forceinline__ void load_staged_vecs(const dm::Vec<Bits>* __restrict__ stage, const Bits* __restrict__ src,
-                                                 int64_t len, dm::Vec<Bits> (&b)[sm::kSegmentSteps]) {
-  const bool vec = dm::vec_aligned<Bits>(src);
-#pragma unroll
-  for (int k = 0; k < sm::kSegmentSteps; ++k) {
-    const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
-    if (vec && base + kVec <= len) {
-      b[k] = stage[base / kVec];
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) b[k].e[j] = base + j < len ? src[base + j] : Bits{0};
-    }
-  }
-}
 #endif
 
-// Block r of a row's cluster holds segment r: its max, then (after the cluster's M) its sum of
-// e^(x - M), reach every block of the cluster (Slots). Softmax / log_softmax outputs, or (kXent)
-// the cross-entropy (mode: 1 for the label's log-prob).
-template <typename S, bool kXent>
+// Block r of a row's cluster holds segment r: its max m_r and its sum of e^(x - m_r) reach every
+// block of the cluster together (Slots), which all combine them into the row's M and S.
+template <typename S>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     ClusterFwdKernel(const typename S::Bits* __restrict__ x, typename S::Bits* __restrict__ y,
-                     const int32_t* __restrict__ labels, float* __restrict__ out, float* __restrict__ stats,
-                     int64_t rows, int64_t n, int32_t mode) {
+                     float* __restrict__ stats, int64_t rows, int64_t n, int32_t mode) {
 #ifdef JAXDET_SOFTMAX_CLUSTERS
   using Bits = typename S::Bits;
   constexpr int kSteps = sm::kSegmentSteps;
@@ -397,7 +435,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   const int segments = static_cast<int>(cluster.num_blocks());
   const int seg = static_cast<int>(cluster.block_rank());
   const int64_t len = sm::segment_length(n, seg);
-  const bool numerators = !kXent && mode == sm::kSoftmax;
+  const int64_t width = sm::stat_width(n);
   slots_init(&exchange[0][0], 4);
   cluster.sync();  // every block's mbarriers exist before any value is sent
   if (blockIdx.y < rows) stage_span<Bits>(stage, x + int64_t{blockIdx.y} * n + seg * sm::kSegment, len);
@@ -409,30 +447,36 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     float v[kSteps][kVec];
     load_staged<S>(stage, x + offset, len, v);
     if (row + gridDim.y < rows) stage_span<Bits>(stage, x + offset + int64_t{gridDim.y} * n, len);
-    slots_send(row_maxima, span_max<kSteps>(v, len, sh), seg, segments);
+    const float m = span_max<kSteps>(v, len, sh);
+    // softmax's numerators are the sum's terms: kept.
+    const float s = span_exp_sum<kSteps>(v, len, m, sh, mode == sm::kSoftmax);
+    slots_send(row_maxima, m, seg, segments);
+    slots_send(row_sums, s, seg, segments);
     slots_wait(row_maxima, it >> 1);
-    const float M = slots_max(row_maxima, segments);
-    slots_send(row_sums, span_exp_sum<kSteps>(v, len, M, sh, numerators), seg, segments);
     slots_wait(row_sums, it >> 1);
-    const float Ssum = slots_tree_sum(row_sums, segments);
-    if (seg == 0 && threadIdx.x == 0) {
-      stats[2 * row] = M;
-      stats[2 * row + 1] = Ssum;
-      if (kXent) out[row] = xent_value<S>(x + row * n, labels[row], n, M, Ssum, mode != 0);
+    const float M = slots_max(row_maxima, segments);
+    const float Ssum = slots_row_sum(row_sums, row_maxima, M, segments);
+    if (threadIdx.x == 0) {
+      float* st = stats + row * width;
+      st[2 + seg] = m;
+      if (seg == 0) {
+        st[0] = M;
+        st[1] = Ssum;
+      }
     }
-    if (!kXent) {
-      write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<Bits>(y + offset), M, Ssum, mode, numerators);
-    }
+    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<Bits>(y + offset), mode, M, Ssum,
+                             sm::segment_weight(m, M, sm::reciprocal(Ssum)));
   }
   cluster.sync();  // no block leaves while a value may still be on its way to it
 #endif
 }
 
-// ---- Other rows of several segments: passes, partials in the workspace [R, segments] of float2
-// (max, sum of e^(x - M)). ----
+// ---- Other rows of several segments: each (row, segment) reduced into the workspace [R,
+// segments] of float2 (m_k, s_k), then one warp per row; softmax / log_softmax then write the
+// outputs. ----
 
-// Item q = row * segments + seg of a pass kernel's grid-stride loop: its row, the segment's
-// offset in the [rows, n] arrays and its length.
+// Item q = row * segments + seg of a grid-stride loop: its row, the segment's offset in the
+// [rows, n] arrays and its length.
 struct SegmentItem {
   int64_t row, offset, len;
 };
@@ -442,18 +486,31 @@ __device__ __forceinline__ SegmentItem segment_item(int64_t q, int64_t segments,
   return SegmentItem{row, row * n + seg * sm::kSegment, sm::segment_length(n, seg)};
 }
 
-// Pass 1: each (row, segment)'s max.
+// Each (row, segment)'s max m_k and sum s_k of e^(x - m_k); the next item's segment is staged
+// while this one is reduced. No block waits for another.
 template <typename S>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
-    SegmentMaxKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
+    SegmentStatsKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
+  using Bits = typename S::Bits;
+  constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
-  const int64_t segments = sm::segment_count(n);
-  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
+  __shared__ dm::Vec<Bits> stage[sm::kSegment / kVec];
+  const int64_t segments = sm::segment_count(n), items = rows * segments;
+  if (blockIdx.x < items) {
+    const SegmentItem first = segment_item(blockIdx.x, segments, n);
+    stage_span<Bits>(stage, x + first.offset, first.len);
+  }
+  for (int64_t q = blockIdx.x; q < items; q += gridDim.x) {
     const auto [row, offset, len] = segment_item(q, segments, n);
-    float v[sm::kSegmentSteps][kVec];
-    load_span<S, sm::kSegmentSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
-    const float m = span_max<sm::kSegmentSteps>(v, len, sh);
-    if (threadIdx.x == 0) ws[q].x = m;
+    float v[kSteps][kVec];
+    load_staged<S>(stage, x + offset, len, v);
+    if (q + gridDim.x < items) {
+      const SegmentItem next = segment_item(q + gridDim.x, segments, n);
+      stage_span<Bits>(stage, x + next.offset, next.len);
+    }
+    const float m = span_max<kSteps>(v, len, sh);
+    const float s = span_exp_sum<kSteps>(v, len, m, sh, false);
+    if (threadIdx.x == 0) ws[q] = make_float2(m, s);
   }
 }
 
@@ -466,84 +523,54 @@ __device__ __forceinline__ float warp_row_max(const float2* __restrict__ pairs, 
   return m;
 }
 
-// The row's S from its segments' sums: the canonical tree, by one warp (valid in lane 0).
-__device__ __forceinline__ float warp_row_sum(const float2* __restrict__ pairs, int64_t segments) {
-  return dm::warp_tree_sum_of(segments, [&](int64_t i) { return pairs[i].y; });
-}
-
-// Pass 2: each (row, segment)'s sum of e^(x - M); every block first takes M from the row's maxima.
-template <typename S>
-__global__ void __launch_bounds__(kLanes, kMinBlocks)
-    SegmentExpSumKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
-  __shared__ float sh[kLanes];
-  __shared__ float bcast;
-  const int64_t segments = sm::segment_count(n);
-  for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const auto [row, offset, len] = segment_item(q, segments, n);
-    float v[sm::kSegmentSteps][kVec];
-    load_span<S, sm::kSegmentSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
-    // (Every thread read the previous item's bcast before the first barrier of its
-    // block_tree_sum, which thread 0 passed before writing bcast again.)
-    if (threadIdx.x < 32) {
-      const float M = warp_row_max(ws + row * segments, segments);
-      if (threadIdx.x == 0) bcast = M;
-    }
-    __syncthreads();
-    const float part = span_exp_sum<sm::kSegmentSteps>(v, len, bcast, sh, false);
-    if (threadIdx.x == 0) ws[q].y = part;
-  }
-}
-
 // Warps of a grid-stride loop over rows: one warp per row.
 __device__ __forceinline__ int64_t first_warp() { return (int64_t{blockIdx.x} * kLanes + threadIdx.x) / 32; }
 __device__ __forceinline__ int64_t warp_stride() { return int64_t{gridDim.x} * (kLanes / 32); }
 
-// Pass 3: each row's (M, S) into `stats` (softmax, log_softmax) or with the cross-entropy (kXent).
+// Each row's statistics (M, S, the m_k) from its segments' (m_k, s_k), and (kXent) the
+// cross-entropy.
 template <typename S, bool kXent>
 __global__ void __launch_bounds__(kLanes)
     RowStatsKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
                    const float2* __restrict__ ws, float* __restrict__ out, float* __restrict__ stats, int64_t rows,
                    int64_t n, bool log_prob) {
-  const int64_t segments = sm::segment_count(n);
+  const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
+  const int lane = threadIdx.x & 31;
   for (int64_t row = first_warp(); row < rows; row += warp_stride()) {
-    const float M = warp_row_max(ws + row * segments, segments);
-    const float Ssum = warp_row_sum(ws + row * segments, segments);
-    if ((threadIdx.x & 31) == 0) {
-      stats[2 * row] = M;
-      stats[2 * row + 1] = Ssum;
+    const float2* pairs = ws + row * segments;
+    float* st = stats + row * width;
+    const float M = warp_row_max(pairs, segments);
+    const float Ssum =
+        dm::warp_tree_sum_of(segments, [&](int64_t i) { return sm::segment_term(pairs[i].y, pairs[i].x, M); });
+    for (int64_t i = lane; i < segments; i += 32) st[2 + i] = pairs[i].x;
+    if (lane == 0) {
+      st[0] = M;
+      st[1] = Ssum;
       if (kXent) out[row] = xent_value<S>(x + row * n, labels[row], n, M, Ssum, log_prob);
     }
   }
 }
 
-// Pass 4 (softmax, log_softmax): the outputs of each (row, segment).
+// softmax / log_softmax outputs of each (row, segment) from the row's statistics.
 template <typename S>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     SoftmaxOutKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
                      typename S::Bits* __restrict__ y, int64_t rows, int64_t n, int32_t mode) {
   constexpr int kSteps = sm::kSegmentSteps;
-  const int64_t segments = sm::segment_count(n);
+  const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
     const auto [row, offset, len] = segment_item(q, segments, n);
+    const float* st = stats + row * width;
     float v[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
-    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), stats[2 * row],
-                             stats[2 * row + 1], mode, false);
+    const sm::SegmentScale sc = sm::segment_scale(st, q % segments, segments);
+    if (mode == sm::kSoftmax) to_exp<kSteps>(v, sc.m);
+    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), mode, st[0], st[1],
+                             sc.w);
   }
 }
 
 // ---- Backward of softmax / log_softmax. ----
-
-// v's elements x -> p = e^(x - M) * (1 / S) (the probabilities both backward formulas use).
-template <int kSteps>
-__device__ __forceinline__ void to_prob(float (&v)[kSteps][kVec], float M, float Ssum) {
-  const float inv_s = sm::reciprocal(Ssum);
-#pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) v[k][j] = sm::prob(v[k][j], M, inv_s);
-  }
-}
 
 template <typename S, int kSteps>
 __device__ __forceinline__ float span_bwd_sum(const float (&p)[kSteps][kVec],
@@ -586,7 +613,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     dm::Vec<Bits> gv[kSteps];
     load_span<S, kSteps>(x + offset, n, vec, v);
     load_span_vecs<Bits, kSteps>(g + offset, n, vec, gv);
-    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    to_prob<kSteps>(v, sm::segment_scale(stats + 2 * row, 0, 1));
     const float total = span_bwd_sum<S, kSteps>(v, gv, n, mode, sh);
     write_bwd<S, kSteps>(v, gv, dx + offset, n, dm::vec_aligned<Bits>(dx + offset), total, mode);
   }
@@ -601,7 +628,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   using Bits = typename S::Bits;
   constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float sh[kLanes];
-  const int64_t segments = sm::segment_count(n);
+  const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
     const auto [row, offset, len] = segment_item(q, segments, n);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
@@ -609,7 +636,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     dm::Vec<Bits> gv[kSteps];
     load_span<S, kSteps>(x + offset, len, vec, v);
     load_span_vecs<Bits, kSteps>(g + offset, len, vec, gv);
-    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    to_prob<kSteps>(v, sm::segment_scale(stats + row * width, q % segments, segments));
     const float total = span_bwd_sum<S, kSteps>(v, gv, len, mode, sh);
     if (threadIdx.x == 0) ws[q] = total;
   }
@@ -624,7 +651,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   using Bits = typename S::Bits;
   constexpr int kSteps = sm::kSegmentSteps;
   __shared__ float shared;
-  const int64_t segments = sm::segment_count(n);
+  const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
     const auto [row, offset, len] = segment_item(q, segments, n);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
@@ -633,13 +660,14 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     dm::Vec<Bits> gv[kSteps];
     load_span<S, kSteps>(x + offset, len, vec, v);
     load_span_vecs<Bits, kSteps>(g + offset, len, vec, gv);
-    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    to_prob<kSteps>(v, sm::segment_scale(stats + row * width, q % segments, segments));
     write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
   }
 }
 
 // Rows of 2 to 16 segments, GPUs with clusters: block r of a row's cluster holds segment r of x
-// and g; the segments' partial sums reach every block (Slots, alternating between rows).
+// and g; the segments' partial sums reach every block (Slots, alternating between rows). The
+// log_softmax sum (of g) is sent before the probabilities are computed, which then hide its trip.
 template <typename S>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     ClusterBwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
@@ -657,6 +685,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   const int segments = static_cast<int>(cluster.num_blocks());
   const int seg = static_cast<int>(cluster.block_rank());
   const int64_t len = sm::segment_length(n, seg);
+  const int64_t width = sm::stat_width(n);
   slots_init(sums, 2);
   cluster.sync();  // every block's mbarriers exist before any value is sent
   if (blockIdx.y < rows) {
@@ -675,9 +704,12 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
       stage_span<Bits>(stage_x, x + offset + int64_t{gridDim.y} * n, len);
       stage_span<Bits>(stage_g, g + offset + int64_t{gridDim.y} * n, len);
     }
-    to_prob<kSteps>(v, stats[2 * row], stats[2 * row + 1]);
+    const sm::SegmentScale sc = sm::segment_scale(stats + row * width, seg, segments);
     Slots& row_sums = sums[it & 1];
-    slots_send(row_sums, span_bwd_sum<S, kSteps>(v, gv, len, mode, sh), seg, segments);
+    // (log_softmax's terms are g alone: sent before the probabilities exist)
+    if (mode != sm::kSoftmax) slots_send(row_sums, span_bwd_sum<S, kSteps>(v, gv, len, mode, sh), seg, segments);
+    to_prob<kSteps>(v, sc);
+    if (mode == sm::kSoftmax) slots_send(row_sums, span_bwd_sum<S, kSteps>(v, gv, len, mode, sh), seg, segments);
     slots_wait(row_sums, it >> 1);
     const float total = slots_tree_sum(row_sums, segments);
     write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
@@ -693,14 +725,15 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
                   const float* __restrict__ stats, const float* __restrict__ g, typename S::Bits* __restrict__ dx,
                   int64_t rows, int64_t n) {
   using Bits = typename S::Bits;
-  const int64_t segments = sm::segment_count(n);
+  const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
     const auto [row, offset, len] = segment_item(q, segments, n);
     float v[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<Bits>(x + offset), v);
     const int32_t label = labels[row];
     const bool valid = label >= 0 && label < n;
-    const float M = stats[2 * row], inv_s = sm::reciprocal(stats[2 * row + 1]), gr = g[row];
+    const float gr = g[row];
+    to_prob<kSteps>(v, sm::segment_scale(stats + row * width, q % segments, segments));
     const bool vec = dm::vec_aligned<Bits>(dx + offset);
     // The label's place in this segment (int: a segment has kSegment elements), -1 if elsewhere.
     const int64_t at = label - (offset - row * n);
@@ -711,9 +744,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
       if (base >= len) continue;
       float out[kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], M, inv_s), base + j == label_here, valid);
-      }
+      for (int j = 0; j < kVec; ++j) out[j] = sm::xent_bwd(gr, v[k][j], base + j == label_here, valid);
       dm::store_lane<S>(dx + offset, base, len, vec, out);
     }
   }
@@ -725,9 +756,9 @@ __global__ void DetMathKernel(const float* __restrict__ x, float* __restrict__ y
        i += int64_t{gridDim.x} * blockDim.x) {
     const float v = x[i];
     y[i] = dm::canonical(op == 0   ? dm::exp(v)
-                          : op == 1 ? dm::log(v)
-                          : op == 2 ? dm::rsqrt(v)
-                                    : dm::exp_nonpositive(v));
+                         : op == 1 ? dm::log(v)
+                         : op == 2 ? dm::rsqrt(v)
+                                   : dm::exp_nonpositive(v));
   }
 }
 
@@ -847,14 +878,12 @@ void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats,
         n, (SoftmaxFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, yp, stats, rows, n, mode)));
     return;
   }
-  if (const int clusters = ClusterGrid<ClusterFwdKernel<S, false>>(segments, 0); clusters > 0) {
-    LaunchClusters(ClusterFwdKernel<S, false>, segments, rows, clusters, 0, stream, xp, yp,
-                   static_cast<const int32_t*>(nullptr), static_cast<float*>(nullptr), stats, rows, n, mode);
+  if (const int clusters = ClusterGrid<ClusterFwdKernel<S>>(segments, 0); clusters > 0) {
+    LaunchClusters(ClusterFwdKernel<S>, segments, rows, clusters, 0, stream, xp, yp, stats, rows, n, mode);
     return;
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
-  SegmentMaxKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  SegmentExpSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
+  SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
   RowStatsKernel<S, false>
       <<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(xp, nullptr, pairs, nullptr, stats, rows, n, false);
   SoftmaxOutKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, stats, yp, rows, n, mode);
@@ -893,14 +922,9 @@ void LaunchXentFwd(cudaStream_t stream, const void* x, const int32_t* labels, fl
                           <<<GridFor(rows), kLanes, 0, stream>>>(xp, labels, out, stats, rows, n, log_prob)));
     return;
   }
-  if (const int clusters = ClusterGrid<ClusterFwdKernel<S, true>>(segments, 0); clusters > 0) {
-    LaunchClusters(ClusterFwdKernel<S, true>, segments, rows, clusters, 0, stream, xp, static_cast<Bits*>(nullptr),
-                   labels, out, stats, rows, n, static_cast<int32_t>(log_prob));
-    return;
-  }
+  // Every segment on its own (no cluster: nothing waits for the row's other segments).
   auto* pairs = reinterpret_cast<float2*>(ws);
-  SegmentMaxKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
-  SegmentExpSumKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
+  SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
   RowStatsKernel<S, true>
       <<<GridFor((rows + 7) / 8), kLanes, 0, stream>>>(xp, labels, pairs, out, stats, rows, n, log_prob);
 }
@@ -950,6 +974,7 @@ ffi::Error SoftmaxBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
   if (rows == 0 || n == 0) return ffi::Error::Success();
   if (auto err = CheckWorkspace(*ws, rows, n, 1, kOp); !err.success()) return err;
+  if (auto err = sm::stats_fit(stats, rows, sm::stat_width(n), kOp); !err.success()) return err;
   JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
                         LaunchSoftmaxBwd<S>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
                                             dx->untyped_data(), ws->typed_data(), rows, n, mode));
@@ -980,6 +1005,7 @@ ffi::Error XentBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   int64_t rows, n;
   if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
+  if (auto err = sm::stats_fit(stats, rows, sm::stat_width(n), kOp); !err.success()) return err;
   JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
                         LaunchXentBwd<S>(stream, x.untyped_data(), labels.typed_data(), stats.typed_data(),
                                          g.typed_data(), dx->untyped_data(), rows, n));

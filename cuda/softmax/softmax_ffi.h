@@ -18,5 +18,14 @@ inline ffi::Error rows_of(const ffi::AnyBuffer& x, int64_t& rows, int64_t& n, co
   return ffi::Error::Success();
 }
 
+// stats is float32 [R, stat_width(n)] (softmax_math.h), as the forward wrote it.
+inline ffi::Error stats_fit(const ffi::Buffer<ffi::F32>& stats, int64_t rows, int64_t width, const char* op) {
+  if (static_cast<int64_t>(stats.element_count()) != rows * width) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": stats must be float32[R, " + std::to_string(width) +
+                                       "]");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace softmax
 }  // namespace jaxdet

@@ -2,13 +2,18 @@
 // for host and device (docs/softmax.md states them; jaxdet/_row_reference.py re-implements them).
 //
 // A row of n elements is cut into segments of kSegment elements (the last may be short; a row of
-// at most kSegment elements is one segment). M = the row's max (order-free, detmath::max). Per
-// segment, s = the canonical span sum (det_math.h) of e^(x - M) (every term 0 when M = -inf); the
-// segments' sums are combined by the canonical padded tree (detmath::tree_fold) with plain
-// addition, giving S; probabilities multiply by its reciprocal. Every other row sum (of g * p, or of g, in the backward) uses the same
-// segments and tree. Everything is float32, rounded after every operation. M first and one
-// exponential per element (not per-segment maxima merged by rescaling): a kernel that holds a
-// segment computes each e^(x - M) once and keeps it for softmax's output.
+// at most kSegment elements is one segment). Per segment k: m_k = its max (order-free,
+// detmath::max) and s_k = the canonical span sum (det_math.h) of e^(x - m_k) (every term 0 when
+// m_k = -inf). M = the max of the m_k (the row's max); S = the canonical padded tree
+// (detmath::tree_fold) with plain addition over the segments' terms s_k * e^(m_k - M). A
+// probability is e^(x - m_k) * w_k with w_k = e^(m_k - M) * (1 / S). Every other row sum (of g * p,
+// or of g, in the backward) uses the same segments and tree. Everything is float32, rounded after
+// every operation. Each segment is reduced against its own max, so no segment waits for the others
+// before its exponentials (one per element); with one segment (m_0 = M, e^0 = 1) S = s_0 and
+// w_0 = 1 / S.
+//
+// The statistics a forward saves for its backward: float32 [R, stat_width(n)] = M, S and (rows of
+// several segments) every m_k.
 #pragma once
 
 #include <cstdint>
@@ -34,13 +39,41 @@ JAXDET_HD int64_t segment_length(int64_t n, int64_t seg) {
   return rest < kSegment ? rest : kSegment;
 }
 
+JAXDET_HD int64_t stat_width(int64_t n) { return segment_count(n) > 1 ? 2 + segment_count(n) : 2; }
+
 // 1 / S, once per row: every probability is a product with it (a division per element would cost
 // the GPU a slow-path branch per element, which keeps it from interleaving the elements' math).
 JAXDET_HD float reciprocal(float S) { return dm::div(1.0f, S); }
 
-// p = e^(x - M) * (1 / S): softmax's output before storage rounding, and the probabilities every
-// backward uses (inv_s = reciprocal(S)).
-JAXDET_HD float prob(float x, float M, float inv_s) { return dm::mul(dm::exp_nonpositive(dm::sub(x, M)), inv_s); }
+// The term S sums for element x of a segment whose max is m: e^(x - m) (0 when m = -inf). x - m is
+// never positive (NaN when the segment has one), hence exp_nonpositive.
+JAXDET_HD float exp_term(float x, float m) {
+  return m == dm::neg_inf() ? 0.0f : dm::exp_nonpositive(dm::sub(x, m));
+}
+
+// Segment k's leaf of S's tree: s_k * e^(m_k - M) (0 for a segment of -inf).
+JAXDET_HD float segment_term(float s, float m, float M) {
+  return m == dm::neg_inf() ? 0.0f : dm::mul(s, dm::exp_nonpositive(dm::sub(m, M)));
+}
+
+// Segment k's weight w_k = e^(m_k - M) * (1 / S) (inv_s = reciprocal(S)).
+JAXDET_HD float segment_weight(float m, float M, float inv_s) {
+  return dm::mul(dm::exp_nonpositive(dm::sub(m, M)), inv_s);
+}
+
+// p = e^(x - m) * w for an element of a segment with max m and weight w: softmax's output before
+// storage rounding, and the probabilities every backward uses.
+JAXDET_HD float prob(float x, float m, float w) { return dm::mul(exp_term(x, m), w); }
+
+// A segment's max m and weight w from a row's statistics (stat_width(n) floats: M, S, m_k ...).
+struct SegmentScale {
+  float m, w;
+};
+JAXDET_HD SegmentScale segment_scale(const float* row_stats, int64_t seg, int64_t segments) {
+  const float M = row_stats[0];
+  const float m = segments > 1 ? row_stats[2 + seg] : M;
+  return SegmentScale{m, segment_weight(m, M, reciprocal(row_stats[1]))};
+}
 
 // log_softmax = (x - M) - ln S.
 JAXDET_HD float log_prob(float x, float M, float log_s) { return dm::sub(dm::sub(x, M), log_s); }
@@ -67,12 +100,6 @@ JAXDET_HD float bwd(float g, float p, float total, int32_t mode) {
 JAXDET_HD float xent_bwd(float g, float p, bool is_label, bool valid) {
   if (!valid) return g == 0.0f ? 0.0f : dm::nan();
   return dm::mul(g, is_label ? dm::sub(p, 1.0f) : p);
-}
-
-// The term S sums for element x: e^(x - M) (0 for a row whose max is -inf). x - M is never
-// positive (M is the row's max; NaN when the row has one), hence exp_nonpositive.
-JAXDET_HD float exp_term(float x, float M) {
-  return M == dm::neg_inf() ? 0.0f : dm::exp_nonpositive(dm::sub(x, M));
 }
 
 }  // namespace softmax
