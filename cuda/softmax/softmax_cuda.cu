@@ -106,11 +106,11 @@ __device__ __forceinline__ void for_lane_elements(int64_t len, F f) {
 // The maximum of the span held in v (len elements), as detmath::max defines it. Every thread gets
 // it. A NaN-propagating maximum (one instruction) finds the value; only a zero maximum, whose sign
 // that instruction may get wrong, is settled by the exact walk.
-template <int kSteps>
-__device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_t len, float* sh) {
+template <int kSteps, typename Value>
+__device__ __forceinline__ float span_max_of(Value value, int64_t len, float* sh) {
   float m = dm::neg_inf();
   for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
-    if (inside) m = fmax_nan(m, v[k][j]);
+    if (inside) m = fmax_nan(m, value(k, j));
   });
   if (__syncthreads_or(m != m)) return dm::nan();
   m = dm::block_max(m, sh);
@@ -120,52 +120,52 @@ __device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      if (in_span(k, j, len)) exact = dm::max(exact, v[k][j]);
+      if (in_span(k, j, len)) exact = dm::max(exact, value(k, j));
     }
   }
   return dm::block_max(exact, sh);
 }
 
-// The span's sum of e^(x - M) (its part of S). Every thread gets it. With keep_exp, v's elements
-// are replaced by their terms e^(x - M) (softmax's numerators). The terms are sm::exp_term's, with
-// its test of M taken once for the block (M is the block's): per element it would put a branch
-// around each exponential, which keeps a thread from interleaving its elements' math.
+template <int kSteps>
+__device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_t len, float* sh) {
+  return span_max_of<kSteps>([&](int k, int j) { return v[k][j]; }, len, sh);
+}
+
+// The span's sum of e^(x - M) (sm::exp_term's terms). Every thread gets it. With keep_exp, v's
+// elements are replaced by their terms (softmax's numerators).
 template <int kSteps>
 __device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t len, float M, float* sh,
                                               bool keep_exp) {
-  if (M == dm::neg_inf()) {  // a row of -inf: every term is +0, and so is the sum
-    if (keep_exp) {
-#pragma unroll
-      for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) v[k][j] = 0.0f;
-      }
-    }
-    return 0.0f;
-  }
+  const float origin = sm::exp_origin(M);
   float acc = 0.0f;
   for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
-    const float e = dm::exp_nonpositive(dm::sub(v[k][j], M));
+    const float e = dm::exp_nonpositive(dm::sub(v[k][j], origin));
     if (inside) acc = dm::add(acc, e);
     if (keep_exp) v[k][j] = e;
   });
   return dm::block_tree_sum(acc, sh);
 }
 
-// v's elements x -> e^(x - m) (sm::exp_term, with its test of m taken once: m is the block's).
+// span_exp_sum of the elements value(k, j) (nothing kept).
+template <int kSteps, typename Value>
+__device__ __forceinline__ float span_exp_sum_of(Value value, int64_t len, float M, float* sh) {
+  const float origin = sm::exp_origin(M);
+  float acc = 0.0f;
+  for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
+    const float e = dm::exp_nonpositive(dm::sub(value(k, j), origin));
+    if (inside) acc = dm::add(acc, e);
+  });
+  return dm::block_tree_sum(acc, sh);
+}
+
+// v's elements x -> e^(x - m) (sm::exp_term).
 template <int kSteps>
 __device__ __forceinline__ void to_exp(float (&v)[kSteps][kVec], float m) {
-  const bool empty = m == dm::neg_inf();
+  const float origin = sm::exp_origin(m);
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) v[k][j] = empty ? 0.0f : v[k][j];
-  }
-  if (empty) return;
-#pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) v[k][j] = dm::exp_nonpositive(dm::sub(v[k][j], m));
+    for (int j = 0; j < kVec; ++j) v[k][j] = dm::exp_nonpositive(dm::sub(v[k][j], origin));
   }
 }
 
@@ -286,6 +286,9 @@ __device__ __forceinline__ void stage_span(typename dm::Vec<Bits>* __restrict__ 
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
+// Waits for this thread's staged copies.
+__device__ __forceinline__ void wait_staged() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // The staged span into v (elements past len read as 0); vectors that were not staged (a short
 // vector at the end, a misaligned row) come from global memory.
 template <typename S>
@@ -293,7 +296,7 @@ __device__ __forceinline__ void load_staged(const typename dm::Vec<typename S::B
                                             const typename S::Bits* __restrict__ src, int64_t len,
                                             float (&v)[sm::kSegmentSteps][kVec]) {
   using Bits = typename S::Bits;
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  wait_staged();
   const bool vec = dm::vec_aligned<Bits>(src);
 #pragma unroll
   for (int k = 0; k < sm::kSegmentSteps; ++k) {
@@ -489,7 +492,7 @@ __device__ __forceinline__ SegmentItem segment_item(int64_t q, int64_t segments,
 // Each (row, segment)'s max m_k and sum s_k of e^(x - m_k); the next item's segment is staged
 // while this one is reduced. No block waits for another.
 template <typename S>
-__global__ void __launch_bounds__(kLanes, kMinBlocks)
+__global__ void __launch_bounds__(kLanes, sizeof(typename S::Bits) == 2 ? kMinBlocks + 1 : kMinBlocks)
     SegmentStatsKernel(const typename S::Bits* __restrict__ x, float2* __restrict__ ws, int64_t rows, int64_t n) {
   using Bits = typename S::Bits;
   constexpr int kSteps = sm::kSegmentSteps;
@@ -502,14 +505,19 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   }
   for (int64_t q = blockIdx.x; q < items; q += gridDim.x) {
     const auto [row, offset, len] = segment_item(q, segments, n);
-    float v[kSteps][kVec];
-    load_staged<S>(stage, x + offset, len, v);
+    // Held in storage form (a bfloat16/float16 segment in half the registers: more resident
+    // blocks), widened at each of the two uses.
+    dm::Vec<Bits> raw[kSteps];
+    wait_staged();
+    load_staged_vecs<Bits>(stage, x + offset, len, raw);
+    const auto value = [&](int k, int j) { return S::load(raw[k].e[j]); };
+    const float m = span_max_of<kSteps>(value, len, sh);
+    // (after the max has used every value read from the stage, so no copy overtakes a read)
     if (q + gridDim.x < items) {
       const SegmentItem next = segment_item(q + gridDim.x, segments, n);
       stage_span<Bits>(stage, x + next.offset, next.len);
     }
-    const float m = span_max<kSteps>(v, len, sh);
-    const float s = span_exp_sum<kSteps>(v, len, m, sh, false);
+    const float s = span_exp_sum_of<kSteps>(value, len, m, sh);
     if (threadIdx.x == 0) ws[q] = make_float2(m, s);
   }
 }
@@ -666,8 +674,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 }
 
 // Rows of 2 to 16 segments, GPUs with clusters: block r of a row's cluster holds segment r of x
-// and g; the segments' partial sums reach every block (Slots, alternating between rows). The
-// log_softmax sum (of g) is sent before the probabilities are computed, which then hide its trip.
+// and g; the segments' partial sums reach every block (Slots, alternating between rows).
 template <typename S>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     ClusterBwdKernel(const typename S::Bits* __restrict__ x, const float* __restrict__ stats,
@@ -696,6 +703,8 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   uint32_t it = 0;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y, ++it) {
     const int64_t offset = row * n + seg * sm::kSegment;
+    // (before the segment is live in registers: the division's slow path is a call)
+    const sm::SegmentScale sc = sm::segment_scale(stats + row * width, seg, segments);
     float v[kSteps][kVec];
     dm::Vec<Bits> gv[kSteps];
     load_staged<S>(stage_x, x + offset, len, v);
@@ -704,12 +713,9 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
       stage_span<Bits>(stage_x, x + offset + int64_t{gridDim.y} * n, len);
       stage_span<Bits>(stage_g, g + offset + int64_t{gridDim.y} * n, len);
     }
-    const sm::SegmentScale sc = sm::segment_scale(stats + row * width, seg, segments);
     Slots& row_sums = sums[it & 1];
-    // (log_softmax's terms are g alone: sent before the probabilities exist)
-    if (mode != sm::kSoftmax) slots_send(row_sums, span_bwd_sum<S, kSteps>(v, gv, len, mode, sh), seg, segments);
     to_prob<kSteps>(v, sc);
-    if (mode == sm::kSoftmax) slots_send(row_sums, span_bwd_sum<S, kSteps>(v, gv, len, mode, sh), seg, segments);
+    slots_send(row_sums, span_bwd_sum<S, kSteps>(v, gv, len, mode, sh), seg, segments);
     slots_wait(row_sums, it >> 1);
     const float total = slots_tree_sum(row_sums, segments);
     write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
@@ -733,7 +739,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     const int32_t label = labels[row];
     const bool valid = label >= 0 && label < n;
     const float gr = g[row];
-    to_prob<kSteps>(v, sm::segment_scale(stats + row * width, q % segments, segments));
+    const sm::SegmentScale sc = sm::segment_scale(stats + row * width, q % segments, segments);
     const bool vec = dm::vec_aligned<Bits>(dx + offset);
     // The label's place in this segment (int: a segment has kSegment elements), -1 if elsewhere.
     const int64_t at = label - (offset - row * n);
@@ -744,7 +750,9 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
       if (base >= len) continue;
       float out[kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) out[j] = sm::xent_bwd(gr, v[k][j], base + j == label_here, valid);
+      for (int j = 0; j < kVec; ++j) {
+        out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], sc.m, sc.w), base + j == label_here, valid);
+      }
       dm::store_lane<S>(dx + offset, base, len, vec, out);
     }
   }

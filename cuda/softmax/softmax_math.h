@@ -45,11 +45,13 @@ JAXDET_HD int64_t stat_width(int64_t n) { return segment_count(n) > 1 ? 2 + segm
 // the GPU a slow-path branch per element, which keeps it from interleaving the elements' math).
 JAXDET_HD float reciprocal(float S) { return dm::div(1.0f, S); }
 
-// The term S sums for element x of a segment whose max is m: e^(x - m) (0 when m = -inf). x - m is
+// Where a segment's exponentials are taken from: its max m, or 0 for a segment of -inf (all its x
+// are -inf, and e^(-inf - 0) = 0): one test per segment, none per element.
+JAXDET_HD float exp_origin(float m) { return m == dm::neg_inf() ? 0.0f : m; }
+
+// The term S sums for element x of a segment whose max is m: e^(x - m), 0 when m = -inf. x - m is
 // never positive (NaN when the segment has one), hence exp_nonpositive.
-JAXDET_HD float exp_term(float x, float m) {
-  return m == dm::neg_inf() ? 0.0f : dm::exp_nonpositive(dm::sub(x, m));
-}
+JAXDET_HD float exp_term(float x, float m) { return dm::exp_nonpositive(dm::sub(x, exp_origin(m))); }
 
 // Segment k's leaf of S's tree: s_k * e^(m_k - M) (0 for a segment of -inf).
 JAXDET_HD float segment_term(float s, float m, float M) {
