@@ -724,9 +724,11 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 #endif
 }
 
-// ---- Cross-entropy backward: elementwise, one block per (row, segment). ----
-template <typename S, int kSteps>
-__global__ void __launch_bounds__(kLanes, kMinBlocks)
+// ---- Cross-entropy backward: elementwise, one block per (row, segment) at a time. A thread
+// streams its vectors (a few in flight) rather than holding the segment: few registers, many
+// resident warps. ----
+template <typename S>
+__global__ void __launch_bounds__(kLanes)
     XentBwdKernel(const typename S::Bits* __restrict__ x, const int32_t* __restrict__ labels,
                   const float* __restrict__ stats, const float* __restrict__ g, typename S::Bits* __restrict__ dx,
                   int64_t rows, int64_t n) {
@@ -734,26 +736,57 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
     const auto [row, offset, len] = segment_item(q, segments, n);
-    float v[kSteps][kVec];
-    load_span<S, kSteps>(x + offset, len, dm::vec_aligned<Bits>(x + offset), v);
     const int32_t label = labels[row];
     const bool valid = label >= 0 && label < n;
     const float gr = g[row];
     const sm::SegmentScale sc = sm::segment_scale(stats + row * width, q % segments, segments);
-    const bool vec = dm::vec_aligned<Bits>(dx + offset);
+    const float origin = sm::exp_origin(sc.m);
+    const bool vec_in = dm::vec_aligned<Bits>(x + offset), vec_out = dm::vec_aligned<Bits>(dx + offset);
     // The label's place in this segment (int: a segment has kSegment elements), -1 if elsewhere.
     const int64_t at = label - (offset - row * n);
     const int label_here = valid && at >= 0 && at < len ? static_cast<int>(at) : -1;
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-      const int base = k * kStep + static_cast<int>(threadIdx.x) * kVec;
-      if (base >= len) continue;
-      float out[kVec];
+    const auto grad = [&](int base, const float (&v)[kVec], float (&out)[kVec]) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        out[j] = sm::xent_bwd(gr, sm::prob(v[k][j], sc.m, sc.w), base + j == label_here, valid);
+        const float p = dm::mul(dm::exp_nonpositive(dm::sub(v[j], origin)), sc.w);  // sm::prob
+        out[j] = sm::xent_bwd_valid(gr, p, base + j == label_here);
       }
-      dm::store_lane<S>(dx + offset, base, len, vec, out);
+    };
+    if (!valid) {  // (sm::xent_bwd: x is not read)
+      const float d = sm::xent_bwd_invalid(gr);
+      const float out[kVec] = {d, d, d, d};
+      for (int base = static_cast<int>(threadIdx.x) * kVec; base < len; base += kStep) {
+        dm::store_lane<S>(dx + offset, base, len, vec_out, out);
+      }
+    } else if (len == sm::kSegment && vec_in && vec_out) {  // whole vectors, kBatch loads in flight
+      constexpr int kBatch = 4;
+      const auto* src = reinterpret_cast<const dm::Vec<Bits>*>(x + offset);
+      auto* dst = reinterpret_cast<dm::Vec<Bits>*>(dx + offset);
+#pragma unroll
+      for (int k0 = 0; k0 < sm::kSegmentSteps; k0 += kBatch) {
+        dm::Vec<Bits> t[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) t[b] = src[((k0 + b) * kStep) / kVec + threadIdx.x];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int base = (k0 + b) * kStep + static_cast<int>(threadIdx.x) * kVec;
+          float v[kVec], out[kVec];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) v[j] = S::load(t[b].e[j]);
+          grad(base, v, out);
+          dm::Vec<Bits> o;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) o.e[j] = S::store(out[j]);
+          dst[base / kVec] = o;
+        }
+      }
+    } else {
+      for (int base = static_cast<int>(threadIdx.x) * kVec; base < len; base += kStep) {
+        float v[kVec], out[kVec];
+        dm::load_lane<S>(x + offset, base, len, vec_in, 0.0f, v);
+        grad(base, v, out);
+        dm::store_lane<S>(dx + offset, base, len, vec_out, out);
+      }
     }
   }
 }
@@ -944,9 +977,7 @@ void LaunchXentBwd(cudaStream_t stream, const void* x, const int32_t* labels, co
   const auto* xp = static_cast<const Bits*>(x);
   auto* dp = static_cast<Bits*>(dx);
   const int64_t items = rows * sm::segment_count(n);
-  JAXDET_WITH_STEPS(
-      std::min<int64_t>(n, sm::kSegment),
-      (XentBwdKernel<S, kSteps><<<GridFor(items), kLanes, 0, stream>>>(xp, labels, stats, g, dp, rows, n)));
+  XentBwdKernel<S><<<GridFor(items), kLanes, 0, stream>>>(xp, labels, stats, g, dp, rows, n);
 }
 
 // The workspace must hold `per_segment` floats for every (row, segment) when rows have several.

@@ -99,9 +99,12 @@ JAXDET_HD float bwd(float g, float p, float total, int32_t mode) {
 
 // Cross-entropy gradient: g * (p - [i == label]). An out-of-range label: +0 where g == 0 (a masked
 // token), NaN otherwise.
-JAXDET_HD float xent_bwd(float g, float p, bool is_label, bool valid) {
-  if (!valid) return g == 0.0f ? 0.0f : dm::nan();
+JAXDET_HD float xent_bwd_valid(float g, float p, bool is_label) {
   return dm::mul(g, is_label ? dm::sub(p, 1.0f) : p);
+}
+JAXDET_HD float xent_bwd_invalid(float g) { return g == 0.0f ? 0.0f : dm::nan(); }
+JAXDET_HD float xent_bwd(float g, float p, bool is_label, bool valid) {
+  return valid ? xent_bwd_valid(g, p, is_label) : xent_bwd_invalid(g);
 }
 
 }  // namespace softmax
