@@ -9,8 +9,9 @@
 //     later): one cluster per row, block r holding segment r in registers; the segments' maxima
 //     and sums reach every block's shared memory (Slots, one exchange per row), where every block
 //     combines them by the same tree. x is read once and e^(x - m) computed once per element.
-//   cross-entropy, rows of several segments: every (row, segment) reduced independently into the
-//     workspace (no block waits for another), then one warp per row combines its segments.
+//     The cross-entropy too when its rows fit in one wave of clusters (one launch).
+//   cross-entropy, more rows of several segments: every (row, segment) reduced independently into
+//     the workspace (no block waits for another), then one warp per row combines its segments.
 //   other rows of several segments: the same, then the outputs (x read twice); in the backward,
 //     partial sums, then the outputs.
 //   backward of rows of 2 to 16 segments with clusters: block r holds segment r of x and g; the
@@ -423,11 +424,13 @@ __device__ __forceinline__ float slots_tree_sum(const Slots& slots, int blocks) 
 #endif
 
 // Block r of a row's cluster holds segment r: its max m_r and its sum of e^(x - m_r) reach every
-// block of the cluster together (Slots), which all combine them into the row's M and S.
-template <typename S>
+// block of the cluster together (Slots), which all combine them into the row's M and S. Softmax /
+// log_softmax outputs, or (kXent) the cross-entropy (mode: 1 for the label's log-prob).
+template <typename S, bool kXent>
 __global__ void __launch_bounds__(kLanes, kMinBlocks)
     ClusterFwdKernel(const typename S::Bits* __restrict__ x, typename S::Bits* __restrict__ y,
-                     float* __restrict__ stats, int64_t rows, int64_t n, int32_t mode) {
+                     const int32_t* __restrict__ labels, float* __restrict__ out, float* __restrict__ stats,
+                     int64_t rows, int64_t n, int32_t mode) {
 #ifdef JAXDET_SOFTMAX_CLUSTERS
   using Bits = typename S::Bits;
   constexpr int kSteps = sm::kSegmentSteps;
@@ -452,7 +455,7 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
     if (row + gridDim.y < rows) stage_span<Bits>(stage, x + offset + int64_t{gridDim.y} * n, len);
     const float m = span_max<kSteps>(v, len, sh);
     // softmax's numerators are the sum's terms: kept.
-    const float s = span_exp_sum<kSteps>(v, len, m, sh, mode == sm::kSoftmax);
+    const float s = span_exp_sum<kSteps>(v, len, m, sh, !kXent && mode == sm::kSoftmax);
     slots_send(row_maxima, m, seg, segments);
     slots_send(row_sums, s, seg, segments);
     slots_wait(row_maxima, it >> 1);
@@ -465,10 +468,13 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
       if (seg == 0) {
         st[0] = M;
         st[1] = Ssum;
+        if (kXent) out[row] = xent_value<S>(x + row * n, labels[row], n, M, Ssum, mode != 0);
       }
     }
-    write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<Bits>(y + offset), mode, M, Ssum,
-                             sm::segment_weight(m, M, sm::reciprocal(Ssum)));
+    if (!kXent) {
+      write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<Bits>(y + offset), mode, M, Ssum,
+                               sm::segment_weight(m, M, sm::reciprocal(Ssum)));
+    }
   }
   cluster.sync();  // no block leaves while a value may still be on its way to it
 #endif
@@ -919,8 +925,9 @@ void LaunchSoftmaxFwd(cudaStream_t stream, const void* x, void* y, float* stats,
         n, (SoftmaxFusedKernel<S, kSteps><<<GridFor(rows), kLanes, 0, stream>>>(xp, yp, stats, rows, n, mode)));
     return;
   }
-  if (const int clusters = ClusterGrid<ClusterFwdKernel<S>>(segments, 0); clusters > 0) {
-    LaunchClusters(ClusterFwdKernel<S>, segments, rows, clusters, 0, stream, xp, yp, stats, rows, n, mode);
+  if (const int clusters = ClusterGrid<ClusterFwdKernel<S, false>>(segments, 0); clusters > 0) {
+    LaunchClusters(ClusterFwdKernel<S, false>, segments, rows, clusters, 0, stream, xp, yp,
+                   static_cast<const int32_t*>(nullptr), static_cast<float*>(nullptr), stats, rows, n, mode);
     return;
   }
   auto* pairs = reinterpret_cast<float2*>(ws);
@@ -963,7 +970,13 @@ void LaunchXentFwd(cudaStream_t stream, const void* x, const int32_t* labels, fl
                           <<<GridFor(rows), kLanes, 0, stream>>>(xp, labels, out, stats, rows, n, log_prob)));
     return;
   }
-  // Every segment on its own (no cluster: nothing waits for the row's other segments).
+  // Rows that fit in one wave of clusters: one launch. More rows: every segment on its own (no
+  // block waits for the row's other segments), then one warp per row.
+  if (const int clusters = ClusterGrid<ClusterFwdKernel<S, true>>(segments, 0); clusters > 0 && rows <= clusters) {
+    LaunchClusters(ClusterFwdKernel<S, true>, segments, rows, clusters, 0, stream, xp, static_cast<Bits*>(nullptr),
+                   labels, out, stats, rows, n, static_cast<int32_t>(log_prob));
+    return;
+  }
   auto* pairs = reinterpret_cast<float2*>(ws);
   SegmentStatsKernel<S><<<GridFor(rows * segments), kLanes, 0, stream>>>(xp, pairs, rows, n);
   RowStatsKernel<S, true>
