@@ -255,9 +255,7 @@ def log_softmax(x):
 def segment_sum(terms):
     """A row sum in the softmax order: segments, canonical span sums, the tree with plain adds."""
     terms = _f32(terms)
-    n = terms.shape[1]
-    segments = 1 if n <= SOFTMAX_SEGMENT else -(-n // SOFTMAX_SEGMENT)
-    parts = [span_sum(terms[:, s * SOFTMAX_SEGMENT : (s + 1) * SOFTMAX_SEGMENT]) for s in range(segments)]
+    parts = [span_sum(terms[:, a:b]) for a, b in _segment_bounds(terms.shape[1])]
     return tree_fold(parts, lambda a, b: a + b)
 
 
