@@ -4,6 +4,7 @@
     python benchmarks/attention_bench.py --tiny      # tiny shapes (runs on the CPU, proves the script)
     python benchmarks/attention_bench.py --sanitize  # every kernel once at small shapes (compute-sanitizer)
     python benchmarks/attention_bench.py --profile   # the training forward 3 times (ncu: gpu_session.sh ncu-attention)
+    python benchmarks/attention_bench.py --trace-decode  # where the decode steps' time goes (jax.profiler)
 
 Training: batch 8, sequence 2048 and 8192, 32 query / 8 KV heads, head dim 128 (--head-dim), causal, bfloat16:
 forward, and backward (the gradient of q, k and v; timed as forward + backward minus forward).
@@ -126,6 +127,34 @@ def decode(shapes, dtype, on_gpu, reps, peak):
     print()
 
 
+def trace_decode(shapes, dtype, on_gpu, calls=5):
+    """Five back-to-back decode calls of jaxdet and of each JAX implementation under jax.profiler:
+    the device's busy time against its span tells kernel time from launch and dispatch cost."""
+    from trace_summary import traced
+
+    for B, S, N, K, D in shapes:
+        q = rand(0, (B, 1, N, D), dtype)
+        kc, vc = rand(1, (B, S, K, D), dtype), rand(2, (B, S, K, D), dtype)
+        pos = jnp.full((B, 1), S - 1, jnp.int32)
+        lens = jnp.full((B,), S, jnp.int32)
+        mine = jax.jit(lambda q, k, v, p, n: jaxdet.attention(q, k, v, q_positions=p, kv_lengths=n))
+        runs = [("jaxdet", mine, (q, kc, vc, pos, lens))]
+        runs += [(impl, jax.jit(reference(impl)), (q, kc, vc, lens)) for impl in implementations(on_gpu)]
+        for name, fn, fargs in runs:
+
+            def repeated(*a, fn=fn):
+                out = None
+                for _ in range(calls):
+                    out = fn(*a)
+                return out
+
+            try:
+                summary = traced(repeated, fargs)
+            except Exception as err:  # an implementation that does not support the shape
+                summary = f"n/a ({type(err).__name__})"
+            print(f"\n#### trace: {name}, B {B}, cache {S}, {calls} calls\n\n{summary}")
+
+
 def sanitize():
     """Each kernel once at small shapes: final and split forward, combine, delta, dQ, dK/dV, for
     every dtype and head dimension, with padding, packed segments (several passes per CTA) and
@@ -172,7 +201,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="the training and decode shapes' head dimension")
     parser.add_argument("--training-only", action="store_true", help="skip the decode table")
     parser.add_argument("--profile", action="store_true", help="the first training shape's forward, 3 calls (ncu)")
+    parser.add_argument("--trace-decode", action="store_true", help="profile the decode shapes' calls and exit")
     args = parser.parse_args()
+    if args.trace_decode:
+        on_gpu = jax.devices()[0].platform == "gpu"
+        shapes = [(b, s, 32, 8, args.head_dim) for b, s in ((1, 4096), (1, 32768), (16, 32768))]
+        trace_decode(shapes if on_gpu else [(2, 256, 4, 2, 64)], jnp.bfloat16, on_gpu)
+        return
     if args.sanitize:
         sanitize()
         return

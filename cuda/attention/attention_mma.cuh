@@ -660,15 +660,31 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
     const int64_t r = rest % p.R, bh = rest / p.R;
     const int64_t h = bh % p.H, b = bh / p.H;
     const int64_t limit = row_keys(p.rows, p.T, p.S, b, row_time(p, r)).limit;
+    const int64_t splits = (limit + kSplit - 1) / kSplit;
+    const int64_t first = (b * p.H + h) * ws.nsplit * p.R + r;  // split z at first + z * R
     float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;
-    for (int64_t z = 0; z * kSplit < limit; ++z) {
-      const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
-      const float2 ml = ws.ml[base];
-      if (split_is_empty(ml.x)) continue;
-      const Rescale rs = rescale<FastMath>(m_tot, ml.x);
-      l_tot = merge_term(l_tot, rs.old_scale, ml.y, rs.in_scale);
-      acc = merge_term(acc, rs.old_scale, ws.acc[base * p.D + e], rs.in_scale);
-      m_tot = rs.m_new;
+    // The loads of kBatch splits are issued before their merges (one L2 round trip per batch, not
+    // per split).
+    constexpr int kBatch = 8;
+    for (int64_t z0 = 0; z0 < splits; z0 += kBatch) {
+      float2 ml[kBatch];
+      float part[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (z0 + j < splits) {
+          const int64_t base = first + (z0 + j) * p.R;
+          ml[j] = ws.ml[base];
+          part[j] = ws.acc[base * p.D + e];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (z0 + j >= splits || split_is_empty(ml[j].x)) continue;
+        const Rescale rs = rescale<FastMath>(m_tot, ml[j].x);
+        l_tot = merge_term(l_tot, rs.old_scale, ml[j].y, rs.in_scale);
+        acc = merge_term(acc, rs.old_scale, part[j], rs.in_scale);
+        m_tot = rs.m_new;
+      }
     }
     store_elem<Storage>(o, q_index(p, b, h, r) + e, finish_out(acc, l_tot));
     if (e == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot, l_tot);
