@@ -132,31 +132,36 @@ __device__ __forceinline__ float span_max(const float (&v)[kSteps][kVec], int64_
   return span_max_of<kSteps>([&](int k, int j) { return v[k][j]; }, len, sh);
 }
 
-// The span's sum of e^(x - M) (sm::exp_term's terms). Every thread gets it. With keep_exp, v's
-// elements are replaced by their terms (softmax's numerators).
-template <int kSteps>
-__device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t len, float M, float* sh,
-                                              bool keep_exp) {
+// The span's sum of the terms e^(value(k, j) - M) (sm::exp_term), each also handed to keep(k, j, e).
+// Every thread gets the sum.
+template <int kSteps, typename Value, typename Keep>
+__device__ __forceinline__ float span_exp_sum_kept(Value value, Keep keep, int64_t len, float M, float* sh) {
   const float origin = sm::exp_origin(M);
   float acc = 0.0f;
   for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
-    const float e = dm::exp_nonpositive(dm::sub(v[k][j], origin));
+    const float e = sm::exp_from(value(k, j), origin);
     if (inside) acc = dm::add(acc, e);
-    if (keep_exp) v[k][j] = e;
+    keep(k, j, e);
   });
   return dm::block_tree_sum(acc, sh);
+}
+
+// The span's sum of e^(x - M) over v. With keep_exp, v's elements are replaced by their terms
+// (softmax's numerators).
+template <int kSteps>
+__device__ __forceinline__ float span_exp_sum(float (&v)[kSteps][kVec], int64_t len, float M, float* sh,
+                                              bool keep_exp) {
+  return span_exp_sum_kept<kSteps>([&](int k, int j) { return v[k][j]; },
+                                   [&](int k, int j, float e) {
+                                     if (keep_exp) v[k][j] = e;
+                                   },
+                                   len, M, sh);
 }
 
 // span_exp_sum of the elements value(k, j) (nothing kept).
 template <int kSteps, typename Value>
 __device__ __forceinline__ float span_exp_sum_of(Value value, int64_t len, float M, float* sh) {
-  const float origin = sm::exp_origin(M);
-  float acc = 0.0f;
-  for_lane_elements<kSteps>(len, [&](int k, int j, bool inside) {
-    const float e = dm::exp_nonpositive(dm::sub(value(k, j), origin));
-    if (inside) acc = dm::add(acc, e);
-  });
-  return dm::block_tree_sum(acc, sh);
+  return span_exp_sum_kept<kSteps>(value, [](int, int, float) {}, len, M, sh);
 }
 
 // v's elements x -> e^(x - m) (sm::exp_term).
@@ -166,7 +171,7 @@ __device__ __forceinline__ void to_exp(float (&v)[kSteps][kVec], float m) {
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) v[k][j] = dm::exp_nonpositive(dm::sub(v[k][j], origin));
+    for (int j = 0; j < kVec; ++j) v[k][j] = sm::exp_from(v[k][j], origin);
   }
 }
 
@@ -485,14 +490,14 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
 // outputs. ----
 
 // Item q = row * segments + seg of a grid-stride loop: its row, the segment's offset in the
-// [rows, n] arrays and its length.
+// [rows, n] arrays and its length, and the segment's index in its row.
 struct SegmentItem {
-  int64_t row, offset, len;
+  int64_t row, offset, len, seg;
 };
 
 __device__ __forceinline__ SegmentItem segment_item(int64_t q, int64_t segments, int64_t n) {
   const int64_t row = q / segments, seg = q % segments;
-  return SegmentItem{row, row * n + seg * sm::kSegment, sm::segment_length(n, seg)};
+  return SegmentItem{row, row * n + seg * sm::kSegment, sm::segment_length(n, seg), seg};
 }
 
 // Each (row, segment)'s max m_k and sum s_k of e^(x - m_k); the next item's segment is staged
@@ -510,7 +515,7 @@ __global__ void __launch_bounds__(kLanes, sizeof(typename S::Bits) == 2 ? kMinBl
     stage_span<Bits>(stage, x + first.offset, first.len);
   }
   for (int64_t q = blockIdx.x; q < items; q += gridDim.x) {
-    const auto [row, offset, len] = segment_item(q, segments, n);
+    [[maybe_unused]] const auto [row, offset, len, seg] = segment_item(q, segments, n);
     // Held in storage form (a bfloat16/float16 segment in half the registers: more resident
     // blocks), widened at each of the two uses.
     dm::Vec<Bits> raw[kSteps];
@@ -573,11 +578,11 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   constexpr int kSteps = sm::kSegmentSteps;
   const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const auto [row, offset, len] = segment_item(q, segments, n);
+    const auto [row, offset, len, seg] = segment_item(q, segments, n);
     const float* st = stats + row * width;
     float v[kSteps][kVec];
     load_span<S, kSteps>(x + offset, len, dm::vec_aligned<typename S::Bits>(x + offset), v);
-    const sm::SegmentScale sc = sm::segment_scale(st, q % segments, segments);
+    const sm::SegmentScale sc = sm::segment_scale(st, seg, segments);
     if (mode == sm::kSoftmax) to_exp<kSteps>(v, sc.m);
     write_outputs<S, kSteps>(v, y + offset, len, dm::vec_aligned<typename S::Bits>(y + offset), mode, st[0], st[1],
                              sc.w);
@@ -644,13 +649,13 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   __shared__ float sh[kLanes];
   const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const auto [row, offset, len] = segment_item(q, segments, n);
+    const auto [row, offset, len, seg] = segment_item(q, segments, n);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
     float v[kSteps][kVec];
     dm::Vec<Bits> gv[kSteps];
     load_span<S, kSteps>(x + offset, len, vec, v);
     load_span_vecs<Bits, kSteps>(g + offset, len, vec, gv);
-    to_prob<kSteps>(v, sm::segment_scale(stats + row * width, q % segments, segments));
+    to_prob<kSteps>(v, sm::segment_scale(stats + row * width, seg, segments));
     const float total = span_bwd_sum<S, kSteps>(v, gv, len, mode, sh);
     if (threadIdx.x == 0) ws[q] = total;
   }
@@ -667,14 +672,14 @@ __global__ void __launch_bounds__(kLanes, kMinBlocks)
   __shared__ float shared;
   const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const auto [row, offset, len] = segment_item(q, segments, n);
+    const auto [row, offset, len, seg] = segment_item(q, segments, n);
     const bool vec = dm::vec_aligned<Bits>(x + offset) && dm::vec_aligned<Bits>(g + offset);
     const float total = row_sum_from(ws + row * segments, segments, &shared);
     float v[kSteps][kVec];
     dm::Vec<Bits> gv[kSteps];
     load_span<S, kSteps>(x + offset, len, vec, v);
     load_span_vecs<Bits, kSteps>(g + offset, len, vec, gv);
-    to_prob<kSteps>(v, sm::segment_scale(stats + row * width, q % segments, segments));
+    to_prob<kSteps>(v, sm::segment_scale(stats + row * width, seg, segments));
     write_bwd<S, kSteps>(v, gv, dx + offset, len, dm::vec_aligned<Bits>(dx + offset), total, mode);
   }
 }
@@ -741,11 +746,11 @@ __global__ void __launch_bounds__(kLanes)
   using Bits = typename S::Bits;
   const int64_t segments = sm::segment_count(n), width = sm::stat_width(n);
   for (int64_t q = blockIdx.x; q < rows * segments; q += gridDim.x) {
-    const auto [row, offset, len] = segment_item(q, segments, n);
+    const auto [row, offset, len, seg] = segment_item(q, segments, n);
     const int32_t label = labels[row];
     const bool valid = label >= 0 && label < n;
     const float gr = g[row];
-    const sm::SegmentScale sc = sm::segment_scale(stats + row * width, q % segments, segments);
+    const sm::SegmentScale sc = sm::segment_scale(stats + row * width, seg, segments);
     const float origin = sm::exp_origin(sc.m);
     const bool vec_in = dm::vec_aligned<Bits>(x + offset), vec_out = dm::vec_aligned<Bits>(dx + offset);
     // The label's place in this segment (int: a segment has kSegment elements), -1 if elsewhere.
@@ -754,7 +759,7 @@ __global__ void __launch_bounds__(kLanes)
     const auto grad = [&](int base, const float (&v)[kVec], float (&out)[kVec]) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float p = dm::mul(dm::exp_nonpositive(dm::sub(v[j], origin)), sc.w);  // sm::prob
+        const float p = dm::mul(sm::exp_from(v[j], origin), sc.w);  // sm::prob
         out[j] = sm::xent_bwd_valid(gr, p, base + j == label_here);
       }
     };

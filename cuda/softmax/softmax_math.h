@@ -49,9 +49,12 @@ JAXDET_HD float reciprocal(float S) { return dm::div(1.0f, S); }
 // are -inf, and e^(-inf - 0) = 0): one test per segment, none per element.
 JAXDET_HD float exp_origin(float m) { return m == dm::neg_inf() ? 0.0f : m; }
 
+// e^(x - origin) for origin = exp_origin(m) (computed once per segment by the kernels).
+JAXDET_HD float exp_from(float x, float origin) { return dm::exp_nonpositive(dm::sub(x, origin)); }
+
 // The term S sums for element x of a segment whose max is m: e^(x - m), 0 when m = -inf. x - m is
 // never positive (NaN when the segment has one), hence exp_nonpositive.
-JAXDET_HD float exp_term(float x, float m) { return dm::exp_nonpositive(dm::sub(x, exp_origin(m))); }
+JAXDET_HD float exp_term(float x, float m) { return exp_from(x, exp_origin(m)); }
 
 // Segment k's leaf of S's tree: s_k * e^(m_k - M) (0 for a segment of -inf).
 JAXDET_HD float segment_term(float s, float m, float M) {
