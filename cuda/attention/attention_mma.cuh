@@ -374,16 +374,28 @@ __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], fl
   const int q4 = lane & 3;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    float bm[2] = {dm::neg_inf(), dm::neg_inf()};
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
-        const float x = !kMasked || key < lim[g][i >> 1] ? dm::mul(s[g][nt][i], c) : dm::neg_inf();
-        s[g][nt][i] = x;
-        bm[i >> 1] = fmax_nan(bm[i >> 1], x);
+        s[g][nt][i] = !kMasked || key < lim[g][i >> 1] ? dm::mul(s[g][nt][i], c) : dm::neg_inf();
       }
+    }
+    // The lane's maximum of each row by a tree (exact: the maximum does not depend on the order,
+    // fmax_nan settles (+0, -0) and NaN the same way in either order), both rows interleaved.
+    float bm[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float t[8];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) t[nt] = fmax_nan(s[g][nt][2 * rr], s[g][nt][2 * rr + 1]);
+#pragma unroll
+      for (int w = 4; w >= 1; w /= 2) {
+#pragma unroll
+        for (int i = 0; i < w; ++i) t[i] = fmax_nan(t[i], t[i + w]);
+      }
+      bm[rr] = t[0];
     }
     float mn[2], alpha[2];
     bool empty[2];

@@ -178,9 +178,17 @@ struct WgmmaCore {
     const Elem* src = first_row + i0 * row_stride + c * 8;
     unsigned char* dst =
         reinterpret_cast<unsigned char*>(tile) + (c / 8) * kHalf + i0 * 128 + ((c % 8) ^ (i0 % 8)) * 16;
+    if (valid_rows >= kBlock) {  // every row: no per-row test or address select
+#pragma unroll
+      for (int n = 0; n < kBlock / kStep; ++n) {
+        cp_async16(dst + n * kStep * 128, src, true);
+        src += kStep * row_stride;
+      }
+      return;
+    }
 #pragma unroll
     for (int n = 0; n < kBlock / kStep; ++n) {
-      const bool valid = valid_rows >= kBlock || i0 + n * kStep < valid_rows;
+      const bool valid = i0 + n * kStep < valid_rows;
       cp_async16(dst + n * kStep * 128, valid ? src : any, valid);
       src += kStep * row_stride;
     }
