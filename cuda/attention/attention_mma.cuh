@@ -224,19 +224,25 @@ __device__ __forceinline__ void load_row_info(const Problem& p, int64_t b, int64
   }
 }
 
-// The next pass after the one starting at `cur` (-1 before the first): its start, or INT_MAX.
+// The next pass after the one starting at `cur` (-1 before the first): its start, or INT_MAX, and
+// the largest limit of its rows. Every warp computes it (the lanes split the rows, then a warp
+// reduction), so all get the same answer without a barrier; every lane of the CTA calls it.
 template <int kRows>
 __device__ __forceinline__ int next_pass(PassRows rows, int cur, int* pass_limit) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
   int next = INT_MAX;
-  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+  for (int i = lane; i < kRows; i += 32) {
     const int s = rows.start[i];
     if (s > cur && s < next) next = s;
   }
+  next = __reduce_min_sync(kFullMask, next);
   int limit = 0;
-  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+  for (int i = lane; i < kRows; i += 32) {
     if (rows.start[i] == next) limit = max(limit, rows.limit[i]);
   }
-  *pass_limit = limit;
+  *pass_limit = __reduce_max_sync(kFullMask, limit);
   return next;
 }
 
@@ -482,11 +488,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // The running totals, lane-interleaved so that each access is conflict-free: the lane's
   // accumulator elements (per group: D/8 tiles x 4), then m and l of its rows.
   constexpr int kStashPerLane = Geo::kStashPerLane;
+  // The accumulators are read only once their row's total holds a split (m_tot > -inf): until
+  // then they are 0 (the merge into an empty total reads 0), so they need no initial zeros.
   float* my_stash = stash + warp * kStashPerLane * 32 + lane;
   float* m_tot = my_stash + G * (D / 2) * 32;  // [g][rr] at ((g * 2 + rr) * 32)
   float* l_tot = m_tot + 2 * G * 32;
   if (!split_mode) {
-    for (int i = 0; i < G * D / 2; ++i) my_stash[i * 32] = 0.0f;
     for (int i = 0; i < 2 * G; ++i) {
       m_tot[i * 32] = dm::neg_inf();
       l_tot[i * 32] = 0.0f;
@@ -596,6 +603,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
             if (split_is_empty(m[g][rr])) continue;
             float& mt = m_tot[(g * 2 + rr) * 32];
             float& lt = l_tot[(g * 2 + rr) * 32];
+            const bool total_empty = mt == dm::neg_inf();
             const Rescale rs = rescale<FastMath>(mt, m[g][rr]);
             lt = merge_term(lt, rs.old_scale, l[g][rr], rs.in_scale);
 #pragma unroll
@@ -603,7 +611,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
               for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
                 float& t = my_stash[((g * (D / 8) + dt) * 4 + i) * 32];
-                t = merge_term(t, rs.old_scale, acc[g][dt][i], rs.in_scale);
+                t = merge_term(total_empty ? 0.0f : t, rs.old_scale, acc[g][dt][i], rs.in_scale);
               }
             }
             mt = rs.m_new;
@@ -646,12 +654,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       const int64_t r = r0 + row_local[g][rr];
       if (r >= p.R) continue;
       Bits* out = static_cast<Bits*>(o) + q_index(p, b, h, r);
+      const bool total_empty = m_tot[(g * 2 + rr) * 32] == dm::neg_inf();
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
         const float* t = my_stash + ((g * (D / 8) + dt) * 4 + 2 * rr) * 32;
         const float lt = l_tot[(g * 2 + rr) * 32];
-        const Bits lo = Storage::store(finish_out(t[0], lt));
-        const Bits hi = Storage::store(finish_out(t[32], lt));
+        const Bits lo = Storage::store(finish_out(total_empty ? 0.0f : t[0], lt));
+        const Bits hi = Storage::store(finish_out(total_empty ? 0.0f : t[32], lt));
         *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) =
             static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
       }
