@@ -102,17 +102,24 @@ def training(shapes, dtype, on_gpu, reps):
     print()
 
 
+def decode_inputs(B, S, N, K, D, dtype):
+    """One query per sequence at position S - 1 and a KV cache of S positions: q, k, v, q_positions,
+    kv_lengths."""
+    q = rand(0, (B, 1, N, D), dtype)
+    kc, vc = rand(1, (B, S, K, D), dtype), rand(2, (B, S, K, D), dtype)
+    return q, kc, vc, jnp.full((B, 1), S - 1, jnp.int32), jnp.full((B,), S, jnp.int32)
+
+
+decode_step = jax.jit(lambda q, k, v, p, n: jaxdet.attention(q, k, v, q_positions=p, kv_lengths=n))
+
+
 def decode(shapes, dtype, on_gpu, reps, peak):
     print("## Decode (one query per sequence against a KV cache)\n")
     print("| B | cache | heads q/kv | D | jaxdet ms | HBM fraction | best JAX ms (impl) | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for B, S, N, K, D in shapes:
-        q = rand(0, (B, 1, N, D), dtype)
-        kc, vc = rand(1, (B, S, K, D), dtype), rand(2, (B, S, K, D), dtype)
-        pos = jnp.full((B, 1), S - 1, jnp.int32)
-        lens = jnp.full((B,), S, jnp.int32)
-        mine = jax.jit(lambda q, k, v, p, n: jaxdet.attention(q, k, v, q_positions=p, kv_lengths=n))
-        t = timed(mine, q, kc, vc, pos, lens, reps=reps)
+        q, kc, vc, pos, lens = decode_inputs(B, S, N, K, D, dtype)
+        t = timed(decode_step, q, kc, vc, pos, lens, reps=reps)
         best, best_impl = None, "-"
         for impl in implementations(on_gpu):
             bt = try_time(jax.jit(reference(impl)), q, kc, vc, lens, reps=reps)
@@ -133,12 +140,8 @@ def trace_decode(shapes, dtype, on_gpu, calls=5):
     from trace_summary import traced
 
     for B, S, N, K, D in shapes:
-        q = rand(0, (B, 1, N, D), dtype)
-        kc, vc = rand(1, (B, S, K, D), dtype), rand(2, (B, S, K, D), dtype)
-        pos = jnp.full((B, 1), S - 1, jnp.int32)
-        lens = jnp.full((B,), S, jnp.int32)
-        mine = jax.jit(lambda q, k, v, p, n: jaxdet.attention(q, k, v, q_positions=p, kv_lengths=n))
-        runs = [("jaxdet", mine, (q, kc, vc, pos, lens))]
+        q, kc, vc, pos, lens = decode_inputs(B, S, N, K, D, dtype)
+        runs = [("jaxdet", decode_step, (q, kc, vc, pos, lens))]
         runs += [(impl, jax.jit(reference(impl)), (q, kc, vc, lens)) for impl in implementations(on_gpu)]
         for name, fn, fargs in runs:
 

@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(kLanes, sizeof(typename S::Bits) == 2 ? kMinBl
     stage_span<Bits>(stage, x + first.offset, first.len);
   }
   for (int64_t q = blockIdx.x; q < items; q += gridDim.x) {
-    [[maybe_unused]] const auto [row, offset, len, seg] = segment_item(q, segments, n);
+    const auto [row, offset, len, seg] = segment_item(q, segments, n);
     // Held in storage form (a bfloat16/float16 segment in half the registers: more resident
     // blocks), widened at each of the two uses.
     dm::Vec<Bits> raw[kSteps];
