@@ -140,7 +140,8 @@ void forward_unit(const ForwardArgs& a, int64_t unit) {
         for (int64_t e = 0; e < d.D; ++e) total[e] = merge_term(total[e], r.old_scale, acc[e], r.in_scale);
         m_total = r.m_new;
       }
-      for (int64_t e = 0; e < d.D; ++e) acc[e] = finish_out(total[e], l_total);
+      const float inv_l = out_scale(l_total);
+      for (int64_t e = 0; e < d.D; ++e) acc[e] = finish_out(total[e], inv_l);
       narrow<Storage>(acc.data(), d.D, a.o, qoff);
       a.lse2[((b * d.H + h) * d.T + t) * d.G + g] = finish_lse2<CanonicalMath>(m_total, l_total);
     }

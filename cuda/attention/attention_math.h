@@ -9,7 +9,7 @@
 //   keys are cut into blocks of kBlock positions from position 0, blocks into splits of kSplit;
 //   each split runs the online softmax over its blocks in ascending order from a fresh state
 //   (m = -inf, l = 0, acc = 0) with block_update; the splits are merged into a running total in
-//   ascending order with merge; the output is acc / l, rounded once to the output dtype.
+//   ascending order with merge; the output is acc * (1 / l), rounded once to the output dtype.
 // A block or split with no visible key for a row leaves its state unchanged (the guards below),
 // so processing it or skipping it gives the same bits.
 #pragma once
@@ -138,10 +138,12 @@ JAXDET_HD float merge_term(float total, float a, float part, float b) {
   return dm::add(dm::mul(total, a), dm::mul(part, b));
 }
 
-// The end of a row: out = acc / l, and the log-sum-exp in base 2, lse2 = m + log2(l), which the
+// The end of a row: out = acc * (1 / l), the reciprocal rounded once per row (out_scale) so that
+// a row's D outputs cost one division, and the log-sum-exp in base 2, lse2 = m + log2(l), which the
 // backward uses to recompute probabilities p_j = exp2(x_j - lse2). A row with no visible key has
-// l == 0: out = 0 and lse2 = -inf (a NaN l stays NaN).
-JAXDET_HD float finish_out(float acc, float l) { return l == 0.0f ? 0.0f : dm::div(acc, l); }
+// l == 0 and acc == 0: out = 0 and lse2 = -inf (a NaN l stays NaN).
+JAXDET_HD float out_scale(float l) { return l == 0.0f ? 0.0f : dm::div(1.0f, l); }
+JAXDET_HD float finish_out(float acc, float inv_l) { return dm::mul(acc, inv_l); }
 
 template <class Math>
 JAXDET_HD float finish_lse2(float m, float l) {

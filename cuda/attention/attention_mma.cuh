@@ -114,16 +114,16 @@ __device__ __forceinline__ int64_t row_time(const Problem& p, int64_t r) {
 }
 
 // Copies the query rows r0 .. r0 + kQueryRows - 1 of (b, h) (row r is (t, g) = (r / G, r % G), at
-// q_index) from `base` (q or dO) into a tile of pitch D + kPad; rows from R on are zero-filled. As in
-// load_rows_tile each thread copies one column chunk of every kStep-th row; (t, g) advances by
-// (kStep / G, kStep % G) with a carry, so the thread divides once per tile and its address moves
-// by one of two constants per row.
-template <class Elem, int D, int kThreads, int kQueryRows>
+// q_index) from `base` (q or dO) into a tile laid out by Chunks (pitch D + kPad, or WgmmaCore's
+// swizzled atoms); rows from R on are zero-filled. As in load_rows_tile each thread copies one
+// column chunk of every kStep-th row; (t, g) advances by (kStep / G, kStep % G) with a carry, so the
+// thread divides once per tile and its address moves by one of two constants per row.
+template <class Elem, int D, int kThreads, int kQueryRows, class Chunks = PaddedChunks<D>>
 __device__ __forceinline__ void load_query_tile(Elem* tile, const Elem* base, const Problem& p, int64_t b,
                                                 int64_t h, int64_t r0) {
   constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0 && kQueryRows % kStep == 0, "whole rows per pass of the threads");
-  const int i0 = static_cast<int>(threadIdx.x) / kChunks, col = (static_cast<int>(threadIdx.x) % kChunks) * 8;
+  const int i0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks, col = c * 8;
   const int G = static_cast<int>(p.G);
   const int dg = kStep % G;
   const int64_t time_stride = p.H * p.G * D;  // elements between the rows of consecutive times
@@ -131,11 +131,10 @@ __device__ __forceinline__ void load_query_tile(Elem* tile, const Elem* base, co
   const int64_t t = row_time(p, r0 + i0);
   int g = static_cast<int>(r0 + i0 - t * G);
   const Elem* src = base + ((b * p.T + t) * p.H + h) * G * D + int64_t{g} * D + col;
-  Elem* dst = tile + i0 * (D + kPad) + col;
 #pragma unroll
   for (int n = 0; n < kQueryRows / kStep; ++n) {
     const bool valid = r0 + i0 + n * kStep < p.R;
-    cp_async16(dst + n * kStep * (D + kPad), valid ? src : base, valid);
+    cp_async16(Chunks{}(tile, i0 + n * kStep, c), valid ? src : base, valid);
     g += dg;
     src += step;
     if (g >= G) {
@@ -254,22 +253,25 @@ struct SplitOut {
   int64_t nsplit;  // 0: final mode (the kernel merges the splits and writes o and lse2)
 };
 
-// Shared memory of a forward CTA: the V and K tiles first (Core::kTileAlign: wgmma's swizzle
+// Shared memory of a forward CTA: the V tiles and the K tile first (Core::kTileAlign: wgmma's swizzle
 // needs 1024-byte-aligned tiles), then the query tile, the row descriptions and the running totals.
 template <class Core, int kWarps>
 struct FwdGeom {
   using Elem = typename Core::Elem;
   static constexpr int D = Core::D, kGroups = Core::kGroups;
-  static constexpr int kP = D + kPad;
   static constexpr int kRows = 16 * kGroups * kWarps;
   static constexpr size_t kKV = Core::kTile;
   static_assert(kKV % Core::kTileAlign == 0, "tiles keep their alignment");
-  static constexpr size_t kQ = size_t{kRows} * kP * sizeof(Elem);
+  static constexpr size_t kQ = Core::query_tile_bytes(kRows);
+  static_assert(kQ > 0, "the core takes a Q tile of the CTA's rows");
   static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
   // The running totals: per lane G * D / 2 accumulator elements and (m, l) of its 2 G rows.
   static constexpr int kStashPerLane = kGroups * D / 2 + 4 * kGroups;
   static constexpr size_t kStash = size_t{kWarps} * 32 * kStashPerLane * sizeof(float);
-  static constexpr size_t kTiles = 2 * kKV;
+  // FwdKernel's overlapped loop (Core::kAsync) keeps two V tiles.
+  static constexpr bool kOverlapped = Core::kAsync;
+  static constexpr size_t kVTiles = kOverlapped ? 2 : 1;
+  static constexpr size_t kTiles = (kVTiles + 1) * kKV;
   static constexpr size_t kCols = NonFiniteCols<D>::kBytes;  // of the V tile
   static constexpr size_t bytes(bool final_mode) {
     return kTiles + kQ + kRowInfo + kCols + (final_mode ? kStash : 0);
@@ -346,6 +348,7 @@ struct MmaSyncCore {
   static constexpr size_t kTile = size_t{kBlock} * (D + kPad) * sizeof(Elem);  // K or V
   static constexpr size_t kTileAlign = 16;
   static constexpr bool kWarpgroupScores = false;
+  static constexpr bool kAsync = false;  // scores and pv return their results
 
   template <int kThreads>
   static __device__ __forceinline__ void load_tile(Elem* tile, const Elem* first_row, int64_t row_stride,
@@ -353,13 +356,15 @@ struct MmaSyncCore {
     load_rows_tile<Elem, D, kThreads>(tile, first_row, row_stride, valid_rows, any);
   }
   static __device__ __forceinline__ void tiles_written() {}
-  using Chunks = PaddedChunks<D>;  // where load_tile puts a thread's chunks
+  using Chunks = PaddedChunks<D>;       // where load_tile puts a thread's chunks
+  using QueryChunks = PaddedChunks<D>;  // and load_query_tile
+  static constexpr size_t query_tile_bytes(int rows) { return size_t(rows) * (D + kPad) * sizeof(Elem); }
 
   const Elem* Qw;  // the warp's first query row in the Q tile
   int lane;
 
-  __device__ __forceinline__ MmaSyncCore(const Elem* warp_rows, int lane_id, const Problem&)
-      : Qw(warp_rows), lane(lane_id) {}
+  __device__ __forceinline__ MmaSyncCore(const Elem* q_tile, int warp, int lane_id, const Problem&)
+      : Qw(q_tile + warp * kG * 16 * (D + kPad)), lane(lane_id) {}
   __device__ __forceinline__ void scores(const Elem* Kt, float (&s)[kG][8][4]) {
     groups_dot_tile<Elem, D, kG>(Qw, Kt, s, lane);
   }
@@ -371,11 +376,13 @@ struct MmaSyncCore {
 // One block of the online softmax for the warp's row groups (16 rows each, two per lane: grp and
 // grp + 8), keys at positions pos0 .. pos0 + 63 of the pass, on the block's scores s (the core's
 // product); lim[g][] are the lane's rows' limits. Leaves the block's probabilities in s for the
-// P.V product (the core's pv), which ends the block. kMasked false: every key of the block is visible to every row
-// of the warp, where the mask would keep every score (the same bits without the compares).
-template <int D, int G, bool kMasked>
+// P.V product (the core's pv) and the factor of each row's accumulators in alpha: rescale_acc
+// applies it after the previous block's P.V and before this block's. kMasked false: every key of
+// the block is visible to every row of the warp, where the mask would keep every score (the same
+// bits without the compares).
+template <int G, bool kMasked>
 __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], float c, float (&m)[G][2],
-                                            float (&l)[G][2], float (&acc)[G][D / 8][4], float (&s)[G][8][4],
+                                            float (&l)[G][2], float (&s)[G][8][4], float (&alpha)[G][2],
                                             int lane) {
   const int q4 = lane & 3;
 #pragma unroll
@@ -403,7 +410,7 @@ __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], fl
       }
       bm[rr] = t[0];
     }
-    float mn[2], alpha[2];
+    float mn[2];
     bool empty[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -411,7 +418,7 @@ __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], fl
       bm[rr] = fmax_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
       mn[rr] = max_nan(m[g][rr], bm[rr]);
       empty[rr] = mn[rr] == dm::neg_inf();
-      alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(dm::sub(m[g][rr], mn[rr]));
+      alpha[g][rr] = empty[rr] ? 1.0f : FastMath::exp2(dm::sub(m[g][rr], mn[rr]));
     }
     // The lane's probabilities summed in (tile, column) order, then across the row's 4 lanes by a
     // butterfly (the same value on all 4).
@@ -430,18 +437,25 @@ __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], fl
     for (int rr = 0; rr < 2; ++rr) {
       ts[rr] = dm::add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 1));
       ts[rr] = dm::add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 2));
-      l[g][rr] = dm::add(dm::mul(l[g][rr], alpha[rr]), ts[rr]);
+      l[g][rr] = dm::add(dm::mul(l[g][rr], alpha[g][rr]), ts[rr]);
       m[g][rr] = mn[rr];
     }
-    // x * 1 == x for every float (NaN stays the canonical NaN): a warp whose rows kept their
-    // maxima skips the rescale.
-    if (__any_sync(kFullMask, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+  }
+}
+
+// acc *= alpha, row by row. x * 1 == x for every float (NaN stays the canonical NaN): a warp whose
+// rows kept their maxima skips the rescale.
+template <int D, int G>
+__device__ __forceinline__ void rescale_acc(const float (&alpha)[G][2], float (&acc)[G][D / 8][4]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (__any_sync(kFullMask, alpha[g][0] != 1.0f || alpha[g][1] != 1.0f)) {
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
-        acc[g][dt][0] = dm::mul(acc[g][dt][0], alpha[0]);
-        acc[g][dt][1] = dm::mul(acc[g][dt][1], alpha[0]);
-        acc[g][dt][2] = dm::mul(acc[g][dt][2], alpha[1]);
-        acc[g][dt][3] = dm::mul(acc[g][dt][3], alpha[1]);
+        acc[g][dt][0] = dm::mul(acc[g][dt][0], alpha[g][0]);
+        acc[g][dt][1] = dm::mul(acc[g][dt][1], alpha[g][0]);
+        acc[g][dt][2] = dm::mul(acc[g][dt][2], alpha[g][1]);
+        acc[g][dt][3] = dm::mul(acc[g][dt][3], alpha[g][1]);
       }
     }
   }
@@ -457,10 +471,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   using Elem = typename Core::Elem;
   using Geo = FwdGeom<Core, kWarps>;
   using Storage = typename MmaElem<Elem>::Storage;
-  constexpr int D = Core::D, P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32, G = Core::kGroups;
+  constexpr int D = Core::D, kRows = Geo::kRows, kThreads = kWarps * 32, G = Core::kGroups;
   extern __shared__ __align__(1024) unsigned char smem[];
   Elem* Vs = reinterpret_cast<Elem*>(smem);
-  Elem* Ks = reinterpret_cast<Elem*>(smem + Geo::kKV);
+  Elem* Ks = reinterpret_cast<Elem*>(smem + Geo::kVTiles * Geo::kKV);
   Elem* Qs = reinterpret_cast<Elem*>(smem + Geo::kTiles);
   PassRows rows{reinterpret_cast<int*>(smem + Geo::kTiles + Geo::kQ), nullptr};
   rows.limit = rows.start + kRows;
@@ -483,7 +497,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int64_t kv_stride = p.H * p.D;  // elements between consecutive key positions
 
   load_row_info<kRows, kThreads>(p, b, r0, rows);
-  load_query_tile<Elem, D, kThreads, kRows>(Qs, q, p, b, h, r0);
+  load_query_tile<Elem, D, kThreads, kRows, typename Core::QueryChunks>(Qs, q, p, b, h, r0);
   cp_async_commit();
   // The running totals, lane-interleaved so that each access is conflict-free: the lane's
   // accumulator elements (per group: D/8 tiles x 4), then m and l of its rows.
@@ -509,7 +523,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     row_local[g][0] = (warp * G + g) * 16 + grp;
     row_local[g][1] = row_local[g][0] + 8;
   }
-  Core core(Qs + warp * G * 16 * P, lane, p);
+  Core core(Qs, warp, lane, p);
   float m[G][2], l[G][2], acc[G][D / 8][4];
   auto reset = [&]() {
 #pragma unroll
@@ -522,6 +536,56 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   };
 
   bool fired = false;  // an accumulator element this thread probes is inf or NaN (not kCareful)
+  // The block's softmax (its keys all visible to the warp's rows, or masked) and the factor of the
+  // accumulators.
+  // With a K tile, the mma.sync core's scores against it first in either branch (as the register
+  // allocation of the split kernel wants); a warpgroup's wgmma is issued by all its warps at one
+  // instruction, so before the warps branch.
+  auto softmax = [&](int pos0, const int (&lim)[G][2], float (&s)[G][8][4], float (&alpha)[G][2],
+                     const Elem* k_tile) {
+    bool unmasked = true;
+#pragma unroll
+    for (int g = 0; g < G; ++g) unmasked = unmasked && pos0 + kBlock <= min(lim[g][0], lim[g][1]);
+    if constexpr (Core::kWarpgroupScores) {
+      if (k_tile != nullptr) core.scores(k_tile, s);
+    }
+    if (__all_sync(kFullMask, unmasked)) {
+      if constexpr (!Core::kWarpgroupScores) core.scores(k_tile, s);
+      fwd_softmax<G, false>(pos0, lim, p.c, m, l, s, alpha, lane);
+    } else {
+      if constexpr (!Core::kWarpgroupScores) core.scores(k_tile, s);
+      fwd_softmax<G, true>(pos0, lim, p.c, m, l, s, alpha, lane);
+    }
+  };
+  // The end of a split: the probe for inf or NaN (an inf or NaN stays in the accumulators until
+  // the split's merge resets them), then in final mode the merge into the running total (the
+  // stash), rows whose split saw a key only.
+  auto end_split = [&]() {
+    if (!kCareful) fired = fired || probe_nonfinite<D>(acc[0], p.zero);
+    if (split_mode) return;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        if (split_is_empty(m[g][rr])) continue;
+        float& mt = m_tot[(g * 2 + rr) * 32];
+        float& lt = l_tot[(g * 2 + rr) * 32];
+        const bool total_empty = mt == dm::neg_inf();
+        const Rescale rs = rescale<FastMath>(mt, m[g][rr]);
+        lt = merge_term(lt, rs.old_scale, l[g][rr], rs.in_scale);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+          for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
+            float& t = my_stash[((g * (D / 8) + dt) * 4 + i) * 32];
+            t = merge_term(total_empty ? 0.0f : t, rs.old_scale, acc[g][dt][i], rs.in_scale);
+          }
+        }
+        mt = rs.m_new;
+      }
+    }
+    reset();
+  };
   int cur = -1, plimit = 0;
   while ((cur = next_pass<kRows>(rows, cur, &plimit)) != INT_MAX) {
     int lim[G][2];
@@ -542,82 +606,100 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
                                          pass_limit - blk * kBlock, base);
       cp_async_commit();
     };
-    // One buffer each for K and V: V's copy runs under the scores, the next K's under P.V.
+    auto split_done = [&](int blk) { return (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end; };
     reset();
     load_block(Ks, k, blk_begin);
-    for (int blk = blk_begin; blk < blk_end; ++blk) {
-      cp_async_wait<0>();
-      Core::tiles_written();
-      __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1)
-      load_block(Vs, v, blk);
-      const int pos0 = blk * kBlock;
-      bool unmasked = true;
-#pragma unroll
-      for (int g = 0; g < G; ++g) unmasked = unmasked && pos0 + kBlock <= min(lim[g][0], lim[g][1]);
-      float s[G][8][4];
-      // A warpgroup's wgmma is issued by all its warps at one instruction, so before the warps
-      // branch; mma.sync in each branch (as the register allocation of the split kernel wants).
-      if constexpr (Core::kWarpgroupScores) core.scores(Ks, s);
-      if (__all_sync(kFullMask, unmasked)) {
-        if constexpr (!Core::kWarpgroupScores) core.scores(Ks, s);
-        fwd_softmax<D, G, false>(pos0, lim, p.c, m, l, acc, s, lane);
-      } else {
-        if constexpr (!Core::kWarpgroupScores) core.scores(Ks, s);
-        fwd_softmax<D, G, true>(pos0, lim, p.c, m, l, acc, s, lane);
-      }
-      cp_async_wait<0>();
-      Core::tiles_written();
-      // V(blk) is in, and every warp is done with K(blk); kCareful: whether V(blk) holds an inf or NaN.
-      bool v_nonfinite = false;
-      if constexpr (kCareful) {
-        v_nonfinite =
-            __syncthreads_or(own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, p.zero));
-      } else {
-        __syncthreads();
-      }
-      if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
-      if (v_nonfinite) {  // attention_nonfinite.cuh
-        clean_own_chunks<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, v_cols);
+    if constexpr (Geo::kOverlapped && !kCareful) {
+      // Block blk's scores and softmax run while the tensor cores add block blk - 1's P.V (its
+      // probabilities wait in `pend`); the accumulators take block blk's factor once that P.V is
+      // in, so they see the operations of the loop below in the same order. K: one buffer (the
+      // next block's copy runs under the softmax); V: two (a copy has a whole block to land). A
+      // split's first block has no P.V to overlap and its last adds its own before the merge, so
+      // every wgmma is issued and waited for on the same path.
+      constexpr size_t kTileElems = Geo::kKV / sizeof(Elem);
+      auto begin_block = [&](int blk) {
+        cp_async_wait<0>();
         Core::tiles_written();
-        __syncthreads();
-      }
-      core.pv(s, Vs, acc);
-      if (v_nonfinite) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const auto visible = [&](int nt, int i) { return pos0 + nt * 8 + 2 * q4 + (i & 1) < lim[g][i >> 1]; };
-          add_nonfinite_terms<Elem, D>(s[g], visible, v_cols, acc[g], lane);
+        __syncthreads();  // K(blk) and V(blk - 1) are in; every warp is done with V(blk - 2)
+        Elem* v_tile = Vs + (blk & 1) * kTileElems;
+        load_block(v_tile, v, blk);
+        return v_tile;
+      };
+      auto scores_read = [&](int blk) {
+        __syncthreads();  // every warp is done with K(blk)
+        if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
+      };
+      typename Core::Probs pend;
+      float s[G][8][4], alpha[G][2];
+      for (int s0 = blk_begin; s0 < blk_end; s0 += kBlocksPerSplit) {
+        const int s1 = min(s0 + kBlocksPerSplit, blk_end);
+        Elem* v_tile = begin_block(s0);
+        core.scores(Ks, s);
+        scores_read(s0);
+        softmax(s0 * kBlock, lim, s, alpha, nullptr);
+        rescale_acc<D, G>(alpha, acc);
+        Core::pack_probs(s, pend);
+        for (int blk = s0 + 1; blk < s1; ++blk) {
+          const Elem* v_prev = v_tile;
+          v_tile = begin_block(blk);
+          core.scores_issue(Ks, s);
+          core.pv_issue(pend, v_prev, acc);
+          Core::template wait_scores<1>(s);
+          scores_read(blk);
+          softmax(blk * kBlock, lim, s, alpha, nullptr);
+          Core::wait_pv(acc);
+          rescale_acc<D, G>(alpha, acc);
+          Core::pack_probs(s, pend);
         }
-        __syncthreads();  // every warp has read the masks
-        v_cols.template clear<kThreads>();
+        if (s1 < blk_end) {
+          cp_async_wait<1>();  // V(s1 - 1), not K(s1)
+        } else {
+          cp_async_wait<0>();
+        }
+        Core::tiles_written();
+        __syncthreads();  // V(s1 - 1) is in
+        core.pv_issue(pend, v_tile, acc);
+        Core::wait_pv(acc);
+        end_split();
       }
-      const bool split_done = (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end;
-      // An inf or NaN stays in the accumulators until the split's merge resets them.
-      if (!kCareful && split_done) fired = fired || probe_nonfinite<D>(acc[0], p.zero);
-      if (split_done && !split_mode) {
-        // Merge the split into the running total (the stash), rows whose split saw a key only.
+    } else {
+      // One buffer each for K and V: V's copy runs under the scores, the next K's under P.V.
+      for (int blk = blk_begin; blk < blk_end; ++blk) {
+        cp_async_wait<0>();
+        Core::tiles_written();
+        __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1)
+        load_block(Vs, v, blk);
+        const int pos0 = blk * kBlock;
+        float s[G][8][4], alpha[G][2];
+        softmax(pos0, lim, s, alpha, Ks);
+        rescale_acc<D, G>(alpha, acc);
+        cp_async_wait<0>();
+        Core::tiles_written();
+        // V(blk) is in, and every warp is done with K(blk); kCareful: whether V(blk) holds an inf or NaN.
+        bool v_nonfinite = false;
+        if constexpr (kCareful) {
+          v_nonfinite =
+              __syncthreads_or(own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, p.zero));
+        } else {
+          __syncthreads();
+        }
+        if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
+        if (v_nonfinite) {  // attention_nonfinite.cuh
+          clean_own_chunks<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, v_cols);
+          Core::tiles_written();
+          __syncthreads();
+        }
+        core.pv(s, Vs, acc);
+        if (v_nonfinite) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-          for (int rr = 0; rr < 2; ++rr) {
-            if (split_is_empty(m[g][rr])) continue;
-            float& mt = m_tot[(g * 2 + rr) * 32];
-            float& lt = l_tot[(g * 2 + rr) * 32];
-            const bool total_empty = mt == dm::neg_inf();
-            const Rescale rs = rescale<FastMath>(mt, m[g][rr]);
-            lt = merge_term(lt, rs.old_scale, l[g][rr], rs.in_scale);
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-#pragma unroll
-              for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
-                float& t = my_stash[((g * (D / 8) + dt) * 4 + i) * 32];
-                t = merge_term(total_empty ? 0.0f : t, rs.old_scale, acc[g][dt][i], rs.in_scale);
-              }
-            }
-            mt = rs.m_new;
+          for (int g = 0; g < G; ++g) {
+            const auto visible = [&](int nt, int i) { return pos0 + nt * 8 + 2 * q4 + (i & 1) < lim[g][i >> 1]; };
+            add_nonfinite_terms<Elem, D>(s[g], visible, v_cols, acc[g], lane);
           }
+          __syncthreads();  // every warp has read the masks
+          v_cols.template clear<kThreads>();
         }
-        reset();
+        if (split_done(blk)) end_split();
       }
     }
     if (split_mode) {
@@ -655,12 +737,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       if (r >= p.R) continue;
       Bits* out = static_cast<Bits*>(o) + q_index(p, b, h, r);
       const bool total_empty = m_tot[(g * 2 + rr) * 32] == dm::neg_inf();
+      const float inv_l = out_scale(l_tot[(g * 2 + rr) * 32]);
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
         const float* t = my_stash + ((g * (D / 8) + dt) * 4 + 2 * rr) * 32;
-        const float lt = l_tot[(g * 2 + rr) * 32];
-        const Bits lo = Storage::store(finish_out(total_empty ? 0.0f : t[0], lt));
-        const Bits hi = Storage::store(finish_out(total_empty ? 0.0f : t[32], lt));
+        const Bits lo = Storage::store(finish_out(total_empty ? 0.0f : t[0], inv_l));
+        const Bits hi = Storage::store(finish_out(total_empty ? 0.0f : t[32], inv_l));
         *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) =
             static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
       }
@@ -707,7 +789,7 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
         m_tot = rs.m_new;
       }
     }
-    store_elem<Storage>(o, q_index(p, b, h, r) + e, finish_out(acc, l_tot));
+    store_elem<Storage>(o, q_index(p, b, h, r) + e, finish_out(acc, out_scale(l_tot)));
     if (e == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot, l_tot);
   }
 }

@@ -84,10 +84,11 @@ __global__ void __launch_bounds__(kSimtWarps * 32) FwdSimtKernel(Problem p, void
     for (int i = 0; i < kSimtCols; ++i) total[i] = merge_term(total[i], rs.old_scale, acc[i], rs.in_scale);
     m_total = rs.m_new;
   }
+  const float inv_l = out_scale(l_total);
 #pragma unroll
   for (int i = 0; i < kSimtCols; ++i) {
     const int e = lane + 32 * i;
-    if (e < D) store_elem<Storage>(o, qoff + e, finish_out(total[i], l_total));
+    if (e < D) store_elem<Storage>(o, qoff + e, finish_out(total[i], inv_l));
   }
   if (lane == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<CanonicalMath>(m_total, l_total);
 }

@@ -3,9 +3,9 @@
 // Included by attention_mma.cuh, whose forward kernel runs either core.
 //
 // Why the bits are those of the mma.sync core (MmaSyncCore): a warpgroup's m64nNk16 is four
-// warps' m16nNk16 with the mma.sync fragment layouts (A registers: row grp / grp + 8, columns
-// 2 q4 + {0, 1} and + 8; accumulators d[4 nt + i] at row grp + 8 (i >> 1), column 8 nt + 2 q4 +
-// (i & 1)), so every lane holds the same score and output elements as under mma.sync and the
+// warps' m16nNk16 with the mma.sync fragment layouts (A registers, for P.V: row grp / grp + 8,
+// columns 2 q4 + {0, 1} and + 8; accumulators d[4 nt + i] at row grp + 8 (i >> 1), column 8 nt +
+// 2 q4 + (i & 1)), so every lane holds the same score and output elements as under mma.sync and the
 // softmax code that follows runs unchanged. Each element is the same chain of k16 steps into a
 // float32 accumulator that starts at +0 (scale-d 1 on registers holding +0, as mma.sync adds its
 // zeroed C), in the same ascending order: scores over the head dimension, P.V over the block's
@@ -13,11 +13,11 @@
 // GEMM's two kernel families, docs/matmul_cuda.md); the GPU test
 // test_wgmma_forward_equals_the_mma_sync_forward compares the two cores over special values.
 //
-// Shared-memory tiles of K and V: kBlock key rows of D elements in 128-byte-swizzled atoms of
+// Shared-memory tiles of Q, K and V: 64 rows of D elements in 128-byte-swizzled atoms of
 // 8 rows x 64 elements (the 16-byte chunk c of row n at chunk c ^ (n % 8)), the 64-element
-// column halves one after the other (8 KB apart for 64 rows). The same tile is K-major for the
-// scores (B = K^T: stride 1024 bytes between 8-key groups) and MN-major for P.V (B = V:
-// 1024 bytes between 8-key groups along K, 8 KB between 64-element halves along N).
+// column halves one after the other (8 KB apart). Q and K are K-major for the scores (A = Q and
+// B = K^T: stride 1024 bytes between 8-row groups); V is MN-major for P.V (B = V: 1024 bytes
+// between 8-key groups along K, 8 KB between 64-element halves along N).
 #pragma once
 
 #include <string>
@@ -49,10 +49,17 @@ __device__ __forceinline__ void wgmma_fence() {
 #endif
 }
 
-__device__ __forceinline__ void wgmma_commit_and_wait() {
+__device__ __forceinline__ void wgmma_commit() {
 #ifdef JAXDET_ATTENTION_WGMMA
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+
+// Until at most N of the warp's committed wgmma groups are pending (they complete in order).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
 
@@ -88,6 +95,13 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
                                                                    JAXDET_WGMMA_F8(d, 4),                   \
                                                                    JAXDET_WGMMA_F8(d, 6)                    \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(1)
+#define JAXDET_WGMMA_N64_SS(T)                                                                              \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T           \
+  " "                                                                                                       \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
+  "%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n" : JAXDET_WGMMA_F8(d, 0), JAXDET_WGMMA_F8(d, 2),         \
+                                                      JAXDET_WGMMA_F8(d, 4), JAXDET_WGMMA_F8(d, 6)          \
+      : "l"(a), "l"(b), "r"(1)
 #define JAXDET_WGMMA_N128_TRANS_B(T)                                                                             \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T               \
   " "                                                                                                            \
@@ -104,7 +118,8 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
 
 // d (64 x 64 per warpgroup: the warp's 16 rows, 8 tiles of 8 columns) += A . B, A from registers
-// (the mma.sync A fragment), B a K-major tile (kTransB 0) or an MN-major one (1).
+// (the mma.sync A fragment), B an MN-major tile (kTransB 1: the P.V product at head dimension 64)
+// or a K-major one (0).
 template <class Elem, int kTransB>
 __device__ __forceinline__ void wgmma_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {
 #ifdef JAXDET_ATTENTION_WGMMA
@@ -127,7 +142,19 @@ __device__ __forceinline__ void wgmma_n128_trans_b(float (&d)[16][4], const uint
   }
 #endif
 }
+// d (64 x 64 per warpgroup) += A . B, A and B K-major tiles in shared memory.
+template <class Elem>
+__device__ __forceinline__ void wgmma_n64_ss(float (&d)[8][4], uint64_t a, uint64_t b) {
+#ifdef JAXDET_ATTENTION_WGMMA
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
+    asm volatile(JAXDET_WGMMA_N64_SS("bf16"));
+  } else {
+    asm volatile(JAXDET_WGMMA_N64_SS("f16"));
+  }
+#endif
+}
 #undef JAXDET_WGMMA_N128_TRANS_B
+#undef JAXDET_WGMMA_N64_SS
 #undef JAXDET_WGMMA_N64
 #undef JAXDET_WGMMA_F8
 
@@ -165,6 +192,10 @@ struct WgmmaCore {
   static constexpr size_t kTile = size_t{kBlock} * D * sizeof(Elem);  // K or V, 1024-byte multiple
   static constexpr size_t kTileAlign = 1024;                          // the swizzle's period
   static constexpr bool kWarpgroupScores = true;
+  // scores_issue and pv_issue return with their wgmma in flight: FwdKernel overlaps a block's
+  // softmax with the previous block's P.V.
+  static constexpr bool kAsync = true;
+  using Probs = uint32_t[4][4];  // a block's probabilities as the P.V product's A fragments
 
   // kBlock rows first_row, first_row + row_stride, ... into the swizzled tile; rows from
   // `valid_rows` on are zero-filled (as MmaSyncCore's tiles). A thread copies one 16-byte chunk of
@@ -196,7 +227,8 @@ struct WgmmaCore {
 
   static __device__ __forceinline__ void tiles_written() { fence_copies_for_wgmma(); }
 
-  // Where load_tile puts chunk c of a row (for attention_nonfinite.cuh).
+  // Where load_tile puts chunk c of a row (for attention_nonfinite.cuh), and load_query_tile: the Q
+  // tile has the K tile's layout, the scores' A operand read from shared memory as B is.
   struct Chunks {
     template <class T>  // Elem or const Elem
     __device__ __forceinline__ T* operator()(T* tile, int row, int c) const {
@@ -204,39 +236,44 @@ struct WgmmaCore {
     }
   };
 
-  const Elem* Qw;  // the warp's first query row in the Q tile
-  int lane;
-  float zero;  // Problem::zero
+  using QueryChunks = Chunks;
+  // One warpgroup's 64 rows (0: no other count).
+  static constexpr size_t query_tile_bytes(int rows) { return rows == kBlock ? kTile : 0; }
 
-  __device__ __forceinline__ WgmmaCore(const Elem* warp_rows, int lane_id, const Problem& p)
-      : Qw(warp_rows), lane(lane_id), zero(p.zero) {}
+  const Elem* Q;  // the Q tile (the warpgroup's 64 rows)
+  float zero;     // Problem::zero
+
+  __device__ __forceinline__ WgmmaCore(const Elem* q_tile, int, int, const Problem& p) : Q(q_tile), zero(p.zero) {}
 
   // s = Q . K^T for the block: a chain over the head dimension in ascending 16-wide steps from
-  // +0. The query fragments are read from the Q tile for each block (kept in registers across the
-  // block loop, ptxas 13.0 reused them for other values at head dimension 64); the accumulators
-  // start from Problem::zero because ptxas turns a chain from literal zeros into one whose first
-  // step does not add C (scale-d 0), not the operation mma.sync's first step is (it adds +0).
-  __device__ __forceinline__ void scores(const Elem* Kt, float (&s)[1][8][4]) {
-    uint32_t qa[D / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) load_a_frag<D + kPad>(qa[ks], Qw, ks * 16, lane);
+  // +0, issued as one wgmma group (wait_scores ends it), both operands read from shared memory (the
+  // same products as from registers: the mma.sync fragment layout is the operand's either way). The
+  // accumulators start from Problem::zero because ptxas turns a chain from literal zeros into one
+  // whose first step does not add C (scale-d 0), not the operation mma.sync's first step is (it
+  // adds +0).
+  __device__ __forceinline__ void scores_issue(const Elem* Kt, float (&s)[1][8][4]) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) s[0][nt][0] = s[0][nt][1] = s[0][nt][2] = s[0][nt][3] = zero;
     fence_accumulators(s[0]);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      const unsigned char* base = reinterpret_cast<const unsigned char*>(Kt) + (ks / 4) * kHalf + (ks % 4) * 32;
-      wgmma_n64<Elem, 0>(s[0], qa[ks], sw128_desc(base, 16, 1024));
+      const int offset = (ks / 4) * kHalf + (ks % 4) * 32;
+      wgmma_n64_ss<Elem>(s[0], sw128_desc(reinterpret_cast<const unsigned char*>(Q) + offset, 16, 1024),
+                         sw128_desc(reinterpret_cast<const unsigned char*>(Kt) + offset, 16, 1024));
     }
-    wgmma_commit_and_wait();
+    wgmma_commit();
+  }
+
+  // Until the scores are in, with at most N later groups still pending.
+  template <int N>
+  static __device__ __forceinline__ void wait_scores(float (&s)[1][8][4]) {
+    wgmma_wait<N>();
     fence_accumulators(s[0]);
   }
 
-  // acc += P . V for the block: a chain over its keys in ascending 16-key steps; P is rounded to
-  // Elem as MmaSyncCore rounds it.
-  __device__ __forceinline__ void pv(const float (&x)[1][8][4], const Elem* Vt, float (&acc)[1][D / 8][4]) {
-    uint32_t a[4][4];
+  // P rounded to Elem as MmaSyncCore rounds it, in the A fragment layout.
+  static __device__ __forceinline__ void pack_probs(const float (&x)[1][8][4], Probs& a) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       a[kk][0] = MmaElem<Elem>::pack(x[0][2 * kk][0], x[0][2 * kk][1]);
@@ -244,6 +281,11 @@ struct WgmmaCore {
       a[kk][2] = MmaElem<Elem>::pack(x[0][2 * kk + 1][0], x[0][2 * kk + 1][1]);
       a[kk][3] = MmaElem<Elem>::pack(x[0][2 * kk + 1][2], x[0][2 * kk + 1][3]);
     }
+  }
+
+  // acc += P . V for the block: a chain over its keys in ascending 16-key steps, issued as one
+  // wgmma group (wait_pv ends it; until then neither acc nor a may be touched).
+  __device__ __forceinline__ void pv_issue(const Probs& a, const Elem* Vt, float (&acc)[1][D / 8][4]) {
     fence_accumulators(acc[0]);
     wgmma_fence();
 #pragma unroll
@@ -255,8 +297,24 @@ struct WgmmaCore {
         wgmma_n128_trans_b<Elem>(acc[0], a[kk], desc);
       }
     }
-    wgmma_commit_and_wait();
+    wgmma_commit();
+  }
+
+  static __device__ __forceinline__ void wait_pv(float (&acc)[1][D / 8][4]) {
+    wgmma_wait<0>();
     fence_accumulators(acc[0]);
+  }
+
+  // The same products, each ended before it returns.
+  __device__ __forceinline__ void scores(const Elem* Kt, float (&s)[1][8][4]) {
+    scores_issue(Kt, s);
+    wait_scores<0>(s);
+  }
+  __device__ __forceinline__ void pv(const float (&x)[1][8][4], const Elem* Vt, float (&acc)[1][D / 8][4]) {
+    Probs a;
+    pack_probs(x, a);
+    pv_issue(a, Vt, acc);
+    wait_pv(acc);
   }
 };
 
