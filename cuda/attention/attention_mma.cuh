@@ -601,14 +601,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int blk_end = split_mode ? min(nblocks, blk_begin + kBlocksPerSplit) : nblocks;
     if (blk_begin >= blk_end) continue;
     const int pass_start = cur, pass_limit = plimit;
+    // The pass's first key and value rows; block blk starts kBlock rows of kv_stride later.
+    const int64_t pass_offset = kv_index(p, b, h, pass_start);
+    const Elem* k_pass = k + pass_offset;
+    const Elem* v_pass = v + pass_offset;
     auto load_block = [&](Elem* tile, const Elem* base, int blk) {
-      Core::template load_tile<kThreads>(tile, base + kv_index(p, b, h, pass_start + blk * kBlock), kv_stride,
+      Core::template load_tile<kThreads>(tile, base + int64_t{blk} * (kBlock * kv_stride), kv_stride,
                                          pass_limit - blk * kBlock, base);
       cp_async_commit();
     };
     auto split_done = [&](int blk) { return (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end; };
     reset();
-    load_block(Ks, k, blk_begin);
+    load_block(Ks, k_pass, blk_begin);
     if constexpr (Geo::kOverlapped && !kCareful) {
       // Block blk's scores and softmax run while the tensor cores add block blk - 1's P.V (its
       // probabilities wait in `pend`); the accumulators take block blk's factor once that P.V is
@@ -622,12 +626,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         Core::tiles_written();
         __syncthreads();  // K(blk) and V(blk - 1) are in; every warp is done with V(blk - 2)
         Elem* v_tile = Vs + (blk & 1) * kTileElems;
-        load_block(v_tile, v, blk);
+        load_block(v_tile, v_pass, blk);
         return v_tile;
       };
       auto scores_read = [&](int blk) {
         __syncthreads();  // every warp is done with K(blk)
-        if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
+        if (blk + 1 < blk_end) load_block(Ks, k_pass, blk + 1);
       };
       typename Core::Probs pend;
       float s[G][8][4], alpha[G][2];
@@ -668,7 +672,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         cp_async_wait<0>();
         Core::tiles_written();
         __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1)
-        load_block(Vs, v, blk);
+        load_block(Vs, v_pass, blk);
         const int pos0 = blk * kBlock;
         float s[G][8][4], alpha[G][2];
         softmax(pos0, lim, s, alpha, Ks);
@@ -683,7 +687,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         } else {
           __syncthreads();
         }
-        if (blk + 1 < blk_end) load_block(Ks, k, blk + 1);
+        if (blk + 1 < blk_end) load_block(Ks, k_pass, blk + 1);
         if (v_nonfinite) {  // attention_nonfinite.cuh
           clean_own_chunks<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, v_cols);
           Core::tiles_written();

@@ -43,6 +43,13 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint32_t leadin
          static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t{1} << 62;
 }
 
+// The descriptor of the same tile `bytes` (a multiple of 16) further on: the start address is the
+// low field, in 16-byte units, and stays below 2^14 (shared memory ends below 256 KB), so the sum
+// carries into no other field and the high word is unchanged.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef JAXDET_ATTENTION_WGMMA
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -256,11 +263,11 @@ struct WgmmaCore {
     for (int nt = 0; nt < 8; ++nt) s[0][nt][0] = s[0][nt][1] = s[0][nt][2] = s[0][nt][3] = zero;
     fence_accumulators(s[0]);
     wgmma_fence();
+    const uint64_t q_desc = sw128_desc(Q, 16, 1024), k_desc = sw128_desc(Kt, 16, 1024);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      const int offset = (ks / 4) * kHalf + (ks % 4) * 32;
-      wgmma_n64_ss<Elem>(s[0], sw128_desc(reinterpret_cast<const unsigned char*>(Q) + offset, 16, 1024),
-                         sw128_desc(reinterpret_cast<const unsigned char*>(Kt) + offset, 16, 1024));
+      const uint32_t offset = (ks / 4) * kHalf + (ks % 4) * 32;
+      wgmma_n64_ss<Elem>(s[0], desc_advance(q_desc, offset), desc_advance(k_desc, offset));
     }
     wgmma_commit();
   }
@@ -288,9 +295,10 @@ struct WgmmaCore {
   __device__ __forceinline__ void pv_issue(const Probs& a, const Elem* Vt, float (&acc)[1][D / 8][4]) {
     fence_accumulators(acc[0]);
     wgmma_fence();
+    const uint64_t v_desc = sw128_desc(Vt, kHalf, 1024);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t desc = sw128_desc(reinterpret_cast<const unsigned char*>(Vt) + kk * 16 * 128, kHalf, 1024);
+      const uint64_t desc = desc_advance(v_desc, kk * 16 * 128);
       if constexpr (D == 64) {
         wgmma_n64<Elem, 1>(acc[0], a[kk], desc);
       } else {
