@@ -682,8 +682,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         // V(blk) is in, and every warp is done with K(blk); kCareful: whether V(blk) holds an inf or NaN.
         bool v_nonfinite = false;
         if constexpr (kCareful) {
-          v_nonfinite =
-              __syncthreads_or(own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, p.zero));
+          v_nonfinite = __syncthreads_or(
+              own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, p.zero));
         } else {
           __syncthreads();
         }

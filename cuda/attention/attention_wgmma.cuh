@@ -106,8 +106,10 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
   "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T           \
   " "                                                                                                       \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
-  "%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n" : JAXDET_WGMMA_F8(d, 0), JAXDET_WGMMA_F8(d, 2),         \
-                                                      JAXDET_WGMMA_F8(d, 4), JAXDET_WGMMA_F8(d, 6)          \
+  "%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n" : JAXDET_WGMMA_F8(d, 0),                                \
+                                                      JAXDET_WGMMA_F8(d, 2),                                \
+                                                      JAXDET_WGMMA_F8(d, 4),                                \
+                                                      JAXDET_WGMMA_F8(d, 6)                                 \
       : "l"(a), "l"(b), "r"(1)
 #define JAXDET_WGMMA_N128_TRANS_B(T)                                                                             \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T               \
