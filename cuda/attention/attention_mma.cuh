@@ -536,11 +536,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   };
 
   bool fired = false;  // an accumulator element this thread probes is inf or NaN (not kCareful)
-  // The block's softmax (its keys all visible to the warp's rows, or masked) and the factor of the
-  // accumulators.
-  // With a K tile, the mma.sync core's scores against it first in either branch (as the register
-  // allocation of the split kernel wants); a warpgroup's wgmma is issued by all its warps at one
-  // instruction, so before the warps branch.
+  // The block's softmax (unmasked when every key of the block is visible to every row of the warp)
+  // and the factors of the accumulators. Given a K tile, the scores against it first: mma.sync's
+  // inside each branch (as the register allocation of the split kernel wants), wgmma's before the
+  // warps branch (a warpgroup's warps issue it at one instruction). The overlapped loop passes
+  // nullptr: its scores are in already.
   auto softmax = [&](int pos0, const int (&lim)[G][2], float (&s)[G][8][4], float (&alpha)[G][2],
                      const Elem* k_tile) {
     bool unmasked = true;
