@@ -88,20 +88,21 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
   }
 }
 
-// The asm of one wgmma with A from registers and scale-d 1 (d += A . B): its instruction for the
-// element type T ("bf16" or "f16"), the accumulators' operand list, the other operands.
+// The asm of one wgmma with scale-d 1 (d += A . B): its instruction for the element type T ("bf16"
+// or "f16"), the accumulators' operand list, the other operands. A from registers with B MN-major
+// (TRANS_B, the P.V product), or A and B K-major in shared memory (SS, the scores).
 #define JAXDET_WGMMA_F8(d, i)                                                                       \
   "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3]), "+f"(d[i + 1][0]), "+f"(d[i + 1][1]), \
       "+f"(d[i + 1][2]), "+f"(d[i + 1][3])
-#define JAXDET_WGMMA_N64(T)                                                                                 \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T           \
+#define JAXDET_WGMMA_N64_TRANS_B(T)                                                                         \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T           \
   " "                                                                                                       \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
-  "%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %37;\n}\n" : JAXDET_WGMMA_F8(d, 0),                   \
-                                                                   JAXDET_WGMMA_F8(d, 2),                   \
-                                                                   JAXDET_WGMMA_F8(d, 4),                   \
-                                                                   JAXDET_WGMMA_F8(d, 6)                    \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(1)
+  "%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n" : JAXDET_WGMMA_F8(d, 0),                     \
+                                                                 JAXDET_WGMMA_F8(d, 2),                     \
+                                                                 JAXDET_WGMMA_F8(d, 4),                     \
+                                                                 JAXDET_WGMMA_F8(d, 6)                      \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
 #define JAXDET_WGMMA_N64_SS(T)                                                                              \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T           \
   " "                                                                                                       \
@@ -127,15 +128,14 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
 
 // d (64 x 64 per warpgroup: the warp's 16 rows, 8 tiles of 8 columns) += A . B, A from registers
-// (the mma.sync A fragment), B an MN-major tile (kTransB 1: the P.V product at head dimension 64)
-// or a K-major one (0).
-template <class Elem, int kTransB>
-__device__ __forceinline__ void wgmma_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {
+// (the mma.sync A fragment), B MN-major (the P.V product at head dimension 64).
+template <class Elem>
+__device__ __forceinline__ void wgmma_n64_trans_b(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {
 #ifdef JAXDET_ATTENTION_WGMMA
   if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
-    asm volatile(JAXDET_WGMMA_N64("bf16"));
+    asm volatile(JAXDET_WGMMA_N64_TRANS_B("bf16"));
   } else {
-    asm volatile(JAXDET_WGMMA_N64("f16"));
+    asm volatile(JAXDET_WGMMA_N64_TRANS_B("f16"));
   }
 #endif
 }
@@ -164,7 +164,7 @@ __device__ __forceinline__ void wgmma_n64_ss(float (&d)[8][4], uint64_t a, uint6
 }
 #undef JAXDET_WGMMA_N128_TRANS_B
 #undef JAXDET_WGMMA_N64_SS
-#undef JAXDET_WGMMA_N64
+#undef JAXDET_WGMMA_N64_TRANS_B
 #undef JAXDET_WGMMA_F8
 
 // Whether the forward's final mode runs WgmmaCore: on a compute capability 9.0 GPU (the only one
@@ -302,7 +302,7 @@ struct WgmmaCore {
     for (int kk = 0; kk < 4; ++kk) {
       const uint64_t desc = desc_advance(v_desc, kk * 16 * 128);
       if constexpr (D == 64) {
-        wgmma_n64<Elem, 1>(acc[0], a[kk], desc);
+        wgmma_n64_trans_b<Elem>(acc[0], a[kk], desc);
       } else {
         wgmma_n128_trans_b<Elem>(acc[0], a[kk], desc);
       }
