@@ -610,7 +610,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
                                          pass_limit - blk * kBlock, base);
       cp_async_commit();
     };
-    auto split_done = [&](int blk) { return (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end; };
     reset();
     load_block(Ks, k_pass, blk_begin);
     if constexpr (Geo::kOverlapped && !kCareful) {
@@ -668,6 +667,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
     } else {
       // One buffer each for K and V: V's copy runs under the scores, the next K's under P.V.
+      auto split_done = [&](int blk) { return (blk + 1) % kBlocksPerSplit == 0 || blk + 1 == blk_end; };
       for (int blk = blk_begin; blk < blk_end; ++blk) {
         cp_async_wait<0>();
         Core::tiles_written();

@@ -94,24 +94,21 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
 #define JAXDET_WGMMA_F8(d, i)                                                                       \
   "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3]), "+f"(d[i + 1][0]), "+f"(d[i + 1][1]), \
       "+f"(d[i + 1][2]), "+f"(d[i + 1][3])
-#define JAXDET_WGMMA_N64_TRANS_B(T)                                                                         \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T           \
-  " "                                                                                                       \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
-  "%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n" : JAXDET_WGMMA_F8(d, 0),                     \
-                                                                 JAXDET_WGMMA_F8(d, 2),                     \
-                                                                 JAXDET_WGMMA_F8(d, 4),                     \
-                                                                 JAXDET_WGMMA_F8(d, 6)                      \
+// The head of a m64n64k16 wgmma: the predicate of scale-d from operand SCALE_D, the instruction,
+// the 32 accumulators of the warpgroup's 64 x 64 tile (operands 0-31, JAXDET_WGMMA_OUT32).
+#define JAXDET_WGMMA_M64N64K16(T, SCALE_D)                                                                \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T \
+  " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,"          \
+  "%25,%26,%27,%28,%29,%30,%31}"
+#define JAXDET_WGMMA_OUT32(d) \
+  JAXDET_WGMMA_F8(d, 0), JAXDET_WGMMA_F8(d, 2), JAXDET_WGMMA_F8(d, 4), JAXDET_WGMMA_F8(d, 6)
+#define JAXDET_WGMMA_N64_TRANS_B(T)                                    \
+  JAXDET_WGMMA_M64N64K16(T, "%37")                                     \
+  ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n" : JAXDET_WGMMA_OUT32(d) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
-#define JAXDET_WGMMA_N64_SS(T)                                                                              \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T           \
-  " "                                                                                                       \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
-  "%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n" : JAXDET_WGMMA_F8(d, 0),                                \
-                                                      JAXDET_WGMMA_F8(d, 2),                                \
-                                                      JAXDET_WGMMA_F8(d, 4),                                \
-                                                      JAXDET_WGMMA_F8(d, 6)                                 \
-      : "l"(a), "l"(b), "r"(1)
+#define JAXDET_WGMMA_N64_SS(T)     \
+  JAXDET_WGMMA_M64N64K16(T, "%34") \
+  ", %32, %33, p, 1, 1, 0, 0;\n}\n" : JAXDET_WGMMA_OUT32(d) : "l"(a), "l"(b), "r"(1)
 #define JAXDET_WGMMA_N128_TRANS_B(T)                                                                             \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T               \
   " "                                                                                                            \
@@ -165,6 +162,8 @@ __device__ __forceinline__ void wgmma_n64_ss(float (&d)[8][4], uint64_t a, uint6
 #undef JAXDET_WGMMA_N128_TRANS_B
 #undef JAXDET_WGMMA_N64_SS
 #undef JAXDET_WGMMA_N64_TRANS_B
+#undef JAXDET_WGMMA_OUT32
+#undef JAXDET_WGMMA_M64N64K16
 #undef JAXDET_WGMMA_F8
 
 // Whether the forward's final mode runs WgmmaCore: on a compute capability 9.0 GPU (the only one
