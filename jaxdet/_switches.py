@@ -11,7 +11,8 @@ A comma-separated list of ``key=value`` items, read once per process by the nati
   multi-pass CUDA kernels on a GPU with clusters too, as on an Ampere GPU (docs/softmax.md); it
   cannot change a bit;
 - ``attention=mma``: the bfloat16/float16 attention forward runs its mma.sync kernels on a Hopper
-  GPU too (instead of wgmma; docs/attention.md); it cannot change a bit.
+  GPU too (instead of wgmma; docs/attention.md); ``attention=wgmma``: its Hopper final mode runs
+  one-warpgroup wgmma CTAs instead of the warp-specialized ones; neither can change a bit.
 
 An item changes which kernel runs, so, like the device model, it is part of what the bits may
 depend on: it exists for the tests that compare kernels, and the report names every active item.
@@ -31,7 +32,7 @@ TESTING_ITEMS = {
     "gemm_tile": ("128x256", "64x256", "64x128", "64x64", "16x64", "16x32", "64x32", "128x128"),
     "cpu_gemm": ("avx512", "avx2", "generic"),
     "softmax": ("passes",),
-    "attention": ("mma",),
+    "attention": ("mma", "wgmma"),
 }
 
 

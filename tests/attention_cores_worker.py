@@ -1,7 +1,8 @@
 """Runs jaxdet.attention's GPU forward (and the backward on its outputs) over fixed inputs with special
-values, for tests/test_attention.py's comparison of the two tensor-core forward cores: on a Hopper
-GPU the final-mode forward issues wgmma (WgmmaCore), and JAXDET_TESTING=attention=mma (read once per
-process, hence this subprocess) makes it issue mma.sync (MmaSyncCore), as every other GPU does.
+values, for tests/test_attention.py's comparison of the tensor-core forward kernels: on a Hopper
+GPU the final-mode forward issues wgmma (WgmmaCore) in warp-specialized CTAs (FwdWsKernel);
+JAXDET_TESTING (read once per process, hence this subprocess) makes it run one-warpgroup CTAs
+(attention=wgmma) or issue mma.sync (attention=mma, MmaSyncCore), as every other GPU does.
 
     python attention_cores_worker.py OUT.npz    # every case's o, dq, dk, dv -> OUT.npz
 """

@@ -565,22 +565,25 @@ def test_contract_checks(name, check):
 
 @pytest.mark.gpu
 def test_wgmma_forward_equals_the_mma_sync_forward(tmp_path):
-    # On a compute capability 9.0 GPU the final-mode forward at head dimensions 64 and 128 runs wgmma;
-    # JAXDET_TESTING=attention=mma (read once per process) makes it run mma.sync, as the split
-    # (decode) mode and other GPUs do.
+    # On a compute capability 9.0 GPU the final-mode forward at head dimensions 64 and 128 runs wgmma
+    # in warp-specialized 128-row CTAs (FwdWsKernel); JAXDET_TESTING (read once per process)
+    # makes it run FwdKernel's one-warpgroup wgmma CTAs (attention=wgmma) or mma.sync
+    # (attention=mma), as the split (decode) mode and other GPUs do.
     # Every output and gradient (which reads the forward's lse2) must have the same bits: causal,
     # kv_lengths, packed segments, rows past one split, NaN/inf/huge/subnormal/zero inputs.
     if jax.devices("gpu")[0].compute_capability != "9.0":
         pytest.skip("the wgmma forward runs on compute capability 9.0 only")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cores_worker.py")
     results = {}
-    for core, testing in (("wgmma", ""), ("mma", "attention=mma")):
+    for core, testing in (("specialized", ""), ("wgmma", "attention=wgmma"), ("mma", "attention=mma")):
         env = dict(os.environ, JAXDET_TESTING=testing, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         path = tmp_path / f"{core}.npz"
         run = subprocess.run([sys.executable, worker, str(path)], env=env, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout + run.stderr
         results[core] = np.load(path)
-    names = results["wgmma"].files
-    assert names == results["mma"].files and len(names) == 4 * 2 * 2 * 3 * 4
-    differ = [n for n in names if results["wgmma"][n].tobytes() != results["mma"][n].tobytes()]
-    assert not differ, f"{len(differ)} of {len(names)} arrays differ between the cores, e.g. {differ[:5]}"
+    names = results["mma"].files
+    assert len(names) == 4 * 2 * 2 * 3 * 4
+    for core in ("specialized", "wgmma"):
+        assert results[core].files == names
+        differ = [n for n in names if results[core][n].tobytes() != results["mma"][n].tobytes()]
+        assert not differ, f"{core}: {len(differ)} of {len(names)} arrays differ from mma.sync's, e.g. {differ[:5]}"

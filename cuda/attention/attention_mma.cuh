@@ -253,6 +253,85 @@ struct SplitOut {
   int64_t nsplit;  // 0: final mode (the kernel merges the splits and writes o and lse2)
 };
 
+// A lane's share of the final mode's running totals (M, L, ACC) of its warp's rows, kept in
+// shared memory, lane-interleaved so that each access is conflict-free: the lane's accumulator
+// elements (per group: D/8 tiles x 4), then M and L of its 2 G rows.
+template <int G, int D>
+struct RunningTotal {
+  static constexpr int kPerLane = G * D / 2 + 4 * G;  // floats
+  static constexpr size_t warp_bytes() { return size_t{32} * kPerLane * sizeof(float); }
+
+  float* acc;  // [g][dt][i] at ((g * (D / 8) + dt) * 4 + i) * 32
+  float* m;    // [g][rr] at (g * 2 + rr) * 32
+  float* l;
+
+  // The accumulators are read only once their row's total holds a split (M > -inf): until then
+  // they count as 0 (the merge into an empty total reads 0), so they need no initial zeros.
+  __device__ __forceinline__ RunningTotal(float* stash, int warp, int lane)
+      : acc(stash + warp * kPerLane * 32 + lane), m(acc + G * (D / 2) * 32), l(m + 2 * G * 32) {}
+
+  __device__ __forceinline__ void clear() {
+    for (int i = 0; i < 2 * G; ++i) {
+      m[i * 32] = dm::neg_inf();
+      l[i * 32] = 0.0f;
+    }
+  }
+
+  // Merges a split's state (step 3 of the canonical order), rows whose split saw a key only.
+  __device__ __forceinline__ void merge(const float (&ms)[G][2], const float (&ls)[G][2],
+                                        const float (&as)[G][D / 8][4]) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        if (split_is_empty(ms[g][rr])) continue;
+        float& mt = m[(g * 2 + rr) * 32];
+        float& lt = l[(g * 2 + rr) * 32];
+        const bool total_empty = mt == dm::neg_inf();
+        const Rescale rs = rescale<FastMath>(mt, ms[g][rr]);
+        lt = merge_term(lt, rs.old_scale, ls[g][rr], rs.in_scale);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+          for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
+            float& t = acc[((g * (D / 8) + dt) * 4 + i) * 32];
+            t = merge_term(total_empty ? 0.0f : t, rs.old_scale, as[g][dt][i], rs.in_scale);
+          }
+        }
+        mt = rs.m_new;
+      }
+    }
+  }
+
+  // Step 4: out and lse2 of the lane's rows below R.
+  template <class Storage>
+  __device__ __forceinline__ void store(const Problem& p, void* o, float* lse2, int64_t b, int64_t h, int64_t r0,
+                                        const int (&row_local)[G][2], int q4) const {
+    using Bits = typename Storage::Bits;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int64_t r = r0 + row_local[g][rr];
+        if (r >= p.R) continue;
+        Bits* out = static_cast<Bits*>(o) + q_index(p, b, h, r);
+        const float mt = m[(g * 2 + rr) * 32], lt = l[(g * 2 + rr) * 32];
+        const bool total_empty = mt == dm::neg_inf();
+        const float inv_l = out_scale(lt);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          const float* t = acc + ((g * (D / 8) + dt) * 4 + 2 * rr) * 32;
+          const Bits lo = Storage::store(finish_out(total_empty ? 0.0f : t[0], inv_l));
+          const Bits hi = Storage::store(finish_out(total_empty ? 0.0f : t[32], inv_l));
+          *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) =
+              static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+        if (q4 == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(mt, lt);
+      }
+    }
+  }
+};
+
 // Shared memory of a forward CTA: the V tiles and the K tile first (Core::kTileAlign: wgmma's swizzle
 // needs 1024-byte-aligned tiles), then the query tile, the row descriptions and the running totals.
 template <class Core, int kWarps>
@@ -265,9 +344,7 @@ struct FwdGeom {
   static constexpr size_t kQ = Core::query_tile_bytes(kRows);
   static_assert(kQ > 0, "the core takes a Q tile of the CTA's rows");
   static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
-  // The running totals: per lane G * D / 2 accumulator elements and (m, l) of its 2 G rows.
-  static constexpr int kStashPerLane = kGroups * D / 2 + 4 * kGroups;
-  static constexpr size_t kStash = size_t{kWarps} * 32 * kStashPerLane * sizeof(float);
+  static constexpr size_t kStash = kWarps * RunningTotal<kGroups, D>::warp_bytes();  // final mode
   // FwdKernel's overlapped loop (Core::kAsync) keeps two V tiles.
   static constexpr bool kOverlapped = Core::kAsync;
   static constexpr size_t kVTiles = kOverlapped ? 2 : 1;
@@ -499,20 +576,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   load_row_info<kRows, kThreads>(p, b, r0, rows);
   load_query_tile<Elem, D, kThreads, kRows, typename Core::QueryChunks>(Qs, q, p, b, h, r0);
   cp_async_commit();
-  // The running totals, lane-interleaved so that each access is conflict-free: the lane's
-  // accumulator elements (per group: D/8 tiles x 4), then m and l of its rows.
-  constexpr int kStashPerLane = Geo::kStashPerLane;
-  // The accumulators are read only once their row's total holds a split (m_tot > -inf): until
-  // then they are 0 (the merge into an empty total reads 0), so they need no initial zeros.
-  float* my_stash = stash + warp * kStashPerLane * 32 + lane;
-  float* m_tot = my_stash + G * (D / 2) * 32;  // [g][rr] at ((g * 2 + rr) * 32)
-  float* l_tot = m_tot + 2 * G * 32;
-  if (!split_mode) {
-    for (int i = 0; i < 2 * G; ++i) {
-      m_tot[i * 32] = dm::neg_inf();
-      l_tot[i * 32] = 0.0f;
-    }
-  }
+  RunningTotal<G, D> total(stash, warp, lane);
+  if (!split_mode) total.clear();
   if constexpr (kCareful) v_cols.template clear<kThreads>();
   cp_async_wait<0>();
   __syncthreads();
@@ -562,28 +627,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // stash), rows whose split saw a key only.
   auto end_split = [&]() {
     if (!kCareful) fired = fired || probe_nonfinite<D>(acc[0], p.zero);
-    if (split_mode) return;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        if (split_is_empty(m[g][rr])) continue;
-        float& mt = m_tot[(g * 2 + rr) * 32];
-        float& lt = l_tot[(g * 2 + rr) * 32];
-        const bool total_empty = mt == dm::neg_inf();
-        const Rescale rs = rescale<FastMath>(mt, m[g][rr]);
-        lt = merge_term(lt, rs.old_scale, l[g][rr], rs.in_scale);
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-#pragma unroll
-          for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
-            float& t = my_stash[((g * (D / 8) + dt) * 4 + i) * 32];
-            t = merge_term(total_empty ? 0.0f : t, rs.old_scale, acc[g][dt][i], rs.in_scale);
-          }
-        }
-        mt = rs.m_new;
-      }
-    }
+    if (!split_mode) total.merge(m, l, acc);
     reset();
   };
   int cur = -1, plimit = 0;
@@ -731,30 +775,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     if (threadIdx.x == 0) fired_ctas[cta_index()] = any_fired ? 1 : 0;
     if (any_fired) return;
   }
-  if (split_mode) return;
-  using Bits = typename Storage::Bits;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int64_t r = r0 + row_local[g][rr];
-      if (r >= p.R) continue;
-      Bits* out = static_cast<Bits*>(o) + q_index(p, b, h, r);
-      const bool total_empty = m_tot[(g * 2 + rr) * 32] == dm::neg_inf();
-      const float inv_l = out_scale(l_tot[(g * 2 + rr) * 32]);
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        const float* t = my_stash + ((g * (D / 8) + dt) * 4 + 2 * rr) * 32;
-        const Bits lo = Storage::store(finish_out(total_empty ? 0.0f : t[0], inv_l));
-        const Bits hi = Storage::store(finish_out(total_empty ? 0.0f : t[32], inv_l));
-        *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * q4) =
-            static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-      }
-      if (q4 == 0) {
-        lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot[(g * 2 + rr) * 32], l_tot[(g * 2 + rr) * 32]);
-      }
-    }
-  }
+  if (!split_mode) total.template store<Storage>(p, o, lse2, b, h, r0, row_local, q4);
 }
 
 // Split mode's second step: each output element merges its row's splits 0 .. ceil(limit / kSplit)
@@ -797,6 +818,16 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
     if (e == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot, l_tot);
   }
 }
+
+}  // namespace
+}  // namespace attn
+}  // namespace jaxdet
+
+#include "attention/attention_wgmma_fwd.cuh"
+
+namespace jaxdet {
+namespace attn {
+namespace {
 
 template <class Kernel>
 ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
@@ -845,6 +876,30 @@ ffi::Error launch_final(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
                                            smem_optin);
 }
 
+// The Hopper final mode: FwdWsKernel (192-row CTAs, a flag per 64 rows), then FwdKernel's careful
+// instance over 64-row CTAs, which reads those flags.
+template <class Elem, int D>
+ffi::Error launch_final_ws(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
+                           float* lse2, int smem_optin) {
+  using Geo = FwdWsGeom<Elem, D>;
+  using Careful = FwdGeom<WgmmaCore<Elem, D>, 4>;
+  static_assert(Careful::kRows * Geo::kConsumers == Geo::kRows, "a flag per consumer warpgroup");
+  const char* op = "jaxdet_attention_fwd";
+  const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
+                  static_cast<unsigned>(p.B));
+  const dim3 careful_grid(static_cast<unsigned>((p.R + Careful::kRows - 1) / Careful::kRows), grid.y, grid.z);
+  auto fired = scratch.Allocate(size_t{careful_grid.x} * grid.y * grid.z * sizeof(int), kFfiScratchAlignment);
+  if (!fired.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the CTA flags");
+  auto first = FwdWsKernel<Elem, D>;
+  auto careful = FwdKernel<WgmmaCore<Elem, D>, 4, true>;
+  if (auto err = prepare(first, Geo::kBytes, smem_optin, op); !err.success()) return err;
+  if (auto err = prepare(careful, Careful::bytes(true), smem_optin, op); !err.success()) return err;
+  first<<<grid, Geo::kThreads, Geo::kBytes, stream>>>(p, o, lse2, static_cast<int*>(*fired));
+  careful<<<careful_grid, 128, Careful::bytes(true), stream>>>(p, o, lse2, SplitOut{nullptr, nullptr, 0},
+                                                               static_cast<int*>(*fired));
+  return ffi::Error::Success();
+}
+
 template <class Elem, int D>
 ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
                               float* lse2, int smem_optin) {
@@ -876,6 +931,9 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     // Hopper: a warpgroup of 4 warps issues wgmma for 64 rows (the same bits, attention_wgmma.cuh).
     using Wgmma = WgmmaCore<Elem, D>;
     if (wgmma_forward_enabled() && FwdGeom<Wgmma, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
+      if (warp_specialized_forward_enabled() && FwdWsGeom<Elem, D>::kBytes <= static_cast<size_t>(smem_optin)) {
+        return launch_final_ws<Elem, D>(stream, scratch, p, o, lse2, smem_optin);
+      }
       return launch_final<Wgmma, 4>(stream, scratch, p, o, lse2, smem_optin);
     }
   }

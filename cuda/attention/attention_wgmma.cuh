@@ -77,6 +77,67 @@ __device__ __forceinline__ void fence_copies_for_wgmma() {
 #endif
 }
 
+// mbarriers in shared memory (PTX ISA, "mbarrier"): the forward's copy pipeline between its
+// producer warpgroup and its consumers (FwdWsKernel).
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned count) {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(bar)) : "memory");
+#endif
+}
+
+// The barrier's pending arrival of this thread, made when its earlier cp.async copies have landed.
+__device__ __forceinline__ void mbarrier_arrive_on_copies(uint64_t* bar) {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
+#endif
+}
+
+// Until the phase of the given parity has completed (a new barrier counts the phase before its
+// first as completed, parity 1).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#ifdef JAXDET_ATTENTION_WGMMA
+  const uint32_t addr = smem_address(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (done == 0);
+#endif
+}
+
+// The registers of a warpgroup's threads (a multiple of 8, 24-256), moved between warpgroups.
+template <int N>
+__device__ __forceinline__ void warpgroup_registers_down() {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void warpgroup_registers_up() {
+#ifdef JAXDET_ATTENTION_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+// The threads [128 id, 128 id + 128) of a warpgroup, barrier id 1 + id (0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + id) : "memory");
+}
+
 // Pins the accumulators to their registers around a wgmma batch (no copy of them moves into or out
 // of the asynchronous window).
 template <int N>
@@ -189,6 +250,16 @@ inline bool wgmma_forward_enabled() {
 #endif
 }
 
+// Whether the Hopper final mode runs FwdWsKernel (attention_wgmma_fwd.cuh), unless
+// JAXDET_TESTING=attention=wgmma forces FwdKernel's one-warpgroup CTAs (the same bits).
+inline bool warp_specialized_forward_enabled() {
+  static const bool forced_off = [] {
+    const std::string* v = testing_override("attention");
+    return v != nullptr && *v == "wgmma";
+  }();
+  return !forced_off;
+}
+
 // The forward's tensor-core core on wgmma: one row group (16 rows) per warp, warps in whole
 // warpgroups; for head dimensions 64 and 128 (the P.V accumulators of 256 do not fit beside the
 // scores).
@@ -208,12 +279,13 @@ struct WgmmaCore {
   // kBlock rows first_row, first_row + row_stride, ... into the swizzled tile; rows from
   // `valid_rows` on are zero-filled (as MmaSyncCore's tiles). A thread copies one 16-byte chunk of
   // every kStep-th row: the swizzle's row term (row % 8) is then the same for all of them.
+  // `tid`: the thread's index among the kThreads that copy.
   template <int kThreads>
   static __device__ __forceinline__ void load_tile(Elem* tile, const Elem* first_row, int64_t row_stride,
-                                                   int valid_rows, const Elem* any) {
+                                                   int valid_rows, const Elem* any, int tid = threadIdx.x) {
     constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
     static_assert(kThreads % kChunks == 0 && kBlock % kStep == 0 && kStep % 8 == 0, "whole atoms per pass");
-    const int i0 = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+    const int i0 = tid / kChunks, c = tid % kChunks;
     const Elem* src = first_row + i0 * row_stride + c * 8;
     unsigned char* dst =
         reinterpret_cast<unsigned char*>(tile) + (c / 8) * kHalf + i0 * 128 + ((c % 8) ^ (i0 % 8)) * 16;
@@ -244,14 +316,20 @@ struct WgmmaCore {
     }
   };
 
-  using QueryChunks = Chunks;
-  // One warpgroup's 64 rows (0: no other count).
-  static constexpr size_t query_tile_bytes(int rows) { return rows == kBlock ? kTile : 0; }
+  // The Q tile: one such tile per warpgroup (64 rows each), one after the other.
+  struct QueryChunks {
+    template <class T>
+    __device__ __forceinline__ T* operator()(T* tile, int row, int c) const {
+      return Chunks{}(tile + (row / kBlock) * (kTile / sizeof(Elem)), row % kBlock, c);
+    }
+  };
+  static constexpr size_t query_tile_bytes(int rows) { return rows % kBlock == 0 ? rows / kBlock * kTile : 0; }
 
-  const Elem* Q;  // the Q tile (the warpgroup's 64 rows)
+  const Elem* Q;  // the warpgroup's 64 rows of the Q tile
   float zero;     // Problem::zero
 
-  __device__ __forceinline__ WgmmaCore(const Elem* q_tile, int, int, const Problem& p) : Q(q_tile), zero(p.zero) {}
+  __device__ __forceinline__ WgmmaCore(const Elem* q_tile, int warp, int, const Problem& p)
+      : Q(q_tile + (warp / 4) * (kTile / sizeof(Elem))), zero(p.zero) {}
 
   // s = Q . K^T for the block: a chain over the head dimension in ascending 16-wide steps from
   // +0, issued as one wgmma group (wait_scores ends it), both operands read from shared memory (the
