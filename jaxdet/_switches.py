@@ -10,8 +10,8 @@ A comma-separated list of ``key=value`` items, read once per process by the nati
 - ``softmax=passes``: softmax, log_softmax and cross-entropy run rows of 2-16 segments by their
   multi-pass CUDA kernels on a GPU with clusters too, as on an Ampere GPU (docs/softmax.md); it
   cannot change a bit;
-- ``attention=mma``: the bfloat16/float16 attention forward runs its mma.sync kernels on a Hopper
-  GPU too (instead of wgmma; docs/attention.md); ``attention=wgmma``: its Hopper final mode runs
+- ``attention=mma``: the bfloat16/float16 attention forward and backward run their mma.sync
+  kernels on a Hopper GPU too (instead of wgmma; docs/attention.md); ``attention=wgmma``: its Hopper final mode runs
   one-warpgroup wgmma CTAs instead of the warp-specialized ones; neither can change a bit.
 
 An item changes which kernel runs, so, like the device model, it is part of what the bits may

@@ -1,8 +1,9 @@
 """Runs jaxdet.attention's GPU forward (and the backward on its outputs) over fixed inputs with special
-values, for tests/test_attention.py's comparison of the tensor-core forward kernels: on a Hopper
-GPU the final-mode forward issues wgmma (WgmmaCore) in warp-specialized CTAs (FwdWsKernel);
-JAXDET_TESTING (read once per process, hence this subprocess) makes it run one-warpgroup CTAs
-(attention=wgmma) or issue mma.sync (attention=mma, MmaSyncCore), as every other GPU does.
+values, for tests/test_attention.py's comparison of the tensor-core kernels: on a Hopper GPU the
+final-mode forward and the backward issue wgmma (WgmmaCore), the forward in warp-specialized CTAs
+(FwdWsKernel); JAXDET_TESTING (read once per process, hence this subprocess) makes the forward run
+one-warpgroup CTAs (attention=wgmma) or everything issue mma.sync (attention=mma, MmaSyncCore),
+as every other GPU does.
 
     python attention_cores_worker.py OUT.npz    # every case's o, dq, dk, dv -> OUT.npz
 """

@@ -564,15 +564,16 @@ def test_contract_checks(name, check):
 
 
 @pytest.mark.gpu
-def test_wgmma_forward_equals_the_mma_sync_forward(tmp_path):
-    # On a compute capability 9.0 GPU the final-mode forward at head dimensions 64 and 128 runs wgmma
-    # in warp-specialized 128-row CTAs (FwdWsKernel); JAXDET_TESTING (read once per process)
-    # makes it run FwdKernel's one-warpgroup wgmma CTAs (attention=wgmma) or mma.sync
-    # (attention=mma), as the split (decode) mode and other GPUs do.
+def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
+    # On a compute capability 9.0 GPU the final-mode forward and the backward (dQ, dK/dV) at head
+    # dimensions 64 and 128 run wgmma, the forward in warp-specialized 192-row CTAs (FwdWsKernel);
+    # JAXDET_TESTING (read once per process) makes the forward run FwdKernel's one-warpgroup wgmma
+    # CTAs (attention=wgmma) or everything run mma.sync (attention=mma), as the split (decode) mode
+    # and other GPUs do.
     # Every output and gradient (which reads the forward's lse2) must have the same bits: causal,
     # kv_lengths, packed segments, rows past one split, NaN/inf/huge/subnormal/zero inputs.
     if jax.devices("gpu")[0].compute_capability != "9.0":
-        pytest.skip("the wgmma forward runs on compute capability 9.0 only")
+        pytest.skip("the wgmma kernels run on compute capability 9.0 only")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cores_worker.py")
     results = {}
     for core, testing in (("specialized", ""), ("wgmma", "attention=wgmma"), ("mma", "attention=mma")):

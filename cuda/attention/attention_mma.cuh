@@ -155,51 +155,6 @@ namespace jaxdet {
 namespace attn {
 namespace {
 
-// s[nt] (16 rows x 64 keys) = A . B^T with A the warp's 16 rows (pitch D + kPad) and B 64 rows
-// of the same width: an MMA chain over the head dimension in ascending 16-wide steps.
-template <class Elem, int D>
-__device__ __forceinline__ void rows_dot_tile(const Elem* A, const Elem* Bt, float (&s)[8][4], int lane) {
-  constexpr int P = D + kPad;
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    uint32_t a[4];
-    load_a_frag<P>(a, A, ks * 16, lane);
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t bf[4];
-      load_b_frags<P>(bf, Bt, np * 16, ks * 16, lane);
-      MmaElem<Elem>::mma(s[2 * np], a, bf[0], bf[1]);
-      MmaElem<Elem>::mma(s[2 * np + 1], a, bf[2], bf[3]);
-    }
-  }
-}
-
-// acc (16 rows x D) += X . M with X (16 x 64, float32 in C-fragment layout, rounded to Elem here)
-// and M a 64-row tile (pitch D + kPad): an MMA chain over the 64 rows of M in ascending 16-row steps.
-template <class Elem, int D>
-__device__ __forceinline__ void tile_times_rows(const float (&x)[8][4], const Elem* M, float (&acc)[D / 8][4],
-                                                int lane) {
-  constexpr int P = D + kPad;
-  const int mi = lane >> 3, mr = lane & 7;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const uint32_t a[4] = {MmaElem<Elem>::pack(x[2 * kk][0], x[2 * kk][1]),
-                           MmaElem<Elem>::pack(x[2 * kk][2], x[2 * kk][3]),
-                           MmaElem<Elem>::pack(x[2 * kk + 1][0], x[2 * kk + 1][1]),
-                           MmaElem<Elem>::pack(x[2 * kk + 1][2], x[2 * kk + 1][3])};
-    const Elem* row = M + (kk * 16 + (mi & 1) * 8 + mr) * P + (mi >> 1) * 8;
-#pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-      uint32_t b[4];
-      ldsm_x4_trans(b, row + dp * 16);
-      MmaElem<Elem>::mma(acc[2 * dp], a, b[0], b[1]);
-      MmaElem<Elem>::mma(acc[2 * dp + 1], a, b[2], b[3]);
-    }
-  }
-}
-
 // The rows of a CTA and the passes over them. A pass takes the rows whose keys start at one
 // memory row (one sequence of a packed batch; all rows otherwise), in ascending start order; the
 // other rows see no key in it, which leaves their state unchanged.
@@ -355,9 +310,9 @@ struct FwdGeom {
   }
 };
 
-// s[g] = scores of the warp's row group g (16 rows at A + 16 g rows) against the 64 rows of Bt:
-// each K fragment is loaded once for all groups; every element is the same MMA chain over the
-// head dimension (ascending 16-wide steps) as in rows_dot_tile.
+// s[g] = scores of the warp's row group g (16 rows at A + 16 g rows, pitch D + kPad) against the
+// 64 rows of Bt: each K fragment is loaded once for all groups; every element is an MMA chain over
+// the head dimension in ascending 16-wide steps from +0.
 template <class Elem, int D, int G>
 __device__ __forceinline__ void groups_dot_tile(const Elem* A, const Elem* Bt, float (&s)[G][8][4], int lane) {
   constexpr int P = D + kPad;
@@ -384,8 +339,8 @@ __device__ __forceinline__ void groups_dot_tile(const Elem* A, const Elem* Bt, f
   }
 }
 
-// acc[g] += x[g] . M for every row group, each V fragment loaded once: per element the same MMA
-// chain over M's 64 rows (ascending 16-row steps) as in tile_times_rows.
+// acc[g] += x[g] . M for every row group (x rounded to Elem), each fragment of M loaded once: per
+// element an MMA chain over M's 64 rows in ascending 16-row steps.
 template <class Elem, int D, int G>
 __device__ __forceinline__ void groups_times_rows(const float (&x)[G][8][4], const Elem* M,
                                                   float (&acc)[G][D / 8][4], int lane) {
@@ -930,7 +885,7 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
   if constexpr (D == 64 || D == 128) {
     // Hopper: a warpgroup of 4 warps issues wgmma for 64 rows (the same bits, attention_wgmma.cuh).
     using Wgmma = WgmmaCore<Elem, D>;
-    if (wgmma_forward_enabled() && FwdGeom<Wgmma, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
+    if (wgmma_enabled() && FwdGeom<Wgmma, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
       if (warp_specialized_forward_enabled() && FwdWsGeom<Elem, D>::kBytes <= static_cast<size_t>(smem_optin)) {
         return launch_final_ws<Elem, D>(stream, scratch, p, o, lse2, smem_optin);
       }
@@ -957,12 +912,12 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
 // dQ: the rows of the forward, each over its visible keys in ascending blocks:
 //   p = exp2(x - lse2), dp = do . v (an MMA chain like the scores), ds = p * (dp - delta),
 //   dq += ds . K (an MMA chain over the block's keys), dq * scale at the end.
-template <class Elem, int D, int kWarps>
+template <class Core, int kWarps>
 struct DqGeom {
-  static constexpr int kP = D + kPad;
+  static constexpr int D = Core::D;
   static constexpr int kRows = 16 * kWarps;
-  static constexpr size_t kQ = size_t{kRows} * kP * sizeof(Elem);  // Q or dO
-  static constexpr size_t kKV = size_t{2} * kBlock * kP * sizeof(Elem);
+  static constexpr size_t kQ = Core::query_tile_bytes(kRows);  // Q or dO
+  static constexpr size_t kKV = 2 * Core::kTile;               // K or V, two stages
   static constexpr size_t kRowInfo = size_t{2} * kRows * sizeof(int);
   static constexpr size_t kCols = NonFiniteCols<D>::kBytes;  // of the K tile
   static constexpr size_t bytes() { return 2 * kQ + 2 * kKV + kRowInfo + kCols; }
@@ -985,11 +940,16 @@ __device__ __forceinline__ void dq_terms(float (&s)[8][4], const float (&dp)[8][
   }
 }
 
-template <class Elem, int D, int kWarps, bool kCareful>
-__global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOut out) {
-  using Geo = DqGeom<Elem, D, kWarps>;
+// A CTA: kWarps warps of 16 rows, the products on Core (MmaSyncCore<Elem, D, 1>, or WgmmaCore: the
+// same bits, attention_wgmma.cuh): s by a core on the Q tile, dp by one on the dO tile, dq += ds . K
+// as the forward's P.V with K in V's place.
+template <class Core, int kWarps, bool kCareful>
+__global__ void __launch_bounds__(kWarps * 32) DqKernel(Problem p, BackwardOut out) {
+  using Elem = typename Core::Elem;
+  using Geo = DqGeom<Core, kWarps>;
   using Storage = typename MmaElem<Elem>::Storage;
-  constexpr int P = Geo::kP, kRows = Geo::kRows, kThreads = kWarps * 32;
+  constexpr int D = Core::D, kRows = Geo::kRows, kThreads = kWarps * 32;
+  constexpr size_t kTileElems = Core::kTile / sizeof(Elem);
   extern __shared__ __align__(1024) unsigned char smem[];  // as FwdKernel declares it
   Elem* Qs = reinterpret_cast<Elem*>(smem);
   Elem* dOs = reinterpret_cast<Elem*>(smem + Geo::kQ);
@@ -1012,8 +972,8 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
   }
 
   load_row_info<kRows, kThreads>(p, b, r0, rows);
-  load_query_tile<Elem, D, kThreads, kRows>(Qs, q, p, b, h, r0);
-  load_query_tile<Elem, D, kThreads, kRows>(dOs, dout, p, b, h, r0);
+  load_query_tile<Elem, D, kThreads, kRows, typename Core::QueryChunks>(Qs, q, p, b, h, r0);
+  load_query_tile<Elem, D, kThreads, kRows, typename Core::QueryChunks>(dOs, dout, p, b, h, r0);
   cp_async_commit();
   const int row_local[2] = {warp * 16 + grp, warp * 16 + grp + 8};
   float lse[2], delta[2];
@@ -1025,13 +985,13 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
   }
   if constexpr (kCareful) k_cols.template clear<kThreads>();
   cp_async_wait<0>();
+  Core::tiles_written();
   __syncthreads();
 
-  const Elem* Qw = Qs + warp * 16 * P;
-  const Elem* dOw = dOs + warp * 16 * P;
-  float dq[D / 8][4];
+  Core q_core(Qs, warp, lane, p), do_core(dOs, warp, lane, p);
+  float dq[1][D / 8][4];
 #pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
+  for (int dt = 0; dt < D / 8; ++dt) dq[0][dt][0] = dq[0][dt][1] = dq[0][dt][2] = dq[0][dt][3] = 0.0f;
 
   int cur = -1, plimit = 0;
   while ((cur = next_pass<kRows>(rows, cur, &plimit)) != INT_MAX) {
@@ -1043,8 +1003,8 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
     auto load_kv = [&](int stage, int blk) {
       const int pos0 = blk * kBlock;
       const int64_t first = kv_index(p, b, h, pass_start + pos0);
-      load_rows_tile<Elem, D, kThreads>(Ks + stage * kBlock * P, k + first, kv_stride, pass_limit - pos0, k);
-      load_rows_tile<Elem, D, kThreads>(Vs + stage * kBlock * P, v + first, kv_stride, pass_limit - pos0, v);
+      Core::template load_tile<kThreads>(Ks + stage * kTileElems, k + first, kv_stride, pass_limit - pos0, k);
+      Core::template load_tile<kThreads>(Vs + stage * kTileElems, v + first, kv_stride, pass_limit - pos0, v);
       cp_async_commit();
     };
     load_kv(0, 0);
@@ -1056,32 +1016,34 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
       } else {
         cp_async_wait<0>();
       }
-      Elem* Kb = Ks + stage * kBlock * P;
+      Core::tiles_written();
+      Elem* Kb = Ks + stage * kTileElems;
       // K(blk) and V(blk) are in; kCareful: whether K(blk) holds an inf or NaN.
       bool k_nonfinite = false;
       if constexpr (kCareful) {
         k_nonfinite =
-            __syncthreads_or(own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Kb, PaddedChunks<D>{}, p.zero));
+            __syncthreads_or(own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Kb, typename Core::Chunks{}, p.zero));
       } else {
         __syncthreads();
       }
-      float s[8][4], dp[8][4];
-      rows_dot_tile<Elem, D>(Qw, Kb, s, lane);
-      rows_dot_tile<Elem, D>(dOw, Vs + stage * kBlock * P, dp, lane);
+      float s[1][8][4], dp[1][8][4];
+      q_core.scores(Kb, s);
+      do_core.scores(Vs + stage * kTileElems, dp);
       if (__all_sync(kFullMask, (blk + 1) * kBlock <= min(lim[0], lim[1]))) {
-        dq_terms<false>(s, dp, blk, lim, lse, delta, p.c, q4);  // every key visible to the warp's rows
+        dq_terms<false>(s[0], dp[0], blk, lim, lse, delta, p.c, q4);  // every key visible to the warp's rows
       } else {
-        dq_terms<true>(s, dp, blk, lim, lse, delta, p.c, q4);
+        dq_terms<true>(s[0], dp[0], blk, lim, lse, delta, p.c, q4);
       }
       if (k_nonfinite) {
         __syncthreads();  // every warp is done with the scores
-        clean_own_chunks<Elem, D, kThreads, kBlock>(Kb, PaddedChunks<D>{}, k_cols);
+        clean_own_chunks<Elem, D, kThreads, kBlock>(Kb, typename Core::Chunks{}, k_cols);
+        Core::tiles_written();
         __syncthreads();
       }
-      tile_times_rows<Elem, D>(s, Kb, dq, lane);
+      q_core.pv(s, Kb, dq);
       if (k_nonfinite) {
         const auto visible = [&](int nt, int i) { return blk * kBlock + nt * 8 + 2 * q4 + (i & 1) < lim[i >> 1]; };
-        add_nonfinite_terms<Elem, D>(s, visible, k_cols, dq, lane);
+        add_nonfinite_terms<Elem, D>(s[0], visible, k_cols, dq[0], lane);
       }
       __syncthreads();
       if (k_nonfinite) k_cols.template clear<kThreads>();
@@ -1097,8 +1059,8 @@ __global__ void __launch_bounds__(kWarps * 32) DqMmaKernel(Problem p, BackwardOu
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
       stored_nonfinite |=
-          store_pair<Elem>(dst + dt * 8 + 2 * q4, Storage::store(dm::mul(dq[dt][2 * rr], out.scale)),
-                           Storage::store(dm::mul(dq[dt][2 * rr + 1], out.scale)));
+          store_pair<Elem>(dst + dt * 8 + 2 * q4, Storage::store(dm::mul(dq[0][dt][2 * rr], out.scale)),
+                           Storage::store(dm::mul(dq[0][dt][2 * rr + 1], out.scale)));
     }
   }
   if constexpr (!kCareful) {
@@ -1136,11 +1098,11 @@ __global__ void __launch_bounds__(256) TileRangeKernel(Problem p, int2* ranges, 
 //   dv += p^T . dO and dk += ds^T . Q (MMA chains over the tile's rows in ascending 16-row steps).
 // kWhich: 3 both, 1 dK only, 2 dV only (head dimension 256, whose two accumulators do not fit in
 // registers together).
-template <class Elem, int D, int kStages>
+template <class Core, int kStages>
 struct DkdvGeom {
-  static constexpr int kP = D + kPad;
-  static constexpr size_t kKV = size_t{kBlock} * kP * sizeof(Elem);                   // K or V
-  static constexpr size_t kQ = size_t{kStages} * kQueryTile * kP * sizeof(Elem);     // Q or dO
+  static constexpr int D = Core::D;
+  static constexpr size_t kKV = Core::kTile;                                          // K or V
+  static constexpr size_t kQ = kStages * Core::query_tile_bytes(kQueryTile);          // Q or dO
   static constexpr size_t kRowInfo = size_t{kStages} * kQueryTile * (2 * sizeof(int) + 2 * sizeof(float));
   static constexpr size_t kCols = NonFiniteCols<D>::kBytes;  // of the Q tile, then of the dO tile
   static constexpr size_t kFlags = 4 * sizeof(unsigned);     // per warp: its chunks' non-finite tiles
@@ -1166,12 +1128,16 @@ __device__ __forceinline__ void dkdv_terms(float (&st)[8][4], float (&dpt)[8][4]
   }
 }
 
-template <class Elem, int D, int kWhich, int kStages, bool kCareful>
-__global__ void __launch_bounds__(128)
-    DkdvMmaKernel(Problem p, BackwardOut out, const int2* ranges, int64_t tiles) {
-  using Geo = DkdvGeom<Elem, D, kStages>;
+// A CTA: 4 warps of 16 keys, the products on Core (MmaSyncCore<Elem, D, 1>, or WgmmaCore: the same
+// bits, attention_wgmma.cuh) with the keys in the query rows' place: s^T by a core on the K tile,
+// dp^T by one on the V tile, dv += p^T . dO and dk += ds^T . Q as the forward's P.V.
+template <class Core, int kWhich, int kStages, bool kCareful>
+__global__ void __launch_bounds__(128) DkdvKernel(Problem p, BackwardOut out, const int2* ranges, int64_t tiles) {
+  using Elem = typename Core::Elem;
+  using Geo = DkdvGeom<Core, kStages>;
   using Storage = typename MmaElem<Elem>::Storage;
-  constexpr int P = Geo::kP, kThreads = 128;
+  constexpr int D = Core::D, kThreads = 128;
+  constexpr size_t kQueryTileElems = Core::query_tile_bytes(kQueryTile) / sizeof(Elem);
   constexpr bool kDk = (kWhich & 1) != 0, kDv = (kWhich & 2) != 0;
   extern __shared__ __align__(1024) unsigned char smem[];  // as FwdKernel declares it
   Elem* Ks = reinterpret_cast<Elem*>(smem);
@@ -1203,8 +1169,8 @@ __global__ void __launch_bounds__(128)
     if (out.dkdv_fired[cta_index()] == 0) return;  // the first launch's keys stand
   }
 
-  load_rows_tile<Elem, D, kThreads>(Ks, k + kv_index(p, b, h, j0), p.H * p.D, static_cast<int>(p.S - j0), k);
-  load_rows_tile<Elem, D, kThreads>(Vs, v + kv_index(p, b, h, j0), p.H * p.D, static_cast<int>(p.S - j0), v);
+  Core::template load_tile<kThreads>(Ks, k + kv_index(p, b, h, j0), p.H * p.D, static_cast<int>(p.S - j0), k);
+  Core::template load_tile<kThreads>(Vs, v + kv_index(p, b, h, j0), p.H * p.D, static_cast<int>(p.S - j0), v);
   cp_async_commit();
 
   // The next tile at or after `from` whose key range meets [j0, j_end): the same on every thread.
@@ -1223,8 +1189,10 @@ __global__ void __launch_bounds__(128)
   int full_bits = 0;  // bit s: this thread's row of the tile in stage s sees every key of the CTA
   auto load_rows = [&](int stage, int64_t tile) {
     const int64_t r0 = tile * kQueryTile;
-    load_query_tile<Elem, D, kThreads, kQueryTile>(Qs + stage * kQueryTile * P, q, p, b, h, r0);
-    load_query_tile<Elem, D, kThreads, kQueryTile>(dOs + stage * kQueryTile * P, dout, p, b, h, r0);
+    load_query_tile<Elem, D, kThreads, kQueryTile, typename Core::QueryChunks>(Qs + stage * kQueryTileElems, q, p,
+                                                                               b, h, r0);
+    load_query_tile<Elem, D, kThreads, kQueryTile, typename Core::QueryChunks>(dOs + stage * kQueryTileElems, dout,
+                                                                               p, b, h, r0);
     cp_async_commit();
     static_assert(kQueryTile <= kThreads, "one row per thread");
     bool sees_all = true;  // this thread's row sees every key of the CTA
@@ -1250,14 +1218,13 @@ __global__ void __launch_bounds__(128)
     full_bits = sees_all ? full_bits | (1 << stage) : full_bits & ~(1 << stage);
   };
 
-  float dk[D / 8][4], dv[D / 8][4];
+  float dk[1][D / 8][4], dv[1][D / 8][4];
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.0f;
+    for (int i = 0; i < 4; ++i) dk[0][dt][i] = dv[0][dt][i] = 0.0f;
   }
-  const Elem* Kw = Ks + warp * 16 * P;
-  const Elem* Vw = Vs + warp * 16 * P;
+  Core k_core(Ks, warp, lane, p), v_core(Vs, warp, lane, p);
   int64_t tile = next_tile(0);
   int stage = 0;
   if (tile < tiles) load_rows(0, tile);
@@ -1269,14 +1236,16 @@ __global__ void __launch_bounds__(128)
     } else {
       cp_async_wait<0>();
     }
-    Elem* Qt = Qs + stage * kQueryTile * P;
-    Elem* dOt = dOs + stage * kQueryTile * P;
+    Core::tiles_written();
+    Elem* Qt = Qs + stage * kQueryTileElems;
+    Elem* dOt = dOs + stage * kQueryTileElems;
+    using QueryChunks = typename Core::QueryChunks;
     if constexpr (kCareful) {
       // Which of the tile's Q (bit 0) and dO (bit 1) hold an inf or NaN, published per warp with
       // the barrier below.
       const unsigned mine =
-          (own_chunks_nonfinite<Elem, D, kThreads, kQueryTile>(Qt, PaddedChunks<D>{}, p.zero) ? 1u : 0u) |
-          (own_chunks_nonfinite<Elem, D, kThreads, kQueryTile>(dOt, PaddedChunks<D>{}, p.zero) ? 2u : 0u);
+          (own_chunks_nonfinite<Elem, D, kThreads, kQueryTile>(Qt, QueryChunks{}, p.zero) ? 1u : 0u) |
+          (own_chunks_nonfinite<Elem, D, kThreads, kQueryTile>(dOt, QueryChunks{}, p.zero) ? 2u : 0u);
       const unsigned warp_mine = __reduce_or_sync(kFullMask, mine);
       if (lane == 0) warp_flags[warp] = warp_mine;
     }
@@ -1285,32 +1254,33 @@ __global__ void __launch_bounds__(128)
     const unsigned nonfinite = kCareful ? warp_flags[0] | warp_flags[1] | warp_flags[2] | warp_flags[3] : 0u;
     const int* ts = rstart + stage * kQueryTile;
     const int* tl = rlimit + stage * kQueryTile;
-    float st[8][4], dpt[8][4];
-    rows_dot_tile<Elem, D>(Kw, Qt, st, lane);
-    if (kDk) rows_dot_tile<Elem, D>(Vw, dOt, dpt, lane);
+    float st[1][8][4], dpt[1][8][4];
+    k_core.scores(Qt, st);
+    if (kDk) v_core.scores(dOt, dpt);
     const float* tlse = rlse + stage * kQueryTile;
     const float* tdelta = rdelta + stage * kQueryTile;
     if (all_visible) {
-      dkdv_terms<kDk, false>(st, dpt, ts, tl, tlse, tdelta, j0 + warp * 16 + grp, p.c, q4);
+      dkdv_terms<kDk, false>(st[0], dpt[0], ts, tl, tlse, tdelta, j0 + warp * 16 + grp, p.c, q4);
     } else {
-      dkdv_terms<kDk, true>(st, dpt, ts, tl, tlse, tdelta, j0 + warp * 16 + grp, p.c, q4);
+      dkdv_terms<kDk, true>(st[0], dpt[0], ts, tl, tlse, tdelta, j0 + warp * 16 + grp, p.c, q4);
     }
     if (nonfinite) {
       __syncthreads();  // every warp is done with the products of the original tiles
-      if (nonfinite & 1) clean_own_chunks<Elem, D, kThreads, kQueryTile>(Qt, PaddedChunks<D>{}, q_cols);
-      if (nonfinite & 2) clean_own_chunks<Elem, D, kThreads, kQueryTile>(dOt, PaddedChunks<D>{}, do_cols);
+      if (nonfinite & 1) clean_own_chunks<Elem, D, kThreads, kQueryTile>(Qt, QueryChunks{}, q_cols);
+      if (nonfinite & 2) clean_own_chunks<Elem, D, kThreads, kQueryTile>(dOt, QueryChunks{}, do_cols);
+      Core::tiles_written();
       __syncthreads();
     }
-    if (kDv) tile_times_rows<Elem, D>(st, dOt, dv, lane);
-    if (kDk) tile_times_rows<Elem, D>(dpt, Qt, dk, lane);
+    if (kDv) k_core.pv(st, dOt, dv);
+    if (kDk) k_core.pv(dpt, Qt, dk);
     if (nonfinite) {
       const int j_lane = j0 + warp * 16 + grp;
       const auto visible = [&](int nt, int i) {
         const int row = nt * 8 + 2 * q4 + (i & 1), j = j_lane + 8 * (i >> 1);
         return ts[row] <= j && j - ts[row] < tl[row];
       };
-      if (kDv && (nonfinite & 2)) add_nonfinite_terms<Elem, D>(st, visible, do_cols, dv, lane);
-      if (kDk && (nonfinite & 1)) add_nonfinite_terms<Elem, D>(dpt, visible, q_cols, dk, lane);
+      if (kDv && (nonfinite & 2)) add_nonfinite_terms<Elem, D>(st[0], visible, do_cols, dv[0], lane);
+      if (kDk && (nonfinite & 1)) add_nonfinite_terms<Elem, D>(dpt[0], visible, q_cols, dk[0], lane);
     }
     __syncthreads();
     if (nonfinite) {
@@ -1334,12 +1304,13 @@ __global__ void __launch_bounds__(128)
     for (int dt = 0; dt < D / 8; ++dt) {
       if (kDk) {
         stored_nonfinite |= store_pair<Elem>(static_cast<Bits*>(out.dk) + off + dt * 8 + 2 * q4,
-                                             Storage::store(dm::mul(dk[dt][2 * rr], out.scale)),
-                                             Storage::store(dm::mul(dk[dt][2 * rr + 1], out.scale)));
+                                             Storage::store(dm::mul(dk[0][dt][2 * rr], out.scale)),
+                                             Storage::store(dm::mul(dk[0][dt][2 * rr + 1], out.scale)));
       }
       if (kDv) {
-        stored_nonfinite |= store_pair<Elem>(static_cast<Bits*>(out.dv) + off + dt * 8 + 2 * q4,
-                                             Storage::store(dv[dt][2 * rr]), Storage::store(dv[dt][2 * rr + 1]));
+        stored_nonfinite |=
+            store_pair<Elem>(static_cast<Bits*>(out.dv) + off + dt * 8 + 2 * q4, Storage::store(dv[0][dt][2 * rr]),
+                             Storage::store(dv[0][dt][2 * rr + 1]));
       }
     }
   }
@@ -1352,37 +1323,53 @@ __global__ void __launch_bounds__(128)
   }
 }
 
-template <class Elem, int D, int kWhich, int kStages>
+template <class Core, int kWhich, int kStages>
 ffi::Error launch_dkdv(cudaStream_t stream, const Problem& p, const BackwardOut& out, int smem_optin) {
   const dim3 grid(static_cast<unsigned>((p.S + kBlock - 1) / kBlock), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(p.B));
-  return launch_twice(DkdvMmaKernel<Elem, D, kWhich, kStages, false>,
-                      DkdvMmaKernel<Elem, D, kWhich, kStages, true>, grid, 128,
-                      DkdvGeom<Elem, D, kStages>::bytes(), smem_optin, "jaxdet_attention_bwd", stream, p, out,
+  return launch_twice(DkdvKernel<Core, kWhich, kStages, false>, DkdvKernel<Core, kWhich, kStages, true>, grid, 128,
+                      DkdvGeom<Core, kStages>::bytes(), smem_optin, "jaxdet_attention_bwd", stream, p, out,
                       static_cast<const int2*>(out.tile_ranges), out.query_tiles);
 }
 
+template <class Core, int kWarps>
+ffi::Error launch_dq(cudaStream_t stream, const Problem& p, const BackwardOut& out, int smem_optin) {
+  using Geo = DqGeom<Core, kWarps>;
+  const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
+                  static_cast<unsigned>(p.B));
+  return launch_twice(DqKernel<Core, kWarps, false>, DqKernel<Core, kWarps, true>, grid, kWarps * 32, Geo::bytes(),
+                      smem_optin, "jaxdet_attention_bwd", stream, p, out);
+}
+
+// Hopper (as the forward): the dQ and dK/dV products on wgmma at head dimensions 64 and 128.
 template <class Elem, int D>
 ffi::Error launch_backward_mma(cudaStream_t stream, const Problem& p, const BackwardOut& out, int smem_optin) {
-  const char* op = "jaxdet_attention_bwd";
   using Storage = typename MmaElem<Elem>::Storage;
+  using Mma = MmaSyncCore<Elem, D, 1>;
+  bool wgmma = false;
+  if constexpr (D == 64 || D == 128) {
+    wgmma = wgmma_enabled() && DqGeom<WgmmaCore<Elem, D>, 4>::bytes() <= static_cast<size_t>(smem_optin) &&
+            DkdvGeom<WgmmaCore<Elem, D>, 2>::bytes() <= static_cast<size_t>(smem_optin);
+  }
   if (p.B * p.H * p.R > 0) {
     launch_delta<Storage>(stream, p, out);
-    constexpr int kWarps = D <= 128 ? 4 : 1;
-    using Geo = DqGeom<Elem, D, kWarps>;
-    const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
-                    static_cast<unsigned>(p.B));
-    auto err = launch_twice(DqMmaKernel<Elem, D, kWarps, false>, DqMmaKernel<Elem, D, kWarps, true>, grid,
-                            kWarps * 32, Geo::bytes(), smem_optin, op, stream, p, out);
+    ffi::Error err = ffi::Error::Success();
+    if constexpr (D == 64 || D == 128) {
+      err = wgmma ? launch_dq<WgmmaCore<Elem, D>, 4>(stream, p, out, smem_optin)
+                  : launch_dq<Mma, 4>(stream, p, out, smem_optin);
+    } else {
+      err = launch_dq<Mma, 1>(stream, p, out, smem_optin);
+    }
     if (!err.success()) return err;
     TileRangeKernel<<<grid_for(p.B * out.query_tiles, 256), 256, 0, stream>>>(p, out.tile_ranges, out.query_tiles);
   }
   if (p.B * p.H * p.S == 0) return ffi::Error::Success();
-  if constexpr (D <= 128) {
-    return launch_dkdv<Elem, D, 3, 2>(stream, p, out, smem_optin);
+  if constexpr (D == 64 || D == 128) {
+    return wgmma ? launch_dkdv<WgmmaCore<Elem, D>, 3, 2>(stream, p, out, smem_optin)
+                 : launch_dkdv<Mma, 3, 2>(stream, p, out, smem_optin);
   } else {
-    if (auto err = launch_dkdv<Elem, D, 1, 1>(stream, p, out, smem_optin); !err.success()) return err;
-    return launch_dkdv<Elem, D, 2, 1>(stream, p, out, smem_optin);
+    if (auto err = launch_dkdv<Mma, 1, 1>(stream, p, out, smem_optin); !err.success()) return err;
+    return launch_dkdv<Mma, 2, 1>(stream, p, out, smem_optin);
   }
 }
 

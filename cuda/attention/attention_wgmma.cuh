@@ -227,11 +227,11 @@ __device__ __forceinline__ void wgmma_n64_ss(float (&d)[8][4], uint64_t a, uint6
 #undef JAXDET_WGMMA_M64N64K16
 #undef JAXDET_WGMMA_F8
 
-// Whether the forward's final mode runs WgmmaCore: on a compute capability 9.0 GPU (the only one
-// the sm_90a code runs on) when the build has that code (JAXDET_ATTENTION_SM90A, CMakeLists.txt),
-// unless JAXDET_TESTING=attention=mma forces the mma.sync core, as the tests that compare the two
-// cores do.
-inline bool wgmma_forward_enabled() {
+// Whether the forward's final mode and the backward run WgmmaCore: on a compute capability 9.0 GPU
+// (the only one the sm_90a code runs on) when the build has that code (JAXDET_ATTENTION_SM90A,
+// CMakeLists.txt), unless JAXDET_TESTING=attention=mma forces the mma.sync core, as the tests that
+// compare the cores do.
+inline bool wgmma_enabled() {
 #ifdef JAXDET_ATTENTION_SM90A
   static const bool mma_forced = [] {
     const std::string* v = testing_override("attention");

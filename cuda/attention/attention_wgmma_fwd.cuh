@@ -108,10 +108,12 @@ __global__ void __launch_bounds__(FwdWsGeom<Elem, D>::kThreads, 1)
         const int64_t offset = pass_offset + int64_t{blk} * (kBlock * kv_stride);
         const int valid = plimit - blk * kBlock;
         mbarrier_wait(empty_k + stage, parity ^ 1);
-        Core::template load_tile<Geo::kProducerThreads>(Ks + stage * kTileElems, k + offset, kv_stride, valid, k, tid);
+        Core::template load_tile<Geo::kProducerThreads>(Ks + stage * kTileElems, k + offset, kv_stride, valid, k,
+                                                        tid);
         mbarrier_arrive_on_copies(full_k + stage);
         mbarrier_wait(empty_v + stage, parity ^ 1);
-        Core::template load_tile<Geo::kProducerThreads>(Vs + stage * kTileElems, v + offset, kv_stride, valid, v, tid);
+        Core::template load_tile<Geo::kProducerThreads>(Vs + stage * kTileElems, v + offset, kv_stride, valid, v,
+                                                        tid);
         mbarrier_arrive_on_copies(full_v + stage);
       }
     }
