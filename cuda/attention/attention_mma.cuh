@@ -245,12 +245,23 @@ struct RunningTotal {
         const bool total_empty = mt == dm::neg_inf();
         const Rescale rs = rescale<FastMath>(mt, ms[g][rr]);
         lt = merge_term(lt, rs.old_scale, ls[g][rr], rs.in_scale);
+        if (total_empty && rs.in_scale == 1.0f) {
+          // A row's first split (a finite maximum): merge_term(0, 0, x, 1) is 0 + x, for every x
+          // (x * 1 == x, NaN stays the canonical NaN), so the old total is not read.
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
+          for (int dt = 0; dt < D / 8; ++dt) {
 #pragma unroll
-          for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
-            float& t = acc[((g * (D / 8) + dt) * 4 + i) * 32];
-            t = merge_term(total_empty ? 0.0f : t, rs.old_scale, as[g][dt][i], rs.in_scale);
+            for (int i = 2 * rr; i < 2 * rr + 2; ++i)
+              acc[((g * (D / 8) + dt) * 4 + i) * 32] = dm::add(0.0f, as[g][dt][i]);
+          }
+        } else {
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+            for (int i = 2 * rr; i < 2 * rr + 2; ++i) {
+              float& t = acc[((g * (D / 8) + dt) * 4 + i) * 32];
+              t = merge_term(total_empty ? 0.0f : t, rs.old_scale, as[g][dt][i], rs.in_scale);
+            }
           }
         }
         mt = rs.m_new;
