@@ -159,14 +159,18 @@ def decode(shapes, dtype, on_gpu, reps, peak):
         )
         t_loop = timed(in_a_loop(jaxdet_step), q, kc, vc, pos, lens, reps=reps) / LOOP_STEPS
         best_loop, best_loop_impl = best_of(
-            [(impl, in_a_loop(reference(impl))) for impl in implementations(on_gpu)], (q, kc, vc, lens), reps, LOOP_STEPS
+            [(impl, in_a_loop(reference(impl))) for impl in implementations(on_gpu)],
+            (q, kc, vc, lens),
+            reps,
+            LOOP_STEPS,
         )
         bytes_read = 2 * B * S * K * D * jnp.dtype(dtype).itemsize
         frac = f"{bytes_read / t_loop / peak:.2f}" if peak else "-"
         print(
             f"| {B} | {S} | {N}/{K} | {D} | {fmt(t)} | {frac} | {fmt(best) if best else '-'} ({best_impl}) | "
             f"{ratio(best, t) if best else '-'} | {fmt(t_loop)} | "
-            f"{fmt(best_loop) if best_loop else '-'} ({best_loop_impl}) | {ratio(best_loop, t_loop) if best_loop else '-'} |"
+            f"{fmt(best_loop) if best_loop else '-'} ({best_loop_impl}) | "
+            f"{ratio(best_loop, t_loop) if best_loop else '-'} |"
         )
     print()
 
