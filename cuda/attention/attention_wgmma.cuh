@@ -227,16 +227,22 @@ __device__ __forceinline__ void wgmma_n64_ss(float (&d)[8][4], uint64_t a, uint6
 #undef JAXDET_WGMMA_M64N64K16
 #undef JAXDET_WGMMA_F8
 
+// Whether JAXDET_TESTING's attention item (read once per process) is `value`.
+inline bool attention_testing_is(const char* value) {
+  static const std::string item = [] {
+    const std::string* v = testing_override("attention");
+    return v != nullptr ? *v : std::string();
+  }();
+  return item == value;
+}
+
 // Whether the forward's final mode and the backward run WgmmaCore: on a compute capability 9.0 GPU
 // (the only one the sm_90a code runs on) when the build has that code (JAXDET_ATTENTION_SM90A,
 // CMakeLists.txt), unless JAXDET_TESTING=attention=mma forces the mma.sync core, as the tests that
 // compare the cores do.
 inline bool wgmma_enabled() {
 #ifdef JAXDET_ATTENTION_SM90A
-  static const bool mma_forced = [] {
-    const std::string* v = testing_override("attention");
-    return v != nullptr && *v == "mma";
-  }();
+  const bool mma_forced = attention_testing_is("mma");
   int device = 0, major = 0, minor = 0;
   if (mma_forced || cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -252,13 +258,7 @@ inline bool wgmma_enabled() {
 
 // Whether the Hopper final mode runs FwdWsKernel (attention_wgmma_fwd.cuh), unless
 // JAXDET_TESTING=attention=wgmma forces FwdKernel's one-warpgroup CTAs (the same bits).
-inline bool warp_specialized_forward_enabled() {
-  static const bool forced_off = [] {
-    const std::string* v = testing_override("attention");
-    return v != nullptr && *v == "wgmma";
-  }();
-  return !forced_off;
-}
+inline bool warp_specialized_forward_enabled() { return !attention_testing_is("wgmma"); }
 
 // The forward's tensor-core core on wgmma: one row group (16 rows) per warp, warps in whole
 // warpgroups; for head dimensions 64 and 128 (the P.V accumulators of 256 do not fit beside the
