@@ -486,6 +486,18 @@ __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], fl
   }
 }
 
+// A split's state before its first block (step 2 of the canonical order): m = -inf, l = 0, acc = 0.
+template <int G, int D>
+__device__ __forceinline__ void start_split(float (&m)[G][2], float (&l)[G][2], float (&acc)[G][D / 8][4]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g][0] = m[g][1] = dm::neg_inf();
+    l[g][0] = l[g][1] = 0.0f;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) acc[g][dt][0] = acc[g][dt][1] = acc[g][dt][2] = acc[g][dt][3] = 0.0f;
+  }
+}
+
 // acc *= alpha, row by row. x * 1 == x for every float (NaN stays the canonical NaN): a warp whose
 // rows kept their maxima skips the rescale.
 template <int D, int G>
@@ -556,15 +568,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   }
   Core core(Qs, warp, lane, p);
   float m[G][2], l[G][2], acc[G][D / 8][4];
-  auto reset = [&]() {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      m[g][0] = m[g][1] = dm::neg_inf();
-      l[g][0] = l[g][1] = 0.0f;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) acc[g][dt][0] = acc[g][dt][1] = acc[g][dt][2] = acc[g][dt][3] = 0.0f;
-    }
-  };
+  auto reset = [&]() { start_split<G, D>(m, l, acc); };
 
   bool fired = false;  // an accumulator element this thread probes is inf or NaN (not kCareful)
   // The block's softmax (unmasked when every key of the block is visible to every row of the warp)

@@ -127,12 +127,6 @@ __global__ void __launch_bounds__(FwdWsGeom<Elem, D>::kThreads, 1)
     const int row_local[1][2] = {{warp * 16 + grp, warp * 16 + grp + 8}};
     Core core(Qs, warp, lane, p);
     float m[1][2], l[1][2], acc[1][D / 8][4];
-    auto reset = [&]() {
-      m[0][0] = m[0][1] = dm::neg_inf();
-      l[0][0] = l[0][1] = 0.0f;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) acc[0][dt][0] = acc[0][dt][1] = acc[0][dt][2] = acc[0][dt][3] = 0.0f;
-    };
     // A tile's copies have landed (and, through the proxy fence, are visible to wgmma), or this
     // thread's wgmma is done with it.
     auto wait_full = [&](uint64_t* full, int n) {
@@ -164,7 +158,7 @@ __global__ void __launch_bounds__(FwdWsGeom<Elem, D>::kThreads, 1)
       float s[1][8][4], alpha[1][2];
       for (int s0 = 0; s0 < nblocks; s0 += kBlocksPerSplit) {
         const int s1 = min(s0 + kBlocksPerSplit, nblocks);
-        reset();
+        start_split<1, D>(m, l, acc);
         wait_full(full_k, n);
         core.scores(k_tile(n), s);
         release(empty_k, n);
