@@ -5,6 +5,7 @@
     python benchmarks/attention_bench.py --sanitize  # every kernel once at small shapes (compute-sanitizer)
     python benchmarks/attention_bench.py --profile   # the training forward 3 times (ncu: gpu_session.sh ncu-attention)
     python benchmarks/attention_bench.py --trace-decode  # where the decode steps' time goes (jax.profiler)
+    python benchmarks/attention_bench.py --decode-only   # the decode table only
 
 Training: batch 8, sequence 2048 and 8192, 32 query / 8 KV heads, head dim 128 (--head-dim), causal, bfloat16:
 forward, and backward (the gradient of q, k and v; timed as forward + backward minus forward).
@@ -234,6 +235,10 @@ def sanitize():
                     kv_lengths=jnp.asarray([1001, 1100]),
                 )
             )
+            # packed sequences past one split in split mode: a CTA's rows in several passes
+            q6, k6, v6 = rand(5, (1, 600, 1, D), dtype), rand(6, (1, 600, 1, D), dtype), rand(7, (1, 600, 1, D), dtype)
+            seg6 = jnp.asarray(np.repeat([0, 1, 2], [150, 449, 1])[None])
+            jax.block_until_ready(jaxdet.attention(q6, k6, v6, segment_ids=seg6))
     print("sanitize: every attention kernel ran")
 
 
@@ -244,6 +249,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--head-dim", type=int, default=128, help="the training and decode shapes' head dimension")
     parser.add_argument("--training-only", action="store_true", help="skip the decode table")
+    parser.add_argument("--decode-only", action="store_true", help="skip the training table")
     parser.add_argument("--profile", action="store_true", help="the first training shape's forward, 3 calls (ncu)")
     parser.add_argument("--trace-decode", action="store_true", help="profile the decode shapes' calls and exit")
     args = parser.parse_args()
@@ -275,7 +281,8 @@ def main() -> None:
         decode([(2, 256, 4, 2, 64)], jnp.bfloat16, on_gpu, reps=2, peak=peak)
         return
     D = args.head_dim
-    training([(8, 2048, 32, 8, D), (8, 8192, 32, 8, D)], jnp.bfloat16, on_gpu, args.reps)
+    if not args.decode_only:
+        training([(8, 2048, 32, 8, D), (8, 8192, 32, 8, D)], jnp.bfloat16, on_gpu, args.reps)
     if not args.training_only:
         decode([(b, s, 32, 8, D) for b in (1, 16, 64) for s in (4096, 32768)], jnp.bfloat16, on_gpu, args.reps, peak)
 

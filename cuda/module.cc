@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "attention/attention_workspace.h"
 #include "common/testing.h"
 #include "gemm/matmul_cpu.h"
 #if defined(JAXDET_WITH_CUDA)
@@ -101,6 +102,18 @@ NB_MODULE(_native, m) {
         return d;
       },
       "The items of the testing switch JAXDET_TESTING as the native code read them (once per process).");
+  m.def(
+      "attention_workspace_bytes",
+      [](const std::string& pass, int64_t B, int64_t T, int64_t H, int64_t G, int64_t D, int64_t S,
+         bool tensor_cores) -> size_t {
+        if (pass == "fwd") return jaxdet::attn::forward_workspace(B, T, H, G, D, S, tensor_cores).bytes;
+        if (pass == "bwd") return jaxdet::attn::backward_workspace(B, T, H, G, D, S, tensor_cores).bytes;
+        throw nb::value_error("pass must be 'fwd' or 'bwd'");
+      },
+      nb::arg("pass"), nb::arg("B"), nb::arg("T"), nb::arg("H"), nb::arg("G"), nb::arg("D"), nb::arg("S"),
+      nb::arg("tensor_cores"),
+      "Bytes of device memory the CUDA attention kernels work in for q [B, T, H, G, D] and k, v [B, S, H, D] "
+      "(tensor_cores: bfloat16 or float16): the size of the custom call's workspace result.");
 #if defined(JAXDET_WITH_CUDA)
   m.def("gemm_cuda_tile", &jaxdet::gemm_cuda_tile, nb::arg("dtype"), nb::arg("transpose_a"),
         nb::arg("transpose_b"), nb::arg("out_f32"), nb::arg("m"), nb::arg("n"), nb::arg("l") = 1,

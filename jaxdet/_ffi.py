@@ -326,10 +326,15 @@ def define_primitive(
     multiple_results=False,
     operand_output_aliases=None,
     partitioning: Partitioning | None = None,
+    cuda_workspace: Callable | None = None,
 ):
     """A primitive named `target` that lowers to the FFI target of that name on cpu and cuda.
 
     `attributes(**params)` maps the primitive's parameters to the FFI call's attributes.
+    `cuda_workspace(operand_avals, **params)`, when given, is the number of bytes of device memory
+    the CUDA handler works in: its FFI call gets one more result, a uint8 buffer of that size that
+    the primitive does not return. (XLA's scratch allocator would do, but a handler that uses it
+    cannot run inside XLA's command buffers.)
     `operand_output_aliases` is a dict {operand: result}, or a function of the operand count
     returning one (for variadic primitives such as clipping, whose aliases follow its leaves).
     With `partitioning`, the FFI call is a second primitive, ``prim.shard`` (named
@@ -344,9 +349,16 @@ def define_primitive(
         rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases) if aliases else jax.ffi.ffi_lowering(target)
         return rule(ctx, *args, **attributes(**params))
 
+    def cuda_lowering(ctx, *args, **params):
+        if cuda_workspace is None:
+            return lowering(ctx, *args, **params)
+        size = max(int(cuda_workspace(ctx.avals_in, **params)), 1)
+        workspace = jax.core.ShapedArray((size,), jnp.uint8)
+        return lowering(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args, **params)[:-1]
+
     mlir.register_lowering(ffi_prim, lowering, platform="cpu")
     if target in CUDA_TARGETS:
-        mlir.register_lowering(ffi_prim, lowering, platform="cuda")
+        mlir.register_lowering(ffi_prim, cuda_lowering, platform="cuda")
     else:
         mlir.register_lowering(ffi_prim, _missing_cuda_lowering(target), platform="cuda")
     if partitioning is not None:

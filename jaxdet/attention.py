@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdet import _ffi
+from jaxdet import _ffi, _native
 from jaxdet._checks import FLOAT_DTYPES, check_static_float, float_dtype_of
 
 __all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS"]
@@ -103,6 +103,19 @@ def _bwd_factors(params, shapes):
     return [q, kv, kv, q, ("b", "h", "t", "g"), q, ("b", "t", "c")], [q, kv, kv]
 
 
+def _workspace(pass_):
+    """The CUDA kernels' workspace in bytes (cuda/attention/attention_workspace.h), from the
+    shapes of q and k."""
+
+    def size(avals, **params):
+        q, k = avals[0], avals[1]
+        B, T, H, G, D = q.shape
+        tensor_cores = q.dtype != jnp.float32
+        return _native.attention_workspace_bytes(pass_, B, T, H, G, D, k.shape[1], tensor_cores)
+
+    return size
+
+
 fwd_p = _ffi.define_primitive(
     "jaxdet_attention_fwd",
     _fwd_abstract_eval,
@@ -110,6 +123,7 @@ fwd_p = _ffi.define_primitive(
     batching_rule=_fwd_batch,
     multiple_results=True,
     partitioning=_ffi.Partitioning(_fwd_factors, replicated=frozenset({"s", "d", "c"})),
+    cuda_workspace=_workspace("fwd"),
 )
 
 bwd_p = _ffi.define_primitive(
@@ -119,6 +133,7 @@ bwd_p = _ffi.define_primitive(
     batching_rule=_bwd_batch,
     multiple_results=True,
     partitioning=_ffi.Partitioning(_bwd_factors, replicated=frozenset({"s", "d", "c", "t", "g"})),
+    cuda_workspace=_workspace("bwd"),
 )
 
 

@@ -3,7 +3,9 @@ values, for tests/test_attention.py's comparison of the tensor-core kernels: on 
 final-mode forward and the backward issue wgmma (WgmmaCore), the forward in warp-specialized CTAs
 (FwdWsKernel); JAXDET_TESTING (read once per process, hence this subprocess) makes the forward run
 one-warpgroup CTAs (attention=wgmma) or everything issue mma.sync (attention=mma, MmaSyncCore),
-as every other GPU does.
+as every other GPU does. The split mode of a small grid at head dimension 128 (decode steps) runs
+eight warps per split (DecodeSplitKernel) unless attention=one_warp_splits makes it run
+FwdKernel's one-warp CTAs.
 
     python attention_cores_worker.py OUT.npz    # every case's o, dq, dk, dv -> OUT.npz
 """
@@ -23,6 +25,11 @@ import jaxdet
 # split (512 keys) that still runs the final mode on an H100 (enough tiles), so splits merge in the
 # kernel.
 SHAPES = [(2, 300, 8, 2), (3, 257, 4, 4), (2, 1100, 16, 4)]
+# Split mode, (B, T, S, query heads, KV heads): decode steps past one and several splits, a chunk
+# of 4 queries (16 rows), and packed sequences of 600 tokens (38 row tiles x 2 splits: a CTA's rows
+# run in several passes).
+DECODE_SHAPES = [(1, 1, 1100, 8, 2), (3, 1, 2000, 32, 8), (2, 4, 1500, 16, 4)]
+PACKED_SPLIT_SHAPE = (1, 600, 600, 1, 1)
 
 
 def cases():
@@ -49,6 +56,28 @@ def cases():
                 }
                 for variant, (qkv, kw) in variants.items():
                     name = f"{jnp.dtype(dtype).name}_D{D}_B{B}_T{T}_N{N}_K{K}_{variant}"
+                    yield name, *(jnp.asarray(x, dtype) for x in (*qkv, do)), kw
+            for B, T, S, N, K in [*DECODE_SHAPES, PACKED_SPLIT_SHAPE]:
+                rng = np.random.default_rng(B * 1000 + T + S + D)
+                shapes = [(B, T, N, D), (B, S, K, D), (B, S, K, D), (B, T, N, D)]
+                q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+                special = tuple(sprinkle_special(x, rng, dtype) for x in (q, k, v))
+                if T == S:
+                    segments = jnp.asarray(np.repeat([0, 1, 2], [150, 449, 1])[None].repeat(B, 0))
+                    variants = {
+                        "segments": ((q, k, v), dict(segment_ids=segments)),
+                        "special_segments": (special, dict(segment_ids=segments)),
+                    }
+                else:
+                    positions = dict(q_positions=jnp.asarray(S - T + np.arange(T)))
+                    shorter = dict(positions, kv_lengths=jnp.asarray([S // 2 + 7 * b for b in range(B)]))
+                    variants = {
+                        "decode": ((q, k, v), positions),
+                        "special_decode": (special, positions),
+                        "kv_lengths": ((q, k, v), shorter),
+                    }
+                for variant, (qkv, kw) in variants.items():
+                    name = f"{jnp.dtype(dtype).name}_D{D}_B{B}_T{T}_S{S}_N{N}_K{K}_{variant}"
                     yield name, *(jnp.asarray(x, dtype) for x in (*qkv, do)), kw
 
 

@@ -100,6 +100,19 @@ def test_long_rows_cross_splits(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [64, 128])
+def test_decode_against_a_long_cache_matches_float64(device, D):
+    # One query per sequence against caches of 700-1500 positions (the GPU's split mode: a CTA per
+    # split, then the combine), each sequence at its own length.
+    q, k, v = _qkv(3, 1, 1500, 8, 2, D, jnp.bfloat16, seed=5)
+    lengths = jnp.asarray([700, 1100, 1500])
+    with jax.default_device(_device(device)):
+        out = jaxdet.attention(q, k, v, q_positions=(lengths - 1)[:, None], kv_lengths=lengths)
+    want = reference(q, k, v, q_positions=(lengths - 1)[:, None], kv_lengths=lengths)
+    assert _relerr(out, want) < TOLERANCE[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_scale_and_masks(device):
     q, k, v = _qkv(3, 20, 40, 4, 2, 64)
     pos = jnp.asarray([[i + 20 for i in range(20)], [i for i in range(20)], [39 - i for i in range(20)]], jnp.int32)
@@ -560,6 +573,38 @@ def test_contract_checks(name, check):
 # Many devices: tests/test_rowops_sharding.py (8 simulated CPU devices).
 
 
+# ---- Command buffers (GPU). ----
+
+
+@pytest.mark.gpu
+def test_handlers_run_in_command_buffers():
+    # Both handlers take their workspace as a result that XLA allocates
+    # (cuda/attention/attention_workspace.h), not from its scratch allocator, so they are marked
+    # command-buffer compatible: a decode step's kernels replay in one CUDA graph with their
+    # neighbours'. The final and split modes and the backward, recorded and replayed, give the bits
+    # of the same program run kernel by kernel.
+    import command_buffers
+
+    gpu = jax.devices("gpu")[0]
+    q, k, v = (jax.device_put(x, gpu) for x in _qkv(2, 256, 256, 8, 2, 128, jnp.bfloat16, seed=11))
+
+    def loss(q, k, v):
+        h = jnp.tanh(jaxdet.attention(q, k, v))
+        return jnp.sum(jaxdet.attention(h, k, v).astype(jnp.float32) ** 2)
+
+    command_buffers.check_in_command_buffers(
+        jax.value_and_grad(loss, argnums=(0, 1, 2)), (q, k, v), ("jaxdet_attention_fwd", "jaxdet_attention_bwd")
+    )
+    q1, kc, vc = (jax.device_put(x, gpu) for x in _qkv(1, 1, 1100, 8, 2, 128, jnp.bfloat16, seed=12))
+
+    def decode_steps(q, k, v):
+        for t in range(4):
+            q = jnp.tanh(jaxdet.attention(q, k, v, q_positions=jnp.asarray([1000 + t]))) * 2
+        return q
+
+    command_buffers.check_in_command_buffers(decode_steps, (q1, kc, vc), ("jaxdet_attention_fwd",))
+
+
 # ---- The two tensor-core forward cores (GPU). ----
 
 
@@ -568,23 +613,32 @@ def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
     # On a compute capability 9.0 GPU the final-mode forward and the backward (dQ, dK/dV) at head
     # dimensions 64 and 128 run wgmma, the forward in warp-specialized 192-row CTAs (FwdWsKernel);
     # JAXDET_TESTING (read once per process) makes the forward run FwdKernel's one-warpgroup wgmma
-    # CTAs (attention=wgmma) or everything run mma.sync (attention=mma), as the split (decode) mode
-    # and other GPUs do.
+    # CTAs (attention=wgmma) or everything run mma.sync (attention=mma), as other GPUs do. The
+    # split mode of grids up to a CTA per SM at head dimension 128 runs eight warps per split
+    # (DecodeSplitKernel), FwdKernel's one-warp CTAs under attention=one_warp_splits.
     # Every output and gradient (which reads the forward's lse2) must have the same bits: causal,
-    # kv_lengths, packed segments, rows past one split, NaN/inf/huge/subnormal/zero inputs.
+    # kv_lengths, packed segments, rows past one split, decode steps and a chunk against a longer
+    # cache, packed sequences in split mode, NaN/inf/huge/subnormal/zero inputs.
     if jax.devices("gpu")[0].compute_capability != "9.0":
         pytest.skip("the wgmma kernels run on compute capability 9.0 only")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cores_worker.py")
     results = {}
-    for core, testing in (("specialized", ""), ("wgmma", "attention=wgmma"), ("mma", "attention=mma")):
+    configs = (
+        ("specialized", ""),
+        ("wgmma", "attention=wgmma"),
+        ("mma", "attention=mma"),
+        ("one_warp_splits", "attention=one_warp_splits"),
+    )
+    for core, testing in configs:
         env = dict(os.environ, JAXDET_TESTING=testing, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         path = tmp_path / f"{core}.npz"
         run = subprocess.run([sys.executable, worker, str(path)], env=env, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout + run.stderr
         results[core] = np.load(path)
     names = results["mma"].files
-    assert len(names) == 4 * 2 * 2 * 3 * 4
-    for core in ("specialized", "wgmma"):
+    # dtypes x head dims x (3 prefill shapes x 4 variants + 3 split shapes x 3 + packed x 2) x 4 arrays
+    assert len(names) == 2 * 2 * (3 * 4 + 3 * 3 + 2) * 4
+    for core, _ in configs:
         assert results[core].files == names
         differ = [n for n in names if results[core][n].tobytes() != results["mma"][n].tobytes()]
         assert not differ, f"{core}: {len(differ)} of {len(names)} arrays differ from mma.sync's, e.g. {differ[:5]}"

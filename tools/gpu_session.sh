@@ -177,8 +177,8 @@ if has softmax; then
   done
 fi
 if has attention; then
-  sanitize attention 'Fwd|Dq|Dkdv|Combine|Delta|TileRange' memcheck python3 benchmarks/attention_bench.py --sanitize
-  sanitize attention 'Fwd|Dq|Dkdv|Combine|Delta|TileRange' racecheck python3 benchmarks/attention_bench.py --sanitize
+  sanitize attention 'Fwd|Decode|Dq|Dkdv|Combine|Delta|TileRange' memcheck python3 benchmarks/attention_bench.py --sanitize
+  sanitize attention 'Fwd|Decode|Dq|Dkdv|Combine|Delta|TileRange' racecheck python3 benchmarks/attention_bench.py --sanitize
   if benching attention; then
     timeout ${ATTENTION_BENCH_TIMEOUT:-300} python3 benchmarks/attention_bench.py > "$LOGS/bench_attention.md" 2>&1
     echo "rc=$?"; grep -E "^\||^[A-Za-z#]" "$LOGS/bench_attention.md" | head -60

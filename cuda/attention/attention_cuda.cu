@@ -24,6 +24,7 @@
 
 #include "attention/attention_ffi.h"
 #include "attention/attention_math.h"
+#include "attention/attention_workspace.h"
 #include "common/cuda_common.h"
 
 namespace jaxdet {
@@ -186,15 +187,25 @@ ffi::Error check_grid(const char* op, const Problem& p) {
 }
 
 template <class Elem>
-ffi::Error forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
-                       float* lse2) {
+ffi::Error forward_mma(cudaStream_t stream, const ForwardWorkspace& w, unsigned char* ws, const Problem& p,
+                       void* o, float* lse2) {
   switch (p.D) {
-    case 64: return launch_forward_mma<Elem, 64>(stream, scratch, p, o, lse2, device_smem_optin());
-    case 128: return launch_forward_mma<Elem, 128>(stream, scratch, p, o, lse2, device_smem_optin());
-    case 256: return launch_forward_mma<Elem, 256>(stream, scratch, p, o, lse2, device_smem_optin());
+    case 64: return launch_forward_mma<Elem, 64>(stream, w, ws, p, o, lse2, device_smem_optin());
+    case 128: return launch_forward_mma<Elem, 128>(stream, w, ws, p, o, lse2, device_smem_optin());
+    case 256: return launch_forward_mma<Elem, 256>(stream, w, ws, p, o, lse2, device_smem_optin());
     default:
       return ffi::Error::InvalidArgument("jaxdet_attention_fwd: head dimension must be 64, 128 or 256 on the GPU");
   }
+}
+
+// The workspace result as the lowering sized it (jaxdet/attention.py, with the same function).
+ffi::Error check_workspace(const char* op, ffi::Result<ffi::Buffer<ffi::U8>>& ws, size_t bytes) {
+  if (ws->element_count() < bytes) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": the workspace result has " +
+                                       std::to_string(ws->element_count()) + " bytes, the kernels need " +
+                                       std::to_string(bytes) + " (lowered by another jaxdet version?)");
+  }
+  return ffi::Error::Success();
 }
 
 template <class Elem>
@@ -208,25 +219,29 @@ ffi::Error backward_mma(cudaStream_t stream, const Problem& p, const BackwardOut
   }
 }
 
-ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> o,
-                            ffi::Result<ffi::Buffer<ffi::F32>> lse2, float scale_log2) {
+ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> o,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse2, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                            float scale_log2) {
   const char* op = "jaxdet_attention_fwd";
   Dims d;
   if (auto err = check_dims(op, q, k, v, rows, &d); !err.success()) return err;
   const Problem p = make_problem(d, q, k, v, rows, scale_log2);
   if (auto err = check_grid(op, p); !err.success()) return err;
+  const ForwardWorkspace w = forward_workspace(d.B, d.T, d.H, d.G, d.D, d.S, q.element_type() != ffi::F32);
+  if (auto err = check_workspace(op, workspace, w.bytes); !err.success()) return err;
   if (p.B * p.H * p.R == 0) return ffi::Error::Success();
+  unsigned char* ws = workspace->typed_data();
   switch (q.element_type()) {
     case ffi::F32: launch_forward_simt<F32Storage>(stream, p, o->untyped_data(), lse2->typed_data()); break;
     case ffi::BF16:
-      if (auto err = forward_mma<__nv_bfloat16>(stream, scratch, p, o->untyped_data(), lse2->typed_data());
+      if (auto err = forward_mma<__nv_bfloat16>(stream, w, ws, p, o->untyped_data(), lse2->typed_data());
           !err.success()) {
         return err;
       }
       break;
     case ffi::F16:
-      if (auto err = forward_mma<__half>(stream, scratch, p, o->untyped_data(), lse2->typed_data());
+      if (auto err = forward_mma<__half>(stream, w, ws, p, o->untyped_data(), lse2->typed_data());
           !err.success()) {
         return err;
       }
@@ -236,17 +251,21 @@ ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   return last_launch_error(op);
 }
 
-ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse2, ffi::AnyBuffer dout,
+ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse2, ffi::AnyBuffer dout,
                             ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> dq,
-                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale_log2,
-                            float scale) {
+                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale_log2, float scale) {
   const char* op = "jaxdet_attention_bwd";
   Dims d;
   if (auto err = check_dims(op, q, k, v, rows, &d); !err.success()) return err;
   if (auto err = check_backward_operands(op, q, o, dout, lse2, d); !err.success()) return err;
   const Problem p = make_problem(d, q, k, v, rows, scale_log2);
   if (auto err = check_grid(op, p); !err.success()) return err;
+  const bool tensor_cores = q.element_type() != ffi::F32;
+  const BackwardWorkspace w = backward_workspace(d.B, d.T, d.H, d.G, d.D, d.S, tensor_cores);
+  if (auto err = check_workspace(op, workspace, w.bytes); !err.success()) return err;
+  unsigned char* ws = workspace->typed_data();
   BackwardOut out;
   out.o = o.untyped_data();
   out.dout = dout.untyped_data();
@@ -255,26 +274,13 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   out.dk = dk->untyped_data();
   out.dv = dv->untyped_data();
   out.scale = scale;
-  const int64_t rows_total = p.B * p.H * p.R;
-  if (rows_total > 0) {
-    auto mem = scratch.Allocate(static_cast<size_t>(rows_total) * sizeof(float), kFfiScratchAlignment);
-    if (!mem.has_value())
-      return ffi::Error::Internal(std::string(op) + ": could not allocate the delta workspace");
-    out.delta = static_cast<float*>(*mem);
-  } else {
-    out.delta = nullptr;
-  }
-  out.query_tiles = (p.R + 63) / 64;
+  out.delta = reinterpret_cast<float*>(ws);
+  out.query_tiles = w.query_tiles;
   out.tile_ranges = nullptr;
   out.dq_fired = out.dkdv_fired = nullptr;
-  if (q.element_type() != ffi::F32 && p.B * out.query_tiles > 0) {
-    auto mem = scratch.Allocate(static_cast<size_t>(p.B * out.query_tiles) * sizeof(int2), kFfiScratchAlignment);
-    if (!mem.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the tile workspace");
-    out.tile_ranges = static_cast<int2*>(*mem);
-    const int64_t flags = ((p.R + 15) / 16 + (p.S + 63) / 64) * p.H * p.B;
-    auto fired = scratch.Allocate(static_cast<size_t>(flags) * sizeof(int), kFfiScratchAlignment);
-    if (!fired.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the CTA flags");
-    out.dq_fired = static_cast<int*>(*fired);
+  if (tensor_cores && p.B * out.query_tiles > 0) {
+    out.tile_ranges = reinterpret_cast<int2*>(ws + w.ranges_offset);
+    out.dq_fired = reinterpret_cast<int*>(ws + w.flags_offset);
     out.dkdv_fired = out.dq_fired + (p.R + 15) / 16 * p.H * p.B;
   }
   switch (q.element_type()) {
@@ -293,22 +299,24 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, 
 }  // namespace
 }  // namespace attn
 
+// Both handlers take their workspace from XLA (attention_workspace.h), so XLA may record them into
+// its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_fwd_cuda, attn::AttentionFwdCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale_log2"));
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<float>("scale_log2"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cuda, attn::AttentionBwdCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -319,7 +327,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cuda, attn::AttentionBwdCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<float>("scale_log2")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

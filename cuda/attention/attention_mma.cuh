@@ -76,10 +76,11 @@ __device__ __forceinline__ void load_b_frags(uint32_t (&b)[4], const Elem* Bt, i
 // (kThreads / (D / 8))-th row, so its addresses advance by a constant.
 template <class Elem, int D, int kThreads>
 __device__ __forceinline__ void load_rows_tile(Elem* tile, const Elem* first_row, int64_t row_stride,
-                                               int valid_rows, const Elem* any) {
+                                               int valid_rows, const Elem* any,
+                                               int tid = static_cast<int>(threadIdx.x)) {
   constexpr int kChunks = D / 8, kStep = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0 && kBlock % kStep == 0, "whole rows per pass of the threads");
-  const int i0 = static_cast<int>(threadIdx.x) / kChunks, col = (static_cast<int>(threadIdx.x) % kChunks) * 8;
+  const int i0 = tid / kChunks, col = (tid % kChunks) * 8;
   const Elem* src = first_row + i0 * row_stride + col;
   Elem* dst = tile + i0 * (D + kPad) + col;
   if (valid_rows >= kBlock) {
@@ -416,70 +417,93 @@ struct MmaSyncCore {
   }
 };
 
-// One block of the online softmax for the warp's row groups (16 rows each, two per lane: grp and
-// grp + 8), keys at positions pos0 .. pos0 + 63 of the pass, on the block's scores s (the core's
+// The first half of a block's online softmax for one row group (16 rows, two per lane: grp and
+// grp + 8), keys at positions pos0 .. pos0 + 63 of the pass: the scores scaled by c (keys at or
+// past the row's limit lim[] masked to -inf) and the lane's maximum of each row over the block.
+// kMasked false: every key of the block is visible to both rows, where the mask would keep every
+// score (the same bits without the compares).
+template <bool kMasked>
+__device__ __forceinline__ void block_scores_max(int pos0, const int (&lim)[2], float c, float (&s)[8][4],
+                                                 float (&bm)[2], int q4) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
+      s[nt][i] = !kMasked || key < lim[i >> 1] ? dm::mul(s[nt][i], c) : dm::neg_inf();
+    }
+  }
+  // A tree (exact: the maximum does not depend on the order, fmax_nan settles (+0, -0) and NaN
+  // the same way in either order), both rows interleaved.
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float t[8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) t[nt] = fmax_nan(s[nt][2 * rr], s[nt][2 * rr + 1]);
+#pragma unroll
+    for (int w = 4; w >= 1; w /= 2) {
+#pragma unroll
+      for (int i = 0; i < w; ++i) t[i] = fmax_nan(t[i], t[i + w]);
+    }
+    bm[rr] = t[0];
+  }
+}
+
+// A row's maximum from its 4 lanes' (the same on all 4).
+__device__ __forceinline__ float row_max_of_lanes(float x) {
+  x = fmax_nan(x, __shfl_xor_sync(kFullMask, x, 1));
+  return fmax_nan(x, __shfl_xor_sync(kFullMask, x, 2));
+}
+
+// The second half, given each row's running maximum before the block (m_old) and the block's
+// (bm: the lane's when kLaneMax, reduced over the row's lanes here; otherwise the row's): the new
+// maximum mn, the factor alpha of the accumulators, the probabilities (left in s for the P.V
+// product) and their sum ts, the lane's in (tile, column) order, then across the row's 4 lanes by
+// a butterfly (the same value on all 4).
+template <bool kLaneMax>
+__device__ __forceinline__ void block_probs(const float (&m_old)[2], float (&bm)[2], float (&s)[8][4],
+                                            float (&mn)[2], float (&alpha)[2], float (&ts)[2]) {
+  bool empty[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    if constexpr (kLaneMax) bm[rr] = row_max_of_lanes(bm[rr]);
+    mn[rr] = max_nan(m_old[rr], bm[rr]);
+    empty[rr] = mn[rr] == dm::neg_inf();
+    alpha[rr] = empty[rr] ? 1.0f : FastMath::exp2(dm::sub(m_old[rr], mn[rr]));
+  }
+  float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int rr = i >> 1;
+      const float pr = empty[rr] ? 0.0f : FastMath::exp2(dm::sub(s[nt][i], mn[rr]));
+      s[nt][i] = pr;
+      sum[rr] = dm::add(sum[rr], pr);
+    }
+  }
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    sum[rr] = dm::add(sum[rr], __shfl_xor_sync(kFullMask, sum[rr], 1));
+    ts[rr] = dm::add(sum[rr], __shfl_xor_sync(kFullMask, sum[rr], 2));
+  }
+}
+
+// One block of the online softmax for the warp's row groups, on the block's scores s (the core's
 // product); lim[g][] are the lane's rows' limits. Leaves the block's probabilities in s for the
 // P.V product (the core's pv) and the factor of each row's accumulators in alpha: rescale_acc
-// applies it after the previous block's P.V and before this block's. kMasked false: every key of
-// the block is visible to every row of the warp, where the mask would keep every score (the same
-// bits without the compares).
+// applies it after the previous block's P.V and before this block's.
 template <int G, bool kMasked>
 __device__ __forceinline__ void fwd_softmax(int pos0, const int (&lim)[G][2], float c, float (&m)[G][2],
                                             float (&l)[G][2], float (&s)[G][8][4], float (&alpha)[G][2],
                                             int lane) {
-  const int q4 = lane & 3;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = pos0 + nt * 8 + 2 * q4 + (i & 1);
-        s[g][nt][i] = !kMasked || key < lim[g][i >> 1] ? dm::mul(s[g][nt][i], c) : dm::neg_inf();
-      }
-    }
-    // The lane's maximum of each row by a tree (exact: the maximum does not depend on the order,
-    // fmax_nan settles (+0, -0) and NaN the same way in either order), both rows interleaved.
-    float bm[2];
+    float bm[2], mn[2], ts[2];
+    block_scores_max<kMasked>(pos0, lim[g], c, s[g], bm, lane & 3);
+    block_probs<true>(m[g], bm, s[g], mn, alpha[g], ts);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      float t[8];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) t[nt] = fmax_nan(s[g][nt][2 * rr], s[g][nt][2 * rr + 1]);
-#pragma unroll
-      for (int w = 4; w >= 1; w /= 2) {
-#pragma unroll
-        for (int i = 0; i < w; ++i) t[i] = fmax_nan(t[i], t[i + w]);
-      }
-      bm[rr] = t[0];
-    }
-    float mn[2];
-    bool empty[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      bm[rr] = fmax_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 1));
-      bm[rr] = fmax_nan(bm[rr], __shfl_xor_sync(kFullMask, bm[rr], 2));
-      mn[rr] = max_nan(m[g][rr], bm[rr]);
-      empty[rr] = mn[rr] == dm::neg_inf();
-      alpha[g][rr] = empty[rr] ? 1.0f : FastMath::exp2(dm::sub(m[g][rr], mn[rr]));
-    }
-    // The lane's probabilities summed in (tile, column) order, then across the row's 4 lanes by a
-    // butterfly (the same value on all 4).
-    float ts[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int rr = i >> 1;
-        const float pr = empty[rr] ? 0.0f : FastMath::exp2(dm::sub(s[g][nt][i], mn[rr]));
-        s[g][nt][i] = pr;
-        ts[rr] = dm::add(ts[rr], pr);
-      }
-    }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      ts[rr] = dm::add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 1));
-      ts[rr] = dm::add(ts[rr], __shfl_xor_sync(kFullMask, ts[rr], 2));
       l[g][rr] = dm::add(dm::mul(l[g][rr], alpha[g][rr]), ts[rr]);
       m[g][rr] = mn[rr];
     }
@@ -597,7 +621,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   // stash), rows whose split saw a key only.
   auto end_split = [&]() {
     if (!kCareful) fired = fired || probe_nonfinite<D>(acc[0], p.zero);
-    if (!split_mode) total.merge(m, l, acc);
+    if (split_mode) return;  // a split-mode CTA writes its split's state after the pass
+    total.merge(m, l, acc);
     reset();
   };
   int cur = -1, plimit = 0;
@@ -793,6 +818,7 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
 }  // namespace attn
 }  // namespace jaxdet
 
+#include "attention/attention_decode.cuh"
 #include "attention/attention_wgmma_fwd.cuh"
 
 namespace jaxdet {
@@ -824,33 +850,29 @@ ffi::Error launch_twice(void (*first)(Params...), void (*careful)(Params...), di
   return ffi::Error::Success();
 }
 
-// The forward's two launches, with a flag per CTA of the grid from the scratch allocator.
+// The forward's two launches; `fired` holds a flag per CTA of the grid.
 template <class Core, int kWarps>
-ffi::Error launch_forward_pair(cudaStream_t stream, ffi::ScratchAllocator& scratch, dim3 grid, const Problem& p,
-                               void* o, float* lse2, SplitOut ws, int smem_optin) {
-  const char* op = "jaxdet_attention_fwd";
-  auto fired = scratch.Allocate(size_t{grid.x} * grid.y * grid.z * sizeof(int), kFfiScratchAlignment);
-  if (!fired.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the CTA flags");
+ffi::Error launch_forward_pair(cudaStream_t stream, int* fired, dim3 grid, const Problem& p, void* o, float* lse2,
+                               SplitOut ws, int smem_optin) {
   return launch_twice(FwdKernel<Core, kWarps, false>, FwdKernel<Core, kWarps, true>, grid, kWarps * 32,
-                      FwdGeom<Core, kWarps>::bytes(ws.nsplit == 0), smem_optin, op, stream, p, o, lse2, ws,
-                      static_cast<int*>(*fired));
+                      FwdGeom<Core, kWarps>::bytes(ws.nsplit == 0), smem_optin, "jaxdet_attention_fwd", stream, p,
+                      o, lse2, ws, fired);
 }
 
 template <class Core, int kWarps>
-ffi::Error launch_final(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
-                        float* lse2, int smem_optin) {
+ffi::Error launch_final(cudaStream_t stream, int* fired, const Problem& p, void* o, float* lse2, int smem_optin) {
   using Geo = FwdGeom<Core, kWarps>;
   const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(p.B));
-  return launch_forward_pair<Core, kWarps>(stream, scratch, grid, p, o, lse2, SplitOut{nullptr, nullptr, 0},
+  return launch_forward_pair<Core, kWarps>(stream, fired, grid, p, o, lse2, SplitOut{nullptr, nullptr, 0},
                                            smem_optin);
 }
 
 // The Hopper final mode: FwdWsKernel (192-row CTAs, a flag per 64 rows), then FwdKernel's careful
 // instance over 64-row CTAs, which reads those flags.
 template <class Elem, int D>
-ffi::Error launch_final_ws(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
-                           float* lse2, int smem_optin) {
+ffi::Error launch_final_ws(cudaStream_t stream, int* fired, const Problem& p, void* o, float* lse2,
+                           int smem_optin) {
   using Geo = FwdWsGeom<Elem, D>;
   using Careful = FwdGeom<WgmmaCore<Elem, D>, 4>;
   static_assert(Careful::kRows * Geo::kConsumers == Geo::kRows, "a flag per consumer warpgroup");
@@ -858,43 +880,51 @@ ffi::Error launch_final_ws(cudaStream_t stream, ffi::ScratchAllocator& scratch, 
   const dim3 grid(static_cast<unsigned>((p.R + Geo::kRows - 1) / Geo::kRows), static_cast<unsigned>(p.H),
                   static_cast<unsigned>(p.B));
   const dim3 careful_grid(static_cast<unsigned>((p.R + Careful::kRows - 1) / Careful::kRows), grid.y, grid.z);
-  auto fired = scratch.Allocate(size_t{careful_grid.x} * grid.y * grid.z * sizeof(int), kFfiScratchAlignment);
-  if (!fired.has_value()) return ffi::Error::Internal(std::string(op) + ": could not allocate the CTA flags");
   auto first = FwdWsKernel<Elem, D>;
   auto careful = FwdKernel<WgmmaCore<Elem, D>, 4, true>;
   if (auto err = prepare(first, Geo::kBytes, smem_optin, op); !err.success()) return err;
   if (auto err = prepare(careful, Careful::bytes(true), smem_optin, op); !err.success()) return err;
-  first<<<grid, Geo::kThreads, Geo::kBytes, stream>>>(p, o, lse2, static_cast<int*>(*fired));
-  careful<<<careful_grid, 128, Careful::bytes(true), stream>>>(p, o, lse2, SplitOut{nullptr, nullptr, 0},
-                                                               static_cast<int*>(*fired));
+  first<<<grid, Geo::kThreads, Geo::kBytes, stream>>>(p, o, lse2, fired);
+  careful<<<careful_grid, 128, Careful::bytes(true), stream>>>(p, o, lse2, SplitOut{nullptr, nullptr, 0}, fired);
   return ffi::Error::Success();
 }
 
+// The forward's kernels for the mode forward_workspace chose (attention_workspace.h), in the memory
+// it laid out at `ws`.
 template <class Elem, int D>
-ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Problem& p, void* o,
-                              float* lse2, int smem_optin) {
-  const char* op = "jaxdet_attention_fwd";
+ffi::Error launch_forward_mma(cudaStream_t stream, const ForwardWorkspace& w, unsigned char* ws, const Problem& p,
+                              void* o, float* lse2, int smem_optin) {
   using Storage = typename MmaElem<Elem>::Storage;
-  constexpr bool kWide = D <= 128;  // 4-warp tiles fit in shared memory
-  const int64_t nsplit = (p.S + kSplit - 1) / kSplit;
-  const int64_t final_tiles = (p.R + (kWide ? 64 : 16) - 1) / (kWide ? 64 : 16);
-  // The launch shape never changes a bit (see the file comment); split mode only when the final
-  // mode would leave most of the GPU idle.
-  const bool split = nsplit > 1 && (p.R <= 16 || p.B * p.H * final_tiles < 2 * int64_t{current_sm_count()});
-  if (split) {
+  int* fired = reinterpret_cast<int*>(ws);
+  if (w.nsplit > 0) {
     using Core = MmaSyncCore<Elem, D, 1>;
-    const int64_t rows = p.B * p.H * nsplit * p.R;
-    auto acc = scratch.Allocate(static_cast<size_t>(rows * p.D) * sizeof(float), kFfiScratchAlignment);
-    auto ml = scratch.Allocate(static_cast<size_t>(rows) * sizeof(float2), kFfiScratchAlignment);
-    if (!acc.has_value() || !ml.has_value()) {
-      return ffi::Error::Internal(std::string(op) + ": could not allocate the split workspace");
-    }
-    SplitOut ws{static_cast<float*>(*acc), static_cast<float2*>(*ml), nsplit};
+    const SplitOut split{reinterpret_cast<float*>(ws + w.acc_offset), reinterpret_cast<float2*>(ws + w.ml_offset),
+                         w.nsplit};
     const int64_t tiles = (p.R + 15) / 16;
-    const dim3 grid(static_cast<unsigned>(tiles * nsplit), static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
-    auto err = launch_forward_pair<Core, 1>(stream, scratch, grid, p, o, lse2, ws, smem_optin);
-    if (!err.success()) return err;
-    CombineKernel<Storage><<<grid_for(p.B * p.H * p.R * p.D, 256), 256, 0, stream>>>(p, ws, o, lse2);
+    const dim3 grid(static_cast<unsigned>(tiles * w.nsplit), static_cast<unsigned>(p.H),
+                    static_cast<unsigned>(p.B));
+    bool decode = false;
+    if constexpr (D == 128) {
+      // At most a CTA per SM: DecodeSplitKernel's eight warps per split (attention_decode.cuh).
+      decode = int64_t{grid.x} * grid.y * grid.z <= current_sm_count() &&
+               !attention_testing_is("one_warp_splits") &&
+               DecodeGeom<Elem, D>::kBytes <= static_cast<size_t>(smem_optin);
+      if (decode) {
+        const char* op = "jaxdet_attention_fwd";
+        auto first = DecodeSplitKernel<Elem, D>;
+        auto careful = FwdKernel<Core, 1, true>;
+        if (auto err = prepare(first, DecodeGeom<Elem, D>::kBytes, smem_optin, op); !err.success()) return err;
+        if (auto err = prepare(careful, FwdGeom<Core, 1>::bytes(false), smem_optin, op); !err.success())
+          return err;
+        first<<<grid, DecodeGeom<Elem, D>::kThreads, DecodeGeom<Elem, D>::kBytes, stream>>>(p, split, fired);
+        careful<<<grid, 32, FwdGeom<Core, 1>::bytes(false), stream>>>(p, o, lse2, split, fired);
+      }
+    }
+    if (!decode) {
+      auto err = launch_forward_pair<Core, 1>(stream, fired, grid, p, o, lse2, split, smem_optin);
+      if (!err.success()) return err;
+    }
+    CombineKernel<Storage><<<grid_for(p.B * p.H * p.R * p.D, 256), 256, 0, stream>>>(p, split, o, lse2);
     return ffi::Error::Success();
   }
   if constexpr (D == 64 || D == 128) {
@@ -902,24 +932,24 @@ ffi::Error launch_forward_mma(cudaStream_t stream, ffi::ScratchAllocator& scratc
     using Wgmma = WgmmaCore<Elem, D>;
     if (wgmma_enabled() && FwdGeom<Wgmma, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
       if (warp_specialized_forward_enabled() && FwdWsGeom<Elem, D>::kBytes <= static_cast<size_t>(smem_optin)) {
-        return launch_final_ws<Elem, D>(stream, scratch, p, o, lse2, smem_optin);
+        return launch_final_ws<Elem, D>(stream, fired, p, o, lse2, smem_optin);
       }
-      return launch_final<Wgmma, 4>(stream, scratch, p, o, lse2, smem_optin);
+      return launch_final<Wgmma, 4>(stream, fired, p, o, lse2, smem_optin);
     }
   }
   if constexpr (D == 64) {
     // Two row groups per warp: each K/V fragment read from shared memory feeds 32 rows. (At head
     // dimension 128 the two groups' accumulators do not fit in registers without spilling.)
     if (p.R > 64 && FwdGeom<MmaSyncCore<Elem, D, 2>, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
-      return launch_final<MmaSyncCore<Elem, D, 2>, 4>(stream, scratch, p, o, lse2, smem_optin);
+      return launch_final<MmaSyncCore<Elem, D, 2>, 4>(stream, fired, p, o, lse2, smem_optin);
     }
   }
-  if constexpr (kWide) {
+  if constexpr (D <= 128) {  // 4-warp tiles fit in shared memory
     if (FwdGeom<MmaSyncCore<Elem, D, 1>, 4>::bytes(true) <= static_cast<size_t>(smem_optin)) {
-      return launch_final<MmaSyncCore<Elem, D, 1>, 4>(stream, scratch, p, o, lse2, smem_optin);
+      return launch_final<MmaSyncCore<Elem, D, 1>, 4>(stream, fired, p, o, lse2, smem_optin);
     }
   }
-  return launch_final<MmaSyncCore<Elem, D, 1>, 1>(stream, scratch, p, o, lse2, smem_optin);
+  return launch_final<MmaSyncCore<Elem, D, 1>, 1>(stream, fired, p, o, lse2, smem_optin);
 }
 
 // ---- Backward. ----

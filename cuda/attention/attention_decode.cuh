@@ -1,0 +1,235 @@
+// Split mode with the whole split in flight: DecodeSplitKernel, for grids of at most one CTA per
+// SM (a decode step of a few sequences). Included by attention_mma.cuh after FwdKernel.
+//
+// FwdKernel's split mode runs a split's 8 blocks in one warp, one block after the other: at batch 1
+// each CTA waits for every copy. Here a CTA of 8 warps takes the same split (the same grid, the
+// same SplitOut, the same flags, so FwdKernel's careful instance recomputes its flagged CTAs): warp
+// w copies and scores block w, and the steps of the single-warp loop that chain across blocks are
+// recomputed from per-block values in shared memory in the loop's order, so every row gets that
+// loop's bits:
+// * the running maximum before block j is the chain max_nan(... max_nan(-inf, bm_0) ..., bm_j-1)
+//   of the block maxima (exact values, the same on a row's 4 lanes), so block j's factor and
+//   probabilities are those of the loop (block_probs);
+// * l is the loop's chain l = l * alpha_j + ts_j over the blocks in order;
+// * P.V: warp w owns output columns [w D/8, (w + 1) D/8) of the 16 rows (whole 8-column MMA
+//   tiles, whose chains do not mix columns) and runs, block after block, the loop's rescale and
+//   the k16 chain over the block's keys with A = block j's probabilities, packed by the warp that
+//   computed them exactly as groups_times_rows packs them.
+// The copies: warp w's K tile and its column slice of V for blocks 0 and 1 at once, the slices of
+// blocks 2-7 into the K tile's place as soon as its scores are in.
+#pragma once
+
+namespace jaxdet {
+namespace attn {
+namespace {
+
+// Rows 0 .. kBlock - 1 of the kCols columns at first_row (each row kv_stride elements after the
+// previous one) into a tile of pitch kPitch, one warp; rows from `valid_rows` on are zero-filled.
+template <class Elem, int kCols, int kPitch>
+__device__ __forceinline__ void load_column_slice(Elem* slice, const Elem* first_row, int64_t row_stride,
+                                                  int valid_rows, const Elem* any, int lane) {
+  constexpr int kChunks = kCols / 8, kStep = 32 / kChunks;
+  static_assert(32 % kChunks == 0 && kBlock % kStep == 0, "whole rows per pass of the lanes");
+  const int i0 = lane / kChunks, col = (lane % kChunks) * 8;
+#pragma unroll
+  for (int n = 0; n < kBlock / kStep; ++n) {
+    const int row = i0 + n * kStep;
+    const bool valid = row < valid_rows;
+    cp_async16(slice + row * kPitch + col, valid ? first_row + row * row_stride + col : any, valid);
+  }
+}
+
+template <class Elem, int D>
+struct DecodeGeom {
+  static constexpr int kWarps = kBlocksPerSplit;  // a warp per block of a split
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kCols = D / kWarps;  // the output columns of a warp's P.V
+  static_assert(kCols == 16, "a warp's columns are one ldmatrix.x4.trans wide (head dimension 128)");
+  static constexpr int kSlicePitch = kCols + kPad;  // conflict-free ldmatrix rows
+  static constexpr size_t kKTile = size_t{kBlock} * (D + kPad) * sizeof(Elem);
+  static constexpr size_t kSlice = size_t{kBlock} * kSlicePitch * sizeof(Elem);
+  static constexpr int kEarly = 2;  // V slices copied with the K tile
+  // A warp's region: its K tile, which the later slices overwrite, then the early slices.
+  static constexpr size_t kLate = (kBlocksPerSplit - kEarly) * kSlice;
+  static constexpr size_t kEarlyAt = kKTile > kLate ? kKTile : kLate;
+  static constexpr size_t kRegion = kEarlyAt + kEarly * kSlice;
+  static_assert(kKTile % 16 == 0 && kSlice % 16 == 0 && kRegion % 16 == 0, "16-byte copies");
+  static constexpr size_t kQ = size_t{16} * (D + kPad) * sizeof(Elem);
+  static constexpr size_t kProbs = size_t{kWarps} * 16 * 32 * sizeof(uint32_t);  // A fragments, per block
+  static constexpr size_t kStats = size_t{3} * kWarps * 16 * sizeof(float);       // bm, alpha, ts per block
+  static constexpr size_t kRowInfo = size_t{2} * 16 * sizeof(int);
+  static constexpr size_t kBytes = kWarps * kRegion + kQ + kProbs + kStats + kRowInfo;
+};
+
+template <class Elem, int D>
+__global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
+    DecodeSplitKernel(Problem p, SplitOut ws, int* fired_ctas) {
+  using Geo = DecodeGeom<Elem, D>;
+  constexpr int kWarps = Geo::kWarps, kThreads = Geo::kThreads, kCols = Geo::kCols, kEarly = Geo::kEarly;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
+  unsigned char* region = smem + warp * Geo::kRegion;
+  Elem* Kw = reinterpret_cast<Elem*>(region);
+  auto slice = [&](int j) {
+    return reinterpret_cast<Elem*>(j < kEarly ? region + Geo::kEarlyAt + j * Geo::kSlice
+                                              : region + (j - kEarly) * Geo::kSlice);
+  };
+  unsigned char* shared = smem + kWarps * Geo::kRegion;
+  Elem* Qs = reinterpret_cast<Elem*>(shared);
+  uint32_t* probs = reinterpret_cast<uint32_t*>(shared + Geo::kQ);  // block j: [kk * 4 + reg][lane]
+  float* block_max = reinterpret_cast<float*>(shared + Geo::kQ + Geo::kProbs);  // [block][row]
+  float* block_alpha = block_max + kWarps * 16;
+  float* block_sum = block_alpha + kWarps * 16;
+  PassRows rows{reinterpret_cast<int*>(block_sum + kWarps * 16), nullptr};
+  rows.limit = rows.start + 16;
+
+  const int64_t tiles = (p.R + 15) / 16;
+  const int64_t tile = blockIdx.x % tiles;
+  const int z = static_cast<int>(blockIdx.x / tiles);
+  const int64_t h = blockIdx.y, b = blockIdx.z, r0 = tile * 16;
+  const Elem* k = static_cast<const Elem*>(p.k);
+  const Elem* v = static_cast<const Elem*>(p.v);
+  const int64_t kv_stride = p.H * p.D;
+
+  load_query_tile<Elem, D, kThreads, 16>(Qs, static_cast<const Elem*>(p.q), p, b, h, r0);
+  cp_async_commit();
+  load_row_info<16, kThreads>(p, b, r0, rows);
+  __syncthreads();  // the row descriptions
+
+  const int row_local[2] = {grp, grp + 8};
+  bool fired = false;  // an accumulator element this thread probes is inf or NaN
+  int cur = -1, plimit = 0;
+  while ((cur = next_pass<16>(rows, cur, &plimit)) != INT_MAX) {
+    const int blk_begin = z * kBlocksPerSplit;
+    const int nb = min((plimit + kBlock - 1) / kBlock - blk_begin, kBlocksPerSplit);
+    if (nb <= 0) continue;
+    int lim[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) lim[rr] = rows.start[row_local[rr]] == cur ? rows.limit[row_local[rr]] : 0;
+    const int64_t pass_offset = kv_index(p, b, h, cur);
+    const Elem* k_pass = k + pass_offset;
+    const Elem* v_pass = v + pass_offset;
+    auto load_slice = [&](int j) {
+      const int blk = blk_begin + j;
+      load_column_slice<Elem, kCols, Geo::kSlicePitch>(slice(j),
+                                                       v_pass + int64_t{blk} * (kBlock * kv_stride) + warp * kCols,
+                                                       kv_stride, plimit - blk * kBlock, v_pass, lane);
+    };
+    const bool has_block = warp < nb;
+    const int pos0 = (blk_begin + warp) * kBlock;
+    if (has_block)
+      load_rows_tile<Elem, D, 32>(Kw, k_pass + int64_t{pos0} * kv_stride, kv_stride, plimit - pos0, k_pass, lane);
+    cp_async_commit();
+    for (int j = 0; j < kEarly && j < nb; ++j) load_slice(j);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // the Q tile; each warp's own K tile
+
+    float s[1][8][4], bm[2] = {dm::neg_inf(), dm::neg_inf()};
+    if (has_block) {
+      groups_dot_tile<Elem, D, 1>(Qs, Kw, s, lane);
+      if (__all_sync(kFullMask, pos0 + kBlock <= min(lim[0], lim[1]))) {
+        block_scores_max<false>(pos0, lim, p.c, s[0], bm, q4);
+      } else {
+        block_scores_max<true>(pos0, lim, p.c, s[0], bm, q4);
+      }
+      bm[0] = row_max_of_lanes(bm[0]);
+      bm[1] = row_max_of_lanes(bm[1]);
+      if (q4 == 0) {
+        block_max[warp * 16 + grp] = bm[0];
+        block_max[warp * 16 + grp + 8] = bm[1];
+      }
+    }
+    __syncwarp();  // every lane is done with the K tile
+    for (int j = kEarly; j < nb; ++j) load_slice(j);
+    cp_async_commit();
+    __syncthreads();  // every block's maximum
+
+    // The loop's running maximum: before this warp's block (m_old), after the split's last (m_run).
+    float m_run[2] = {dm::neg_inf(), dm::neg_inf()}, m_old[2] = {dm::neg_inf(), dm::neg_inf()};
+    for (int j = 0; j < nb; ++j) {
+      if (j == warp) m_old[0] = m_run[0], m_old[1] = m_run[1];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) m_run[rr] = max_nan(m_run[rr], block_max[j * 16 + row_local[rr]]);
+    }
+    if (has_block) {
+      float mn[2], alpha[2], ts[2];
+      block_probs<false>(m_old, bm, s[0], mn, alpha, ts);
+      uint32_t* a = probs + warp * 16 * 32 + lane;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {  // groups_times_rows' A fragments
+        a[(kk * 4 + 0) * 32] = MmaElem<Elem>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
+        a[(kk * 4 + 1) * 32] = MmaElem<Elem>::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
+        a[(kk * 4 + 2) * 32] = MmaElem<Elem>::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+        a[(kk * 4 + 3) * 32] = MmaElem<Elem>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+      }
+      if (q4 == 0) {
+        block_alpha[warp * 16 + grp] = alpha[0];
+        block_alpha[warp * 16 + grp + 8] = alpha[1];
+        block_sum[warp * 16 + grp] = ts[0];
+        block_sum[warp * 16 + grp + 8] = ts[1];
+      }
+    }
+    __syncthreads();  // every block's probabilities, factors and sums
+
+    float acc[2][4] = {};
+    const int mi = lane >> 3, mr = lane & 7;
+    for (int j = 0; j < nb; ++j) {
+      if (j == 0) {
+        cp_async_wait<1>();
+        __syncwarp();
+      } else if (j == kEarly) {
+        cp_async_wait<0>();
+        __syncwarp();
+      }
+      const float a0 = block_alpha[j * 16 + grp], a1 = block_alpha[j * 16 + grp + 8];
+      if (__any_sync(kFullMask, a0 != 1.0f || a1 != 1.0f)) {  // rescale_acc
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          acc[nt][0] = dm::mul(acc[nt][0], a0);
+          acc[nt][1] = dm::mul(acc[nt][1], a0);
+          acc[nt][2] = dm::mul(acc[nt][2], a1);
+          acc[nt][3] = dm::mul(acc[nt][3], a1);
+        }
+      }
+      const Elem* vj = slice(j);
+      const uint32_t* pj = probs + j * 16 * 32 + lane;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t a[4] = {pj[(kk * 4) * 32], pj[(kk * 4 + 1) * 32], pj[(kk * 4 + 2) * 32],
+                               pj[(kk * 4 + 3) * 32]};
+        uint32_t bf[4];
+        ldsm_x4_trans(bf, vj + (kk * 16 + (mi & 1) * 8 + mr) * Geo::kSlicePitch + (mi >> 1) * 8);
+        MmaElem<Elem>::mma(acc[0], a, bf[0], bf[1]);
+        MmaElem<Elem>::mma(acc[1], a, bf[2], bf[3]);
+      }
+    }
+    fired = fired || probe_nonfinite<16>(acc, p.zero);
+
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int64_t r = r0 + row_local[rr];
+      if (r >= p.R || rows.start[row_local[rr]] != cur) continue;
+      const int64_t base = ((b * p.H + h) * ws.nsplit + z) * p.R + r;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        *reinterpret_cast<float2*>(ws.acc + base * D + warp * kCols + nt * 8 + 2 * q4) =
+            make_float2(acc[nt][2 * rr], acc[nt][2 * rr + 1]);
+      }
+      if (warp == 0 && q4 == 0) {
+        float l = 0.0f;  // the loop's chain
+        for (int j = 0; j < nb; ++j)
+          l = dm::add(dm::mul(l, block_alpha[j * 16 + row_local[rr]]), block_sum[j * 16 + row_local[rr]]);
+        ws.ml[base] = make_float2(m_run[rr], l);
+      }
+    }
+    __syncwarp();  // the next pass's copies overwrite this warp's slices
+  }
+  // As FwdKernel's first launch: a flagged CTA's rows go to the careful launch.
+  const bool any_fired = __syncthreads_or(fired);
+  if (threadIdx.x == 0) fired_ctas[cta_index()] = any_fired ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace attn
+}  // namespace jaxdet
