@@ -120,14 +120,29 @@ decode_step = jax.jit(jaxdet_step)
 LOOP_STEPS = 32
 
 
-def in_a_loop(step):
+def in_a_loop(step, graphs=False):
     """LOOP_STEPS dependent steps in one program (each step's output is the next step's query), as
-    a jitted generation loop runs them: the time per step without Python's dispatch per call."""
+    a jitted generation loop runs them: the time per step without Python's dispatch per call.
+
+    XLA runs a sequence of at least 5 commands as a command buffer (CUDA graph), so a loop body of
+    attention alone is a graph for XLA's five kernels and launched kernel by kernel for jaxdet's
+    call and its two small fusions. `graphs`: compiled with command buffers from one command
+    (``xla_gpu_graph_min_graph_size=1``), as a decode step with the rest of the model around the
+    attention runs it."""
 
     def loop(q, *rest):
         return jax.lax.fori_loop(0, LOOP_STEPS, lambda i, x: step(x, *rest).astype(x.dtype), q)
 
-    return jax.jit(loop)
+    if not graphs:
+        return jax.jit(loop)
+    compiled = {}
+
+    def run(*args):
+        if "f" not in compiled:
+            compiled["f"] = jax.jit(loop).lower(*args).compile(compiler_options={"xla_gpu_graph_min_graph_size": 1})
+        return compiled["f"](*args)
+
+    return run
 
 
 def best_of(candidates, args, reps, per_call):
@@ -149,9 +164,10 @@ def decode(shapes, dtype, on_gpu, reps, peak):
     )
     print(
         "| B | cache | heads q/kv | D | jaxdet ms | HBM fraction | best JAX ms (impl) | ratio | "
-        "jaxdet ms, in a loop | best JAX ms, in a loop (impl) | ratio, in a loop |"
+        "jaxdet ms, in a loop | best JAX ms, in a loop (impl) | ratio, in a loop | "
+        "jaxdet ms, loop as graphs | best JAX ms, loop as graphs (impl) | ratio, loop as graphs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, S, N, K, D in shapes:
         q, kc, vc, pos, lens = decode_inputs(B, S, N, K, D, dtype)
         t = timed(decode_step, q, kc, vc, pos, lens, reps=reps)
@@ -165,13 +181,23 @@ def decode(shapes, dtype, on_gpu, reps, peak):
             reps,
             LOOP_STEPS,
         )
+        graphs = on_gpu
+        t_graph = timed(in_a_loop(jaxdet_step, graphs), q, kc, vc, pos, lens, reps=reps) / LOOP_STEPS
+        best_graph, best_graph_impl = best_of(
+            [(impl, in_a_loop(reference(impl), graphs)) for impl in implementations(on_gpu)],
+            (q, kc, vc, lens),
+            reps,
+            LOOP_STEPS,
+        )
         bytes_read = 2 * B * S * K * D * jnp.dtype(dtype).itemsize
-        frac = f"{bytes_read / t_loop / peak:.2f}" if peak else "-"
+        frac = f"{bytes_read / min(t_loop, t_graph) / peak:.2f}" if peak else "-"
         print(
             f"| {B} | {S} | {N}/{K} | {D} | {fmt(t)} | {frac} | {fmt(best) if best else '-'} ({best_impl}) | "
             f"{ratio(best, t) if best else '-'} | {fmt(t_loop)} | "
             f"{fmt(best_loop) if best_loop else '-'} ({best_loop_impl}) | "
-            f"{ratio(best_loop, t_loop) if best_loop else '-'} |"
+            f"{ratio(best_loop, t_loop) if best_loop else '-'} | {fmt(t_graph)} | "
+            f"{fmt(best_graph) if best_graph else '-'} ({best_graph_impl}) | "
+            f"{ratio(best_graph, t_graph) if best_graph else '-'} |"
         )
     print()
 
@@ -185,6 +211,11 @@ def trace_decode(shapes, dtype, on_gpu, calls=5):
         q, kc, vc, pos, lens = decode_inputs(B, S, N, K, D, dtype)
         runs = [("jaxdet", decode_step, (q, kc, vc, pos, lens))]
         runs += [(impl, jax.jit(reference(impl)), (q, kc, vc, lens)) for impl in implementations(on_gpu)]
+        runs += [(f"jaxdet, {LOOP_STEPS} steps in a loop", in_a_loop(jaxdet_step), (q, kc, vc, pos, lens))]
+        runs += [
+            (f"{impl}, {LOOP_STEPS} steps in a loop", in_a_loop(reference(impl)), (q, kc, vc, lens))
+            for impl in implementations(on_gpu)
+        ]
         for name, fn, fargs in runs:
 
             def repeated(*a, fn=fn):

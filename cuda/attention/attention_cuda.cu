@@ -20,7 +20,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "attention/attention_ffi.h"
 #include "attention/attention_math.h"

@@ -788,7 +788,7 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
     float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;
     // The loads of kBatch splits are issued before their merges (one L2 round trip per batch, not
     // per split).
-    constexpr int kBatch = 8;
+    constexpr int kBatch = 32;
     for (int64_t z0 = 0; z0 < splits; z0 += kBatch) {
       float2 ml[kBatch];
       float part[kBatch];
@@ -825,15 +825,28 @@ namespace jaxdet {
 namespace attn {
 namespace {
 
+// The opt-in to more than 48 KB of dynamic shared memory. It stays with the kernel on its device,
+// so the driver is called only when a launch needs more than the kernel's largest opt-in so far
+// (at a decode step's size the handler's host time is what a call costs). The attribute is a
+// maximum that a smaller value would lower, so it is only ever raised.
 template <class Kernel>
 ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
   if (smem > static_cast<size_t>(smem_optin)) {
     return ffi::Error::Internal(std::string(op) + ": this GPU has too little shared memory per block (" +
                                 std::to_string(smem) + " bytes needed)");
   }
+  if (smem <= 48 * 1024) return ffi::Error::Success();
+  int device = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return cuda_error(op, status);
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> opted_in;
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t& largest = opted_in[std::make_pair(reinterpret_cast<const void*>(kernel), device)];
+  if (smem <= largest) return ffi::Error::Success();
   const cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (status != cudaSuccess) return cuda_error(op, status);
+  largest = smem;
   return ffi::Error::Success();
 }
 
