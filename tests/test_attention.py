@@ -272,6 +272,26 @@ def test_decode_step_by_step_equals_full(device, dtype, D):
             assert_bitwise(decode(q, k, v, factor * T), full)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_past_many_splits_equals_full(device):
+    # Single-query decode steps against a cache of 3T positions give the rows of the full causal
+    # pass, at positions 0-4 split boundaries in (kv splits of KV_SPLIT positions). On the GPU the
+    # full pass runs in final mode (one CTA merges a row's splits as it goes) and the decode steps
+    # in split mode (a CTA per split, then CombineKernel merges them): two kernels, one order.
+    from jaxdet.attention import KV_SPLIT
+
+    B, T = 2, 2100
+    q, k, v = _qkv(B, T, T, 4, 2, 128, jnp.bfloat16, seed=21)
+    pad = jnp.full((B, 2 * T, 2, 128), jnp.nan, k.dtype)
+    kc, vc = jnp.concatenate([k, pad], 1), jnp.concatenate([v, pad], 1)
+    with jax.default_device(_device(device)):
+        full = jaxdet.attention(q, k, v)
+        for t in (KV_SPLIT - 1, KV_SPLIT, 3 * KV_SPLIT + 5, T - 1):
+            pos = jnp.full((B, 1), t, jnp.int32)
+            out = jaxdet.attention(q[:, t : t + 1], kc, vc, q_positions=pos, kv_lengths=jnp.full((B,), t + 1))
+            assert_bitwise(out, full[:, t : t + 1])
+
+
 # ---- Transformations. ----
 
 

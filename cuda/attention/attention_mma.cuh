@@ -773,41 +773,61 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   if (!split_mode) total.template store<Storage>(p, o, lse2, b, h, r0, row_local, q4);
 }
 
-// Split mode's second step: each output element merges its row's splits 0 .. ceil(limit / kSplit)
-// - 1 in ascending order with the functions and the order of the final mode's in-kernel merge.
+// Split mode's second step: a CTA per row, a thread per output column (blockDim.x == D), merges
+// the row's splits 0 .. ceil(limit / kSplit) - 1 in ascending order with the functions and the
+// order of the final mode's in-kernel merge. A split's two factors (the rescale of the running
+// maximum before it against its own maximum) depend on the row's (m, l) values only: the running
+// maxima are walked once per row by one thread, the factors of a chunk of splits computed side by
+// side, and each column then runs only its chain of merge_term over the splits. Every value gets
+// the operations it gets when one thread walks the splits one after the other: the same bits.
 template <typename Storage>
 __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, void* o, float* lse2) {
-  const int64_t n = p.B * p.H * p.R * p.D;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t e = i % p.D, rest = i / p.D;
-    const int64_t r = rest % p.R, bh = rest / p.R;
+  constexpr int kMaxChunk = 256;  // splits per round: blockDim.x (the head dimension)
+  __shared__ float2 ml[kMaxChunk];      // each split's (m, l)
+  __shared__ float m_before[kMaxChunk];  // the running maximum before each split
+  __shared__ float2 factors[kMaxChunk];  // rescale(m_before, m): (old_scale, in_scale)
+  const int e = threadIdx.x, chunk = blockDim.x;
+  const int64_t rows = p.B * p.H * p.R;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t r = row % p.R, bh = row / p.R;
     const int64_t h = bh % p.H, b = bh / p.H;
     const int64_t limit = row_keys(p.rows, p.T, p.S, b, row_time(p, r)).limit;
     const int64_t splits = (limit + kSplit - 1) / kSplit;
     const int64_t first = (b * p.H + h) * ws.nsplit * p.R + r;  // split z at first + z * R
-    float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;
-    // The loads of kBatch splits are issued before their merges (one L2 round trip per batch, not
-    // per split).
-    constexpr int kBatch = 32;
-    for (int64_t z0 = 0; z0 < splits; z0 += kBatch) {
-      float2 ml[kBatch];
-      float part[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (z0 + j < splits) {
-          const int64_t base = first + (z0 + j) * p.R;
-          ml[j] = ws.ml[base];
-          part[j] = ws.acc[base * p.D + e];
+    float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;  // m_tot: thread 0's
+    for (int64_t z0 = 0; z0 < splits; z0 += chunk) {
+      const int n = static_cast<int>(min(int64_t{chunk}, splits - z0));
+      if (e < n) ml[e] = ws.ml[first + (z0 + e) * p.R];
+      __syncthreads();
+      if (e == 0) {
+        for (int j = 0; j < n; ++j) {
+          m_before[j] = m_tot;
+          if (!split_is_empty(ml[j].x)) m_tot = max_nan(m_tot, ml[j].x);  // rescale's m_new
         }
       }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (z0 + j >= splits || split_is_empty(ml[j].x)) continue;
-        const Rescale rs = rescale<FastMath>(m_tot, ml[j].x);
-        l_tot = merge_term(l_tot, rs.old_scale, ml[j].y, rs.in_scale);
-        acc = merge_term(acc, rs.old_scale, part[j], rs.in_scale);
-        m_tot = rs.m_new;
+      __syncthreads();
+      if (e < n && !split_is_empty(ml[e].x)) {
+        const Rescale rs = rescale<FastMath>(m_before[e], ml[e].x);
+        factors[e] = make_float2(rs.old_scale, rs.in_scale);
       }
+      __syncthreads();
+      // The loads of kBatch splits are issued before their merges (one L2 round trip per batch).
+      constexpr int kBatch = 16;
+      for (int j0 = 0; j0 < n; j0 += kBatch) {
+        float part[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          if (j0 + j < n) part[j] = ws.acc[(first + (z0 + j0 + j) * p.R) * p.D + e];
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          if (j0 + j >= n || split_is_empty(ml[j0 + j].x)) continue;
+          const float2 f = factors[j0 + j];
+          l_tot = merge_term(l_tot, f.x, ml[j0 + j].y, f.y);
+          acc = merge_term(acc, f.x, part[j], f.y);
+        }
+      }
+      __syncthreads();  // the next chunk overwrites the shared values
     }
     store_elem<Storage>(o, q_index(p, b, h, r) + e, finish_out(acc, out_scale(l_tot)));
     if (e == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot, l_tot);
@@ -937,7 +957,9 @@ ffi::Error launch_forward_mma(cudaStream_t stream, const ForwardWorkspace& w, un
       auto err = launch_forward_pair<Core, 1>(stream, fired, grid, p, o, lse2, split, smem_optin);
       if (!err.success()) return err;
     }
-    CombineKernel<Storage><<<grid_for(p.B * p.H * p.R * p.D, 256), 256, 0, stream>>>(p, split, o, lse2);
+    const int64_t rows = p.B * p.H * p.R;
+    CombineKernel<Storage><<<static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 24)),
+                             static_cast<unsigned>(D), 0, stream>>>(p, split, o, lse2);
     return ffi::Error::Success();
   }
   if constexpr (D == 64 || D == 128) {
