@@ -181,10 +181,10 @@ def decode(shapes, dtype, on_gpu, reps, peak):
             reps,
             LOOP_STEPS,
         )
-        graphs = on_gpu
-        t_graph = timed(in_a_loop(jaxdet_step, graphs), q, kc, vc, pos, lens, reps=reps) / LOOP_STEPS
+        # (command buffers are a GPU compiler option: on the CPU the plain loop again)
+        t_graph = timed(in_a_loop(jaxdet_step, on_gpu), q, kc, vc, pos, lens, reps=reps) / LOOP_STEPS
         best_graph, best_graph_impl = best_of(
-            [(impl, in_a_loop(reference(impl), graphs)) for impl in implementations(on_gpu)],
+            [(impl, in_a_loop(reference(impl), on_gpu)) for impl in implementations(on_gpu)],
             (q, kc, vc, lens),
             reps,
             LOOP_STEPS,

@@ -19,6 +19,7 @@ from jax.test_util import check_grads
 from special_values import sprinkle_special
 
 import jaxdet
+from jaxdet.attention import KV_SPLIT
 from jaxdet.contracts import attention as contracts
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
@@ -278,8 +279,6 @@ def test_decode_past_many_splits_equals_full(device):
     # pass, at positions 0-4 split boundaries in (kv splits of KV_SPLIT positions). On the GPU the
     # full pass runs in final mode (one CTA merges a row's splits as it goes) and the decode steps
     # in split mode (a CTA per split, then CombineKernel merges them): two kernels, one order.
-    from jaxdet.attention import KV_SPLIT
-
     B, T = 2, 2100
     q, k, v = _qkv(B, T, T, 4, 2, 128, jnp.bfloat16, seed=21)
     pad = jnp.full((B, 2 * T, 2, 128), jnp.nan, k.dtype)

@@ -957,9 +957,7 @@ ffi::Error launch_forward_mma(cudaStream_t stream, const ForwardWorkspace& w, un
       auto err = launch_forward_pair<Core, 1>(stream, fired, grid, p, o, lse2, split, smem_optin);
       if (!err.success()) return err;
     }
-    const int64_t rows = p.B * p.H * p.R;
-    CombineKernel<Storage><<<static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 24)),
-                             static_cast<unsigned>(D), 0, stream>>>(p, split, o, lse2);
+    CombineKernel<Storage><<<grid_for(p.B * p.H * p.R, 1), D, 0, stream>>>(p, split, o, lse2);  // a CTA per row
     return ffi::Error::Success();
   }
   if constexpr (D == 64 || D == 128) {
