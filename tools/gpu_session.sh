@@ -16,7 +16,9 @@
 #   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), mma-latency (clocks per dependent k16 step
 #   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), mma-zero-step (a k16 step of zero
 #   products on every kind of float32 accumulator: benchmarks/mma_zero_step.cu), narrow-stages (the
-#   forward's 16x32 GEMM tile by pipeline depth: benchmarks/gemm_narrow_stages.cu), cluster-sweep
+#   forward's 16x32 GEMM tile by pipeline depth: benchmarks/gemm_narrow_stages.cu), decode-read (a
+#   batch-1 decode step's KV cache read in the split kernels' pattern and in contiguous pieces:
+#   benchmarks/decode_read_pattern.cu), cluster-sweep
 #   (Hopper GEMM tiles and thread block clusters side by side, bits compared:
 #   benchmarks/gemm_cluster_sweep.cu; SWEEP_ROUNDS, SWEEP_ONLY=dA, dB or rows), buckets (the M-bucket
 #   tests, tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile
@@ -254,6 +256,10 @@ fi
 if asked mma-zero-step; then  # does a k16 step of zero products leave the accumulators unchanged?
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda benchmarks/mma_zero_step.cu -o /tmp/mma_zero_step \
     && /tmp/mma_zero_step | tee "$LOGS/mma_zero_step.txt"
+fi
+if asked decode-read; then  # a batch-1 decode step's KV cache read in the split kernels' pattern and contiguously
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/decode_read_pattern.cu -o /tmp/decode_read_pattern \
+    && /tmp/decode_read_pattern | tee "$LOGS/decode_read_pattern.txt"
 fi
 if asked mma-latency; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/mma_chain_latency.cu -o /tmp/mma_chain_latency \
