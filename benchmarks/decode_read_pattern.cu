@@ -88,6 +88,27 @@ __global__ void StreamKernel(const uint4* k, const uint4* v, int64_t n, float* s
   if (x == 0x12345678u) sink[0] = static_cast<float>(x);
 }
 
+// Microseconds per launch of launch(copy) over kReps launches back to back, copy rotating over the
+// kCopies caches (after three launches that are not timed).
+template <class Launch>
+double time_launches(Launch launch) {
+  constexpr int kReps = 200;
+  for (int r = 0; r < 3; ++r) launch(0);
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  CHECK(cudaEventRecord(start));
+  for (int r = 0; r < kReps; ++r) launch((r % kCopies) * kTensorBytes);
+  CHECK(cudaEventRecord(stop));
+  CHECK(cudaEventSynchronize(stop));
+  CHECK(cudaGetLastError());
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, start, stop));
+  CHECK(cudaEventDestroy(start));
+  CHECK(cudaEventDestroy(stop));
+  return 1e3 * ms / kReps;
+}
+
 }  // namespace
 
 int main() {
@@ -101,10 +122,6 @@ int main() {
   CHECK(cudaMemset(k, 1, kTensorBytes * kCopies));
   CHECK(cudaMemset(v, 2, kTensorBytes * kCopies));
   CHECK(cudaFuncSetAttribute(ReadKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * 256 * kRowBytes));
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  constexpr int kReps = 200;
   const double bytes = 2.0 * kTensorBytes;
   std::printf("| pattern | rows per CTA | CTAs | phases | µs per launch | TB/s |\n|---|---|---|---|---|---|\n");
   struct Case {
@@ -118,35 +135,16 @@ int main() {
     for (const Case& cs : cases) {
       const int ctas = kS / cs.rows * kH;
       const size_t smem = static_cast<size_t>(cs.rows) * kRowBytes * (cs.one_phase ? 2 : 1);
-      for (int r = 0; r < 3; ++r)
-        ReadKernel<<<ctas, kThreads, smem>>>(k, v, cs.rows, cs.split, cs.one_phase, sink);
-      CHECK(cudaEventRecord(start));
-      for (int r = 0; r < kReps; ++r) {
-        const int64_t at = (r % kCopies) * kTensorBytes;
+      const double us = time_launches([&](int64_t at) {
         ReadKernel<<<ctas, kThreads, smem>>>(k + at, v + at, cs.rows, cs.split, cs.one_phase, sink);
-      }
-      CHECK(cudaEventRecord(stop));
-      CHECK(cudaEventSynchronize(stop));
-      CHECK(cudaGetLastError());
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, start, stop));
-      const double us = 1e3 * ms / kReps;
+      });
       std::printf("| %s | %d | %d | %d | %.2f | %.2f |\n", cs.split ? "split (one head's rows)" : "contiguous",
                   cs.rows, ctas, cs.one_phase ? 1 : 2, us, bytes / us * 1e-6);
     }
-    const int64_t n = kTensorBytes / 16;
-    CHECK(cudaEventRecord(start));
-    for (int r = 0; r < kReps; ++r) {
-      const int64_t at = (r % kCopies) * kTensorBytes;
+    const double us = time_launches([&](int64_t at) {
       StreamKernel<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(k + at),
-                                     reinterpret_cast<const uint4*>(v + at), n, sink);
-    }
-    CHECK(cudaEventRecord(stop));
-    CHECK(cudaEventSynchronize(stop));
-    CHECK(cudaGetLastError());
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    const double us = 1e3 * ms / kReps;
+                                     reinterpret_cast<const uint4*>(v + at), kTensorBytes / 16, sink);
+    });
     std::printf("| every SM, plain loads | - | %d | 1 | %.2f | %.2f |\n", sms * 4, us, bytes / us * 1e-6);
   }
   return 0;
