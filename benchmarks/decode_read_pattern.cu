@@ -12,13 +12,14 @@
 // of the cache are rotated so that every launch reads from HBM (L2 holds 50 MB).
 //
 // Build and run on a GPU (tools/gpu_session.sh decode-read):
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/decode_read_pattern.cu -o drp
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda benchmarks/decode_read_pattern.cu -o drp
 //   ./drp
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
 
+#include "common/mma_sm80.cuh"
 #include "cuda_check.h"
 
 namespace {
@@ -26,11 +27,12 @@ namespace {
 constexpr int kS = 4096, kH = 8, kD = 128, kRowBytes = kD * 2, kCopies = 8, kThreads = 256;
 constexpr int64_t kTensorBytes = int64_t{kS} * kH * kRowBytes;
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+using jaxdet::cp_async16;  // the kernels' copy instruction
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  jaxdet::cp_async_commit();
+  jaxdet::cp_async_wait<0>();
 }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // `bytes` of `base` from `first` into shared memory at `dst`: in 256-byte rows `stride` bytes
 // apart (a split's rows of one head), or in one piece (stride == kRowBytes).
@@ -39,7 +41,7 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned cha
   constexpr int kChunks = kRowBytes / 16;
   for (int i = threadIdx.x; i < rows * kChunks; i += kThreads) {
     const int row = i / kChunks, chunk = i % kChunks;
-    cp_async16(dst + row * kRowBytes + chunk * 16, base + first + row * stride + chunk * 16);
+    cp_async16(dst + row * kRowBytes + chunk * 16, base + first + row * stride + chunk * 16, true);
   }
 }
 

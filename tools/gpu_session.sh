@@ -59,7 +59,15 @@ start=$(date +%s)
 src=/tmp/jaxdet-src; bdir=/tmp/jaxdet-build; old=@946684800  # 2000-01-01
 # A machine kept warm between calls still has the last build: reuse it when the sources match.
 stamp=$(source_stamp)
-if [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
+# The standalone CUDA benchmarks compile their own file and need no package build.
+standalone_only() {
+  for w in "${what[@]}"; do
+    case "$w" in narrow-stages | cluster-sweep | mma-zero-step | decode-read | mma-latency) ;; *) return 1 ;; esac
+  done
+}
+if standalone_only; then
+  echo "build: skipped (standalone CUDA benchmarks only)"
+elif [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
   echo "build: reused (same sources)"
 elif [ -f .prebuilt/jaxdet-site.txz ] && rm -rf /tmp/prebuilt && mkdir /tmp/prebuilt \
     && xz -dc .prebuilt/jaxdet-site.txz | tar xf - -C /tmp/prebuilt \
@@ -258,7 +266,7 @@ if asked mma-zero-step; then  # does a k16 step of zero products leave the accum
     && /tmp/mma_zero_step | tee "$LOGS/mma_zero_step.txt"
 fi
 if asked decode-read; then  # a batch-1 decode step's KV cache read in the split kernels' pattern and contiguously
-  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/decode_read_pattern.cu -o /tmp/decode_read_pattern \
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda benchmarks/decode_read_pattern.cu -o /tmp/decode_read_pattern \
     && /tmp/decode_read_pattern | tee "$LOGS/decode_read_pattern.txt"
 fi
 if asked mma-latency; then
