@@ -13,7 +13,9 @@ A comma-separated list of ``key=value`` items, read once per process by the nati
 - ``attention=mma``: the bfloat16/float16 attention forward and backward run their mma.sync
   kernels on a Hopper GPU too (instead of wgmma; docs/attention.md); ``attention=wgmma``: its Hopper final mode runs
   one-warpgroup wgmma CTAs instead of the warp-specialized ones; ``attention=one_warp_splits``: its
-  split mode runs one warp per split where it would run eight (decode steps); none can change a bit.
+  split mode runs one warp per split where it would run eight (decode steps);
+  ``attention=split_combine``: the eight-warp splits leave their merge to a second kernel where a
+  cluster of them would merge it; none can change a bit.
 
 An item changes which kernel runs, so, like the device model, it is part of what the bits may
 depend on: it exists for the tests that compare kernels, and the report names every active item.
@@ -33,7 +35,7 @@ TESTING_ITEMS = {
     "gemm_tile": ("128x256", "64x256", "64x128", "64x64", "16x64", "16x32", "64x32", "128x128"),
     "cpu_gemm": ("avx512", "avx2", "generic"),
     "softmax": ("passes",),
-    "attention": ("mma", "wgmma", "one_warp_splits"),
+    "attention": ("mma", "wgmma", "one_warp_splits", "split_combine"),
 }
 
 

@@ -4,8 +4,8 @@ final-mode forward and the backward issue wgmma (WgmmaCore), the forward in warp
 (FwdWsKernel); JAXDET_TESTING (read once per process, hence this subprocess) makes the forward run
 one-warpgroup CTAs (attention=wgmma) or everything issue mma.sync (attention=mma, MmaSyncCore),
 as every other GPU does. The split mode of a small grid at head dimension 128 (decode steps) runs
-eight warps per split (DecodeSplitKernel) unless attention=one_warp_splits makes it run
-FwdKernel's one-warp CTAs.
+eight warps per split (DecodeSplitKernel), merged in clusters unless attention=split_combine makes
+CombineKernel merge them, or FwdKernel's one-warp CTAs under attention=one_warp_splits.
 
     python attention_cores_worker.py OUT.npz    # every case's o, dq, dk, dv -> OUT.npz
 """

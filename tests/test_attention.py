@@ -634,7 +634,9 @@ def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
     # JAXDET_TESTING (read once per process) makes the forward run FwdKernel's one-warpgroup wgmma
     # CTAs (attention=wgmma) or everything run mma.sync (attention=mma), as other GPUs do. The
     # split mode of grids up to a CTA per SM at head dimension 128 runs eight warps per split
-    # (DecodeSplitKernel), FwdKernel's one-warp CTAs under attention=one_warp_splits.
+    # (DecodeSplitKernel), which merge a tile's splits in a cluster (up to 8 splits) or leave them
+    # to CombineKernel (more, or attention=split_combine), FwdKernel's one-warp CTAs under
+    # attention=one_warp_splits.
     # Every output and gradient (which reads the forward's lse2) must have the same bits: causal,
     # kv_lengths, packed segments, rows past one split, decode steps and a chunk against a longer
     # cache, packed sequences in split mode, NaN/inf/huge/subnormal/zero inputs.
@@ -647,6 +649,7 @@ def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
         ("wgmma", "attention=wgmma"),
         ("mma", "attention=mma"),
         ("one_warp_splits", "attention=one_warp_splits"),
+        ("split_combine", "attention=split_combine"),
     )
     for core, testing in configs:
         env = dict(os.environ, JAXDET_TESTING=testing, XLA_PYTHON_CLIENT_PREALLOCATE="false")

@@ -2,8 +2,8 @@
 // SM (a decode step of a few sequences). Included by attention_mma.cuh after FwdKernel.
 //
 // FwdKernel's split mode runs a split's 8 blocks in one warp, one block after the other: at batch 1
-// each CTA waits for every copy. Here a CTA of 8 warps takes the same split (the same grid, the
-// same SplitOut, the same flags, so FwdKernel's careful instance recomputes its flagged CTAs): warp
+// each CTA waits for every copy. Here a CTA of 8 warps takes the same split (the same SplitOut; a
+// CTA whose accumulators saw an inf or NaN reruns FwdKernel's careful one-warp CTA itself): warp
 // w copies and scores block w, and the steps of the single-warp loop that chain across blocks are
 // recomputed from per-block values in shared memory in the loop's order, so every row gets that
 // loop's bits:
@@ -17,6 +17,8 @@
 //   computed them exactly as groups_times_rows packs them.
 // The copies: warp w's K tile and its column slice of V for blocks 0 and 1 at once, the slices of
 // blocks 2-7 into the K tile's place as soon as its scores are in.
+// A decode step has a few tiles of up to kMaxClusterSplits splits each: their CTAs run as a cluster
+// and merge the splits after a cluster barrier, so that no CombineKernel launch follows.
 #pragma once
 
 namespace jaxdet {
@@ -61,9 +63,81 @@ struct DecodeGeom {
   static constexpr size_t kBytes = kWarps * kRegion + kQ + kProbs + kStats + kRowInfo;
 };
 
+// A CTA whose accumulators saw an inf or NaN recomputes its rows as FwdKernel's careful instance
+// would (attention_nonfinite.cuh): FwdKernel's one-warp CTA of the same split and rows, run by
+// warp 0 in this CTA's shared memory once every warp is done with it, writes the split's state in
+// place of the fast path's. So no careful launch follows. (Out of line: a rare path that keeps its
+// registers out of the main loop's allocation.)
 template <class Elem, int D>
+__device__ __noinline__ void recompute_split_carefully(Problem p, SplitOut ws, unsigned char* smem, int64_t cta_x,
+                                                       int64_t h, int64_t b) {
+  static_assert(FwdGeom<MmaSyncCore<Elem, D, 1>, 1>::bytes(false) <= DecodeGeom<Elem, D>::kBytes,
+                "the careful CTA fits in the decode CTA's shared memory");
+  fwd_cta<MmaSyncCore<Elem, D, 1>, 1, true>(p, nullptr, nullptr, ws, nullptr, smem, cta_x, h, b);
+}
+
+// Split (ml, part) of one output column merged into the running total (m_tot, l_tot, acc): step 3
+// of the canonical order with CombineKernel's functions, whose walk over a row's splits in
+// ascending order makes the same calls on the same values.
+__device__ __forceinline__ void merge_split(float& m_tot, float& l_tot, float& acc, float2 ml, float part) {
+  if (split_is_empty(ml.x)) return;
+  const Rescale rs = rescale<FastMath>(m_tot, ml.x);
+  l_tot = merge_term(l_tot, rs.old_scale, ml.y, rs.in_scale);
+  acc = merge_term(acc, rs.old_scale, part, rs.in_scale);
+  m_tot = rs.m_new;
+}
+
+// The largest cluster DecodeSplitKernel merges in: the portable cluster size.
+constexpr int kMaxClusterSplits = 8;
+
+// The cluster's splits of its 16 rows merged as CombineKernel merges them, once every CTA of the
+// cluster (a split each, rank = split) has written its split's state to the workspace: the cluster
+// barrier orders every thread's stores before it (release) and the reads after it (acquire). The
+// CTA of split z merges every nsplit-th (row, column) of the tile from z on. (The same merge
+// through distributed shared memory instead of the workspace was no faster.)
+template <class Elem, int D>
+__device__ __forceinline__ void merge_splits_in_cluster(const Problem& p, const SplitOut& ws, const int* limits,
+                                                        void* o, float* lse2, int64_t tile, int64_t h, int64_t b,
+                                                        int z) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Storage = typename MmaElem<Elem>::Storage;
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+  const int nsplit = static_cast<int>(ws.nsplit);
+  for (int i = z + nsplit * static_cast<int>(threadIdx.x); i < 16 * D; i += nsplit * static_cast<int>(blockDim.x)) {
+    const int row = i / D, e = i % D;
+    const int64_t r = tile * 16 + row;
+    if (r >= p.R) break;  // the rows grow with i
+    const int splits = (limits[row] + kSplit - 1) / kSplit;
+    const int64_t first = (b * p.H + h) * ws.nsplit * p.R + r;  // split j at first + j * R
+    float2 ml[kMaxClusterSplits];
+    float part[kMaxClusterSplits];
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      if (j < splits) {
+        ml[j] = __ldcg(ws.ml + first + j * p.R);
+        part[j] = __ldcg(ws.acc + (first + j * p.R) * D + e);
+      }
+    }
+    float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      if (j < splits) merge_split(m_tot, l_tot, acc, ml[j], part[j]);
+    }
+    store_elem<Storage>(o, q_index(p, b, h, r) + e, finish_out(acc, out_scale(l_tot)));
+    if (e == 0) lse2[stat_index(p, b, h, r)] = finish_lse2<FastMath>(m_tot, l_tot);
+  }
+#else
+  __trap();  // the host launches the merging instance on sm_90 code only (decode_cluster_merges)
+#endif
+}
+
+// Grid: x = tile * nsplit + split, y = KV head, z = batch element. kClusterMerge: launched in
+// clusters of the nsplit CTAs of a tile, which merge the splits themselves; otherwise
+// CombineKernel follows.
+template <class Elem, int D, bool kClusterMerge>
 __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
-    DecodeSplitKernel(Problem p, SplitOut ws, int* fired_ctas) {
+    DecodeSplitKernel(Problem p, SplitOut ws, void* o, float* lse2) {
   using Geo = DecodeGeom<Elem, D>;
   constexpr int kWarps = Geo::kWarps, kThreads = Geo::kThreads, kCols = Geo::kCols, kEarly = Geo::kEarly;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -84,8 +158,8 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
   rows.limit = rows.start + 16;
 
   const int64_t tiles = (p.R + 15) / 16;
-  const int64_t tile = blockIdx.x % tiles;
-  const int z = static_cast<int>(blockIdx.x / tiles);
+  const int64_t tile = blockIdx.x / ws.nsplit;
+  const int z = static_cast<int>(blockIdx.x % ws.nsplit);
   const int64_t h = blockIdx.y, b = blockIdx.z, r0 = tile * 16;
   const Elem* k = static_cast<const Elem*>(p.k);
   const Elem* v = static_cast<const Elem*>(p.v);
@@ -225,9 +299,10 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
     }
     __syncwarp();  // the next pass's copies overwrite this warp's slices
   }
-  // As FwdKernel's first launch: a flagged CTA's rows go to the careful launch.
-  const bool any_fired = __syncthreads_or(fired);
-  if (threadIdx.x == 0) fired_ctas[cta_index()] = any_fired ? 1 : 0;
+  if (__syncthreads_or(fired) && warp == 0) {
+    recompute_split_carefully<Elem, D>(p, ws, smem, tile + int64_t{z} * tiles, h, b);  // FwdKernel's grid
+  }
+  if constexpr (kClusterMerge) merge_splits_in_cluster<Elem, D>(p, ws, rows.limit, o, lse2, tile, h, b, z);
 }
 
 }  // namespace

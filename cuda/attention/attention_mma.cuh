@@ -201,6 +201,28 @@ __device__ __forceinline__ int next_pass(PassRows rows, int cur, int* pass_limit
   return next;
 }
 
+// The barrier of a CTA of kThreads threads; one warp's is the warp's (its memory ordering as
+// well: the lanes' shared-memory writes and finished copies before it are seen after it).
+template <int kThreads>
+__device__ __forceinline__ void cta_barrier() {
+  if constexpr (kThreads == 32) {
+    __syncwarp();
+  } else {
+    __syncthreads();
+  }
+}
+
+// The barrier, and whether x is true in any thread.
+template <int kThreads>
+__device__ __forceinline__ bool cta_barrier_or(bool x) {
+  if constexpr (kThreads == 32) {
+    __syncwarp();
+    return __any_sync(kFullMask, x);
+  } else {
+    return __syncthreads_or(x);
+  }
+}
+
 // ---- Forward. ----
 
 struct SplitOut {
@@ -544,14 +566,18 @@ __device__ __forceinline__ void rescale_acc(const float (&alpha)[G][2], float (&
 // group (split mode, MmaSyncCore). Either way every row runs the core's scores, fwd_softmax and the
 // core's P.V on the same blocks. (At least one CTA per SM: without it ptxas spills registers of
 // the main loop for an occupancy the shared memory does not allow anyway.)
+//
+// fwd_cta is the CTA at grid x-index cta_x of (h, b), in `smem` (FwdGeom's layout, 1024-byte
+// aligned); fired_flag is its flag (attention_nonfinite.cuh), written by the first launch only.
+// With one warp its barriers are the warp's, so that DecodeSplitKernel's warp 0 can run a careful
+// CTA in place.
 template <class Core, int kWarps, bool kCareful>
-__global__ void __launch_bounds__(kWarps * 32, 1)
-    FwdKernel(Problem p, void* o, float* lse2, SplitOut ws, int* fired_ctas) {
+__device__ __forceinline__ void fwd_cta(const Problem& p, void* o, float* lse2, const SplitOut& ws, int* fired_flag,
+                                        unsigned char* smem, int64_t cta_x, int64_t h, int64_t b) {
   using Elem = typename Core::Elem;
   using Geo = FwdGeom<Core, kWarps>;
   using Storage = typename MmaElem<Elem>::Storage;
   constexpr int D = Core::D, kRows = Geo::kRows, kThreads = kWarps * 32, G = Core::kGroups;
-  extern __shared__ __align__(1024) unsigned char smem[];
   Elem* Vs = reinterpret_cast<Elem*>(smem);
   Elem* Ks = reinterpret_cast<Elem*>(smem + Geo::kVTiles * Geo::kKV);
   Elem* Qs = reinterpret_cast<Elem*>(smem + Geo::kTiles);
@@ -561,14 +587,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   float* stash = reinterpret_cast<float*>(smem + Geo::kTiles + Geo::kQ + Geo::kRowInfo + Geo::kCols);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, grp = lane >> 2, q4 = lane & 3;
-  if constexpr (kCareful) {
-    if (fired_ctas[cta_index()] == 0) return;  // the first launch's rows stand
-  }
   const bool split_mode = ws.nsplit > 0;
   const int64_t tiles = (p.R + kRows - 1) / kRows;
-  const int64_t tile = split_mode ? blockIdx.x % tiles : blockIdx.x;
-  const int z = split_mode ? static_cast<int>(blockIdx.x / tiles) : 0;
-  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t tile = split_mode ? cta_x % tiles : cta_x;
+  const int z = split_mode ? static_cast<int>(cta_x / tiles) : 0;
   const int64_t r0 = tile * kRows;
   const Elem* q = static_cast<const Elem*>(p.q);
   const Elem* k = static_cast<const Elem*>(p.k);
@@ -582,7 +604,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   if (!split_mode) total.clear();
   if constexpr (kCareful) v_cols.template clear<kThreads>();
   cp_async_wait<0>();
-  __syncthreads();
+  cta_barrier<kThreads>();
 
   int row_local[G][2];
 #pragma unroll
@@ -662,13 +684,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       auto begin_block = [&](int blk) {
         cp_async_wait<0>();
         Core::tiles_written();
-        __syncthreads();  // K(blk) and V(blk - 1) are in; every warp is done with V(blk - 2)
+        cta_barrier<kThreads>();  // K(blk) and V(blk - 1) are in; every warp is done with V(blk - 2)
         Elem* v_tile = Vs + (blk & 1) * kTileElems;
         load_block(v_tile, v_pass, blk);
         return v_tile;
       };
       auto scores_read = [&](int blk) {
-        __syncthreads();  // every warp is done with K(blk)
+        cta_barrier<kThreads>();  // every warp is done with K(blk)
         if (blk + 1 < blk_end) load_block(Ks, k_pass, blk + 1);
       };
       typename Core::Probs pend;
@@ -699,7 +721,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
           cp_async_wait<0>();
         }
         Core::tiles_written();
-        __syncthreads();  // V(s1 - 1) is in
+        cta_barrier<kThreads>();  // V(s1 - 1) is in
         core.pv_issue(pend, v_tile, acc);
         Core::wait_pv(acc);
         end_split();
@@ -710,7 +732,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       for (int blk = blk_begin; blk < blk_end; ++blk) {
         cp_async_wait<0>();
         Core::tiles_written();
-        __syncthreads();  // K(blk) is in, and every warp is done with V(blk - 1)
+        cta_barrier<kThreads>();  // K(blk) is in, and every warp is done with V(blk - 1)
         load_block(Vs, v_pass, blk);
         const int pos0 = blk * kBlock;
         float s[G][8][4], alpha[G][2];
@@ -721,16 +743,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         // V(blk) is in, and every warp is done with K(blk); kCareful: whether V(blk) holds an inf or NaN.
         bool v_nonfinite = false;
         if constexpr (kCareful) {
-          v_nonfinite = __syncthreads_or(
+          v_nonfinite = cta_barrier_or<kThreads>(
               own_chunks_nonfinite<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, p.zero));
         } else {
-          __syncthreads();
+          cta_barrier<kThreads>();
         }
         if (blk + 1 < blk_end) load_block(Ks, k_pass, blk + 1);
         if (v_nonfinite) {  // attention_nonfinite.cuh
           clean_own_chunks<Elem, D, kThreads, kBlock>(Vs, typename Core::Chunks{}, v_cols);
           Core::tiles_written();
-          __syncthreads();
+          cta_barrier<kThreads>();
         }
         core.pv(s, Vs, acc);
         if (v_nonfinite) {
@@ -739,7 +761,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
             const auto visible = [&](int nt, int i) { return pos0 + nt * 8 + 2 * q4 + (i & 1) < lim[g][i >> 1]; };
             add_nonfinite_terms<Elem, D>(s[g], visible, v_cols, acc[g], lane);
           }
-          __syncthreads();  // every warp has read the masks
+          cta_barrier<kThreads>();  // every warp has read the masks
           v_cols.template clear<kThreads>();
         }
         if (split_done(blk)) end_split();
@@ -766,11 +788,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   if constexpr (!kCareful) {
     // A tile held an inf or NaN (or a row's own terms made one): the kCareful launch recomputes
     // this CTA's rows (attention_nonfinite.cuh).
-    const bool any_fired = __syncthreads_or(fired);
-    if (threadIdx.x == 0) fired_ctas[cta_index()] = any_fired ? 1 : 0;
+    const bool any_fired = cta_barrier_or<kThreads>(fired);
+    if (threadIdx.x == 0) *fired_flag = any_fired ? 1 : 0;
     if (any_fired) return;
   }
   if (!split_mode) total.template store<Storage>(p, o, lse2, b, h, r0, row_local, q4);
+}
+
+template <class Core, int kWarps, bool kCareful>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    FwdKernel(Problem p, void* o, float* lse2, SplitOut ws, int* fired_ctas) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  int* fired_flag = fired_ctas + cta_index();
+  if constexpr (kCareful) {
+    if (*fired_flag == 0) return;  // the first launch's rows stand
+  }
+  fwd_cta<Core, kWarps, kCareful>(p, o, lse2, ws, fired_flag, smem, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 // Split mode's second step: a CTA per row, a thread per output column (blockDim.x == D), merges
@@ -870,6 +903,60 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
   return ffi::Error::Success();
 }
 
+// A launch of `grid` in clusters of `splits` CTAs along x; the config points at `attr`, which must
+// outlive it.
+inline cudaLaunchConfig_t decode_cluster_launch(cudaLaunchAttribute& attr, int splits, dim3 grid, int threads,
+                                                size_t smem, cudaStream_t stream) {
+  attr = cudaLaunchAttribute{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(splits);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Whether DecodeSplitKernel<..., true> (`kernel`, its shared-memory opt-in prepared) merges a
+// tile's `splits` splits in a cluster on the current device: at most kMaxClusterSplits (the
+// portable cluster size), compiled for sm_90 or later (the sm_80 code has no cluster barrier; a
+// newer GPU running it from sm_80 PTX reports ptxVersion 80) and such a cluster fits the device.
+// Else CombineKernel merges them: the same bits. JAXDET_TESTING=attention=split_combine forces
+// that. Asked once per (device, splits).
+template <class Kernel>
+bool decode_cluster_merges(Kernel kernel, int splits, int threads, size_t smem) {
+  if (splits < 2 || splits > kMaxClusterSplits || attention_testing_is("split_combine")) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, splits);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  bool runs = false;
+  int supported = 0;
+  cudaFuncAttributes attrs{};
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device) == cudaSuccess && supported &&
+      cudaFuncGetAttributes(&attrs, kernel) == cudaSuccess && attrs.ptxVersion >= 90) {
+    cudaLaunchAttribute cluster;
+    const cudaLaunchConfig_t cfg =
+        decode_cluster_launch(cluster, splits, dim3(static_cast<unsigned>(splits), 1, 1), threads, smem, nullptr);
+    int clusters = 0;
+    runs = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+  }
+  cudaGetLastError();  // a refused query is an answer, not the launch's error
+  known[key] = runs;
+  return runs;
+}
+
 // A tensor-core kernel's two launches (attention_nonfinite.cuh): `first` over the whole grid, then
 // `careful` (its kCareful instance), which recomputes the CTAs the first flagged and returns at
 // once in the others.
@@ -938,19 +1025,25 @@ ffi::Error launch_forward_mma(cudaStream_t stream, const ForwardWorkspace& w, un
                     static_cast<unsigned>(p.B));
     bool decode = false;
     if constexpr (D == 128) {
-      // At most a CTA per SM: DecodeSplitKernel's eight warps per split (attention_decode.cuh).
+      // At most a CTA per SM: DecodeSplitKernel's eight warps per split (attention_decode.cuh),
+      // which recompute a flagged split themselves and, in clusters, merge the splits too.
+      using Geo = DecodeGeom<Elem, D>;
       decode = int64_t{grid.x} * grid.y * grid.z <= current_sm_count() &&
-               !attention_testing_is("one_warp_splits") &&
-               DecodeGeom<Elem, D>::kBytes <= static_cast<size_t>(smem_optin);
+               !attention_testing_is("one_warp_splits") && Geo::kBytes <= static_cast<size_t>(smem_optin);
       if (decode) {
         const char* op = "jaxdet_attention_fwd";
-        auto first = DecodeSplitKernel<Elem, D>;
-        auto careful = FwdKernel<Core, 1, true>;
-        if (auto err = prepare(first, DecodeGeom<Elem, D>::kBytes, smem_optin, op); !err.success()) return err;
-        if (auto err = prepare(careful, FwdGeom<Core, 1>::bytes(false), smem_optin, op); !err.success())
-          return err;
-        first<<<grid, DecodeGeom<Elem, D>::kThreads, DecodeGeom<Elem, D>::kBytes, stream>>>(p, split, fired);
-        careful<<<grid, 32, FwdGeom<Core, 1>::bytes(false), stream>>>(p, o, lse2, split, fired);
+        auto merging = DecodeSplitKernel<Elem, D, true>;
+        if (auto err = prepare(merging, Geo::kBytes, smem_optin, op); !err.success()) return err;
+        if (decode_cluster_merges(merging, static_cast<int>(w.nsplit), Geo::kThreads, Geo::kBytes)) {
+          cudaLaunchAttribute cluster;
+          const cudaLaunchConfig_t cfg =
+              decode_cluster_launch(cluster, static_cast<int>(w.nsplit), grid, Geo::kThreads, Geo::kBytes, stream);
+          cudaLaunchKernelEx(&cfg, merging, p, split, o, lse2);  // an error is left for last_launch_error
+          return ffi::Error::Success();
+        }
+        auto first = DecodeSplitKernel<Elem, D, false>;
+        if (auto err = prepare(first, Geo::kBytes, smem_optin, op); !err.success()) return err;
+        first<<<grid, Geo::kThreads, Geo::kBytes, stream>>>(p, split, o, lse2);
       }
     }
     if (!decode) {

@@ -866,6 +866,13 @@ int ActiveClusters(Kernel kernel, int segments, size_t smem, int device) {
     cudaGetLastError();
     return 0;
   }
+  // The cluster kernels' bodies exist in sm_90 code only: a newer GPU running the sm_80 PTX (its
+  // ptxVersion 80) takes the pass kernels.
+  cudaFuncAttributes attrs{};
+  if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess || attrs.ptxVersion < 90) {
+    cudaGetLastError();
+    return 0;
+  }
   if ((segments > 8 &&
        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) ||
       (smem > 0 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
