@@ -104,7 +104,8 @@ __device__ __forceinline__ void merge_splits_in_cluster(const Problem& p, const 
   asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
   const int nsplit = static_cast<int>(ws.nsplit);
-  for (int i = z + nsplit * static_cast<int>(threadIdx.x); i < 16 * D; i += nsplit * static_cast<int>(blockDim.x)) {
+  for (int i = z + nsplit * static_cast<int>(threadIdx.x); i < 16 * D;
+       i += nsplit * static_cast<int>(blockDim.x)) {
     const int row = i / D, e = i % D;
     const int64_t r = tile * 16 + row;
     if (r >= p.R) break;  // the rows grow with i

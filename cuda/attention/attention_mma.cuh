@@ -572,8 +572,9 @@ __device__ __forceinline__ void rescale_acc(const float (&alpha)[G][2], float (&
 // With one warp its barriers are the warp's, so that DecodeSplitKernel's warp 0 can run a careful
 // CTA in place.
 template <class Core, int kWarps, bool kCareful>
-__device__ __forceinline__ void fwd_cta(const Problem& p, void* o, float* lse2, const SplitOut& ws, int* fired_flag,
-                                        unsigned char* smem, int64_t cta_x, int64_t h, int64_t b) {
+__device__ __forceinline__ void fwd_cta(const Problem& p, void* o, float* lse2, const SplitOut& ws,
+                                        int* fired_flag, unsigned char* smem, int64_t cta_x, int64_t h,
+                                        int64_t b) {
   using Elem = typename Core::Elem;
   using Geo = FwdGeom<Core, kWarps>;
   using Storage = typename MmaElem<Elem>::Storage;
