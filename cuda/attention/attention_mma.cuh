@@ -904,25 +904,6 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
   return ffi::Error::Success();
 }
 
-// A launch of `grid` in clusters of `splits` CTAs along x; the config points at `attr`, which must
-// outlive it.
-inline cudaLaunchConfig_t decode_cluster_launch(cudaLaunchAttribute& attr, int splits, dim3 grid, int threads,
-                                                size_t smem, cudaStream_t stream) {
-  attr = cudaLaunchAttribute{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(splits);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
 // Whether DecodeSplitKernel<..., true> (`kernel`, its shared-memory opt-in prepared) merges a
 // tile's `splits` splits in a cluster on the current device: at most kMaxClusterSplits (the
 // portable cluster size), compiled for sm_90 or later (the sm_80 code has no cluster barrier; a
@@ -944,12 +925,12 @@ bool decode_cluster_merges(Kernel kernel, int splits, int threads, size_t smem) 
   if (auto it = known.find(key); it != known.end()) return it->second;
   bool runs = false;
   int supported = 0;
-  cudaFuncAttributes attrs{};
   if (cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device) == cudaSuccess && supported &&
-      cudaFuncGetAttributes(&attrs, kernel) == cudaSuccess && attrs.ptxVersion >= 90) {
+      runs_sm90_code(kernel)) {
     cudaLaunchAttribute cluster;
     const cudaLaunchConfig_t cfg =
-        decode_cluster_launch(cluster, splits, dim3(static_cast<unsigned>(splits), 1, 1), threads, smem, nullptr);
+        cluster_launch_config(cluster, static_cast<unsigned>(splits), dim3(static_cast<unsigned>(splits), 1, 1),
+                              static_cast<unsigned>(threads), smem, nullptr);
     int clusters = 0;
     runs = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
   }
@@ -1037,8 +1018,8 @@ ffi::Error launch_forward_mma(cudaStream_t stream, const ForwardWorkspace& w, un
         if (auto err = prepare(merging, Geo::kBytes, smem_optin, op); !err.success()) return err;
         if (decode_cluster_merges(merging, static_cast<int>(w.nsplit), Geo::kThreads, Geo::kBytes)) {
           cudaLaunchAttribute cluster;
-          const cudaLaunchConfig_t cfg =
-              decode_cluster_launch(cluster, static_cast<int>(w.nsplit), grid, Geo::kThreads, Geo::kBytes, stream);
+          const cudaLaunchConfig_t cfg = cluster_launch_config(cluster, static_cast<unsigned>(w.nsplit), grid,
+                                                               Geo::kThreads, Geo::kBytes, stream);
           cudaLaunchKernelEx(&cfg, merging, p, split, o, lse2);  // an error is left for last_launch_error
           return ffi::Error::Success();
         }

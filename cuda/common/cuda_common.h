@@ -35,6 +35,38 @@ inline int current_sm_count() {
   return std::max(sms, 1);
 }
 
+// A launch of `grid` (CTAs of `threads` threads with `smem` bytes of dynamic shared memory) in
+// thread block clusters of `cluster_x` CTAs along x; the config points at `attr`, which must
+// outlive it.
+inline cudaLaunchConfig_t cluster_launch_config(cudaLaunchAttribute& attr, unsigned cluster_x, dim3 grid,
+                                                unsigned threads, size_t smem, cudaStream_t stream) {
+  attr = cudaLaunchAttribute{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster_x;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Whether the current device runs `kernel` from code compiled for sm_90 or later. The bodies of
+// the cluster kernels exist there only: a newer GPU running the sm_80 PTX reports ptxVersion 80.
+template <class Kernel>
+bool runs_sm90_code(Kernel kernel) {
+  cudaFuncAttributes attrs{};
+  if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attrs.ptxVersion >= 90;
+}
+
 #ifdef __CUDACC__
 // The maximum in one instruction (sm_80 and later): the canonical NaN when either input is NaN,
 // otherwise the larger value; a zero maximum's sign is not the canonical one (detmath::max), so

@@ -842,19 +842,9 @@ constexpr size_t kBwdStageBytes = 2 * sm::kSegment * sizeof(typename S::Bits);
 // c); the config points at `attr`, which must outlive it.
 cudaLaunchConfig_t ClusterLaunch(cudaLaunchAttribute& attr, int64_t segments, int64_t clusters, size_t smem,
                                  cudaStream_t stream) {
-  attr = cudaLaunchAttribute{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(segments);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(segments), static_cast<unsigned>(clusters), 1);
-  cfg.blockDim = dim3(kLanes, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cfg;
+  return cluster_launch_config(attr, static_cast<unsigned>(segments),
+                               dim3(static_cast<unsigned>(segments), static_cast<unsigned>(clusters), 1), kLanes,
+                               smem, stream);
 }
 
 // How many clusters of `segments` blocks of `kernel` (with `smem` bytes of dynamic shared memory)
@@ -866,13 +856,7 @@ int ActiveClusters(Kernel kernel, int segments, size_t smem, int device) {
     cudaGetLastError();
     return 0;
   }
-  // The cluster kernels' bodies exist in sm_90 code only: a newer GPU running the sm_80 PTX (its
-  // ptxVersion 80) takes the pass kernels.
-  cudaFuncAttributes attrs{};
-  if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess || attrs.ptxVersion < 90) {
-    cudaGetLastError();
-    return 0;
-  }
+  if (!runs_sm90_code(kernel)) return 0;  // a newer GPU running the sm_80 PTX takes the pass kernels
   if ((segments > 8 &&
        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) ||
       (smem > 0 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
