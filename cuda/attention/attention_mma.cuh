@@ -906,8 +906,8 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
 
 // Whether DecodeSplitKernel<..., true> (`kernel`, its shared-memory opt-in prepared) merges a
 // tile's `splits` splits in a cluster on the current device: at most kMaxClusterSplits (the
-// portable cluster size), compiled for sm_90 or later (the sm_80 code has no cluster barrier; a
-// newer GPU running it from sm_80 PTX reports ptxVersion 80) and such a cluster fits the device.
+// portable cluster size), and the device runs such a cluster of sm_90 code (max_active_clusters:
+// the sm_80 code has no cluster barrier).
 // Else CombineKernel merges them: the same bits. JAXDET_TESTING=attention=split_combine forces
 // that. Asked once per (device, splits).
 template <class Kernel>
@@ -923,18 +923,8 @@ bool decode_cluster_merges(Kernel kernel, int splits, int threads, size_t smem) 
   std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_pair(device, splits);
   if (auto it = known.find(key); it != known.end()) return it->second;
-  bool runs = false;
-  int supported = 0;
-  if (cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device) == cudaSuccess && supported &&
-      runs_sm90_code(kernel)) {
-    cudaLaunchAttribute cluster;
-    const cudaLaunchConfig_t cfg =
-        cluster_launch_config(cluster, static_cast<unsigned>(splits), dim3(static_cast<unsigned>(splits), 1, 1),
-                              static_cast<unsigned>(threads), smem, nullptr);
-    int clusters = 0;
-    runs = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-  }
-  cudaGetLastError();  // a refused query is an answer, not the launch's error
+  const bool runs =
+      max_active_clusters(kernel, device, static_cast<unsigned>(splits), static_cast<unsigned>(threads), smem) > 0;
   known[key] = runs;
   return runs;
 }

@@ -55,16 +55,28 @@ inline cudaLaunchConfig_t cluster_launch_config(cudaLaunchAttribute& attr, unsig
   return cfg;
 }
 
-// Whether the current device runs `kernel` from code compiled for sm_90 or later. The bodies of
-// the cluster kernels exist there only: a newer GPU running the sm_80 PTX reports ptxVersion 80.
+// How many clusters of `cluster_x` CTAs of `kernel` (`threads` threads, `smem` bytes of dynamic
+// shared memory; the kernel's attributes for both already set) `device` runs at once; 0 where it
+// runs none: no cluster launch, or `kernel` not run from code compiled for sm_90 or later, the
+// only code that holds the cluster kernels' bodies (a newer GPU running the sm_80 PTX reports
+// ptxVersion 80). A refused query is an answer, not a launch's error: it is cleared.
 template <class Kernel>
-bool runs_sm90_code(Kernel kernel) {
+int max_active_clusters(Kernel kernel, int device, unsigned cluster_x, unsigned threads, size_t smem) {
+  int supported = 0, clusters = 0;
   cudaFuncAttributes attrs{};
-  if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device) != cudaSuccess || !supported ||
+      cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess || attrs.ptxVersion < 90) {
     cudaGetLastError();
-    return false;
+    return 0;
   }
-  return attrs.ptxVersion >= 90;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg =
+      cluster_launch_config(attr, cluster_x, dim3(cluster_x, 1, 1), threads, smem, nullptr);
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return std::max(clusters, 0);
 }
 
 #ifdef __CUDACC__

@@ -848,15 +848,9 @@ cudaLaunchConfig_t ClusterLaunch(cudaLaunchAttribute& attr, int64_t segments, in
 }
 
 // How many clusters of `segments` blocks of `kernel` (with `smem` bytes of dynamic shared memory)
-// the current device runs at once; 0 if it cannot run them.
+// the current device runs at once; 0 if it cannot run them (max_active_clusters).
 template <typename Kernel>
 int ActiveClusters(Kernel kernel, int segments, size_t smem, int device) {
-  int supported = 0;
-  if (cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device) != cudaSuccess || !supported) {
-    cudaGetLastError();
-    return 0;
-  }
-  if (!runs_sm90_code(kernel)) return 0;  // a newer GPU running the sm_80 PTX takes the pass kernels
   if ((segments > 8 &&
        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) ||
       (smem > 0 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -864,14 +858,7 @@ int ActiveClusters(Kernel kernel, int segments, size_t smem, int device) {
     cudaGetLastError();
     return 0;
   }
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = ClusterLaunch(attr, segments, 1, smem, nullptr);
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return std::max(clusters, 0);
+  return max_active_clusters(kernel, device, static_cast<unsigned>(segments), kLanes, smem);
 }
 
 // How many clusters of kKernel's blocks to launch for rows of `segments` segments on the current
