@@ -39,17 +39,25 @@ SUPPORTED_DTYPES = FLOAT_DTYPES
 _LOG2E = 1.4426950408889634
 
 
-# ---- The primitives. q [B, T, H, G, D] (query head h*G + g uses KV head h), k and v [B, S, H, D],
-# rows int32 [B, T, 2] = (kv_start, limit): query (b, t) sees memory rows kv_start .. kv_start +
-# limit - 1 of its batch element's keys, its sequence's positions 0 .. limit - 1. ----
+# ---- The primitives. q [B, T, H, G, D] (query head h*G + g uses KV head h), k and v [B, S, H, D].
+# Query (b, t) sees memory rows kv_start .. kv_start + limit - 1 of its batch element's keys, its
+# sequence's positions 0 .. limit - 1, described by two int32 operands (row_a, row_b) in the form
+# `row_form` (RowForm in cuda/attention/attention_ffi.h, where the kernels compute the pair):
+# START_LIMIT: row_a [B, T] = kv_start, row_b [B, T] = limit (packed segments);
+# CAUSAL_POSITIONS: row_a [B, T] = q_positions, row_b [B] = kv_lengths;
+# LENGTHS: row_a [B, 0], row_b [B] = kv_lengths (not causal).
+# The positions forms take a decode step's q_positions and kv_lengths as they are: no kernel runs
+# before the attention's to describe the rows. ----
+
+START_LIMIT, CAUSAL_POSITIONS, LENGTHS = 0, 1, 2
 
 
-def _fwd_abstract_eval(q, k, v, rows, *, scale):
+def _fwd_abstract_eval(q, k, v, row_a, row_b, *, scale, row_form):
     B, T, H, G, _ = q.shape
     return (jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray((B, H, T, G), jnp.float32))
 
 
-def _bwd_abstract_eval(q, k, v, o, lse2, do, rows, *, scale):
+def _bwd_abstract_eval(q, k, v, o, lse2, do, row_a, row_b, *, scale, row_form):
     return (
         jax.core.ShapedArray(q.shape, q.dtype),
         jax.core.ShapedArray(k.shape, k.dtype),
@@ -86,13 +94,19 @@ def _scale_log2(scale):
     return np.float32(np.float64(scale) * _LOG2E)
 
 
+def _row_factors(row_form):
+    if row_form == START_LIMIT:
+        return [("b", "t"), ("b", "t")]
+    return [("b", "t") if row_form == CAUSAL_POSITIONS else ("b", "e"), ("b",)]
+
+
 def _fwd_factors(params, shapes):
     # Batch, query rows (t), KV heads and query heads per KV head are split per device with no
-    # collective: each row carries its own (kv_start, limit) and sees its sequence's whole keys,
-    # so the keys' sequence (s), the head dimension and the row descriptions' pair are never split
-    # (a split one is all-gathered).
+    # collective: each row's description is its own and it sees its sequence's whole keys, so the
+    # keys' sequence (s) and the head dimension are never split (a split one is all-gathered).
     q = ("b", "t", "h", "g", "d")
-    return [q, ("b", "s", "h", "d"), ("b", "s", "h", "d"), ("b", "t", "c")], [q, ("b", "h", "t", "g")]
+    kv = ("b", "s", "h", "d")
+    return [q, kv, kv, *_row_factors(params["row_form"])], [q, ("b", "h", "t", "g")]
 
 
 def _bwd_factors(params, shapes):
@@ -100,7 +114,7 @@ def _bwd_factors(params, shapes):
     # too (a psum would make the order depend on the device count).
     q = ("b", "t", "h", "g", "d")
     kv = ("b", "s", "h", "d")
-    return [q, kv, kv, q, ("b", "h", "t", "g"), q, ("b", "t", "c")], [q, kv, kv]
+    return [q, kv, kv, q, ("b", "h", "t", "g"), q, *_row_factors(params["row_form"])], [q, kv, kv]
 
 
 def _workspace(pass_):
@@ -119,34 +133,36 @@ def _workspace(pass_):
 fwd_p = _ffi.define_primitive(
     "jaxdet_attention_fwd",
     _fwd_abstract_eval,
-    attributes=lambda scale: dict(scale_log2=_scale_log2(scale)),
+    attributes=lambda scale, row_form: dict(scale_log2=_scale_log2(scale), row_form=np.int32(row_form)),
     batching_rule=_fwd_batch,
     multiple_results=True,
-    partitioning=_ffi.Partitioning(_fwd_factors, replicated=frozenset({"s", "d", "c"})),
+    partitioning=_ffi.Partitioning(_fwd_factors, replicated=frozenset({"s", "d", "e"})),
     cuda_workspace=_workspace("fwd"),
 )
 
 bwd_p = _ffi.define_primitive(
     "jaxdet_attention_bwd",
     _bwd_abstract_eval,
-    attributes=lambda scale: dict(scale_log2=_scale_log2(scale), scale=np.float32(scale)),
+    attributes=lambda scale, row_form: dict(
+        scale_log2=_scale_log2(scale), scale=np.float32(scale), row_form=np.int32(row_form)
+    ),
     batching_rule=_bwd_batch,
     multiple_results=True,
-    partitioning=_ffi.Partitioning(_bwd_factors, replicated=frozenset({"s", "d", "c", "t", "g"})),
+    partitioning=_ffi.Partitioning(_bwd_factors, replicated=frozenset({"s", "d", "e", "t", "g"})),
     cuda_workspace=_workspace("bwd"),
 )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention5(q, k, v, rows, scale):
-    return fwd_p.bind(q, k, v, rows, scale=scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention5(q, k, v, row_a, row_b, scale, row_form):
+    return fwd_p.bind(q, k, v, row_a, row_b, scale=scale, row_form=row_form)[0]
 
 
-def _attention5_fwd(q, k, v, rows, scale):
-    o, lse2 = fwd_p.bind(q, k, v, rows, scale=scale)
+def _attention5_fwd(q, k, v, row_a, row_b, scale, row_form):
+    o, lse2 = fwd_p.bind(q, k, v, row_a, row_b, scale=scale, row_form=row_form)
     # Residuals: the inputs, the output and the float32 base-2 log-sum-exp per row; the
     # probabilities are recomputed from them, never stored.
-    return o, (q, k, v, rows, o, lse2)
+    return o, (q, k, v, row_a, row_b, o, lse2)
 
 
 def _typed_like(ct, primal):
@@ -159,10 +175,11 @@ def _typed_like(ct, primal):
     return _ffi.match_varying(ct, vma)
 
 
-def _attention5_bwd(scale, res, do):
-    q, k, v, rows, o, lse2 = res
-    dq, dk, dv = bwd_p.bind(q, k, v, o, lse2, do.astype(q.dtype), rows, scale=scale)
-    return (_typed_like(dq, q), _typed_like(dk, k), _typed_like(dv, v), np.zeros(rows.shape, jax.dtypes.float0))
+def _attention5_bwd(scale, row_form, res, do):
+    q, k, v, row_a, row_b, o, lse2 = res
+    dq, dk, dv = bwd_p.bind(q, k, v, o, lse2, do.astype(q.dtype), row_a, row_b, scale=scale, row_form=row_form)
+    no_cotangent = [np.zeros(x.shape, jax.dtypes.float0) for x in (row_a, row_b)]
+    return (_typed_like(dq, q), _typed_like(dk, k), _typed_like(dv, v), *no_cotangent)
 
 
 _attention5.defvjp(_attention5_fwd, _attention5_bwd)
@@ -188,18 +205,15 @@ def _segment_rows(segment_ids, causal):
 
 
 def _position_rows(B, T, S, causal, q_positions, kv_lengths):
+    """The positions forms: q_positions and kv_lengths as int32, as given where their shapes are
+    the kernels' (a decode step's [B, 1] and [B]); the kernels clamp them (RowForm)."""
     kv_len = (
         jnp.full((B,), S, jnp.int32) if kv_lengths is None else jnp.broadcast_to(kv_lengths.astype(jnp.int32), (B,))
     )
-    kv_len = jnp.clip(kv_len, 0, S)
     if not causal:
-        limit = jnp.broadcast_to(kv_len[:, None], (B, T))
-    else:
-        pos = jnp.arange(T, dtype=jnp.int32) if q_positions is None else q_positions.astype(jnp.int32)
-        pos = jnp.broadcast_to(pos, (B, T))
-        # A negative position sees nothing; positions past S see the whole (capped) sequence.
-        limit = jnp.minimum(jnp.clip(pos, -1, S - 1) + 1, kv_len[:, None])
-    return jnp.zeros((B, T), jnp.int32), limit
+        return jnp.zeros((B, 0), jnp.int32), kv_len, LENGTHS
+    pos = jnp.arange(T, dtype=jnp.int32) if q_positions is None else q_positions.astype(jnp.int32)
+    return jnp.broadcast_to(pos, (B, T)), kv_len, CAUSAL_POSITIONS
 
 
 # ---- Checks. ----
@@ -303,10 +317,10 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     if q.size == 0:
         return jnp.zeros(q.shape, q.dtype)
     if segment_ids is not None:
-        start, limit = _segment_rows(segment_ids, causal)
+        row_a, row_b = _segment_rows(segment_ids, causal)
+        row_form = START_LIMIT
     else:
-        start, limit = _position_rows(B, T, S, causal, q_positions, kv_lengths)
-    rows = jnp.stack([start, limit], axis=-1).astype(jnp.int32)
+        row_a, row_b, row_form = _position_rows(B, T, S, causal, q_positions, kv_lengths)
     G = N // K
-    out = _attention5(q.reshape(B, T, K, G, D), k, v, rows, scale)
+    out = _attention5(q.reshape(B, T, K, G, D), k, v, row_a, row_b, scale, row_form)
     return out.reshape(B, T, N, D)

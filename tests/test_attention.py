@@ -6,6 +6,7 @@ reference by relative norm.
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -529,6 +530,37 @@ def test_rows_that_see_nothing_are_zero(device):
     out = np.asarray(out)
     assert not np.any(out[0]) and not np.any(out[1, 0])
     assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_and_lengths_out_of_range_are_clamped(device):
+    # Without segment_ids the kernels receive q_positions and kv_lengths as given and clamp them
+    # (docs/attention.md, "Which keys a query sees"): any int32 is a valid position or length.
+    q, k, v = _qkv(4, 3, 16, 4, 2, 64)
+    big, small = 2**31 - 1, -(2**31)
+    pos = jnp.asarray([[small, -7, -1], [0, 15, 16], [big, 100, 3], [5, 6, 7]], jnp.int32)
+    kvl = jnp.asarray([small, big, 9, -3], jnp.int32)
+    with jax.default_device(_device(device)):
+        causal = jaxdet.attention(q, k, v, q_positions=pos, kv_lengths=kvl)
+        not_causal = jaxdet.attention(q, k, v, causal=False, kv_lengths=kvl)
+    assert _relerr(causal, reference(q, k, v, q_positions=pos, kv_lengths=kvl)) < 1e-5
+    assert _relerr(not_causal, reference(q, k, v, causal=False, kv_lengths=kvl)) < 1e-5
+    seen_nothing = np.asarray(causal)[[0, 0, 0, 3, 3, 3, 1], [0, 1, 2, 0, 1, 2, 0]]
+    assert not np.any(seen_nothing[:-1]) and np.any(seen_nothing[-1])
+
+
+def test_a_decode_step_hands_its_positions_to_the_kernel_as_they_are():
+    # int32 q_positions [B, 1] and kv_lengths [B] are the forward call's operands themselves: no
+    # computation of the rows' limits runs before it (a kernel of its own on a GPU, each step).
+    q, k, v = _qkv(2, 1, 64, 4, 2, 64, jnp.bfloat16)
+    step = jax.jit(lambda q, k, v, p, n: jaxdet.attention(q, k, v, q_positions=p, kv_lengths=n))
+    hlo = step.lower(q, k, v, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2,), jnp.int32)).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    params = dict(re.findall(r"%(\S+) = \S+ parameter\((\d)\)", entry))
+    params = {int(i): name for name, i in params.items()}
+    call = next(line for line in entry.splitlines() if 'custom_call_target="jaxdet_attention_fwd"' in line)
+    operands = re.search(r"custom-call\(([^)]*)\)", call).group(1).split(", ")
+    assert operands[3:] == [f"%{params[3]}", f"%{params[4]}"], call
 
 
 def test_rank3_and_empty():

@@ -3,9 +3,9 @@
 // docs/attention.md ("CPU order"); attention_math.h holds the parts shared with the GPU.
 //
 // Layouts: q, o, dq [B, T, H, G, D] (query head h*G + g uses KV head h); k, v, dk, dv [B, S, H, D];
-// rows int32 [B, T, 2] = (kv_start, limit): query (b, t) sees the keys at memory rows
-// kv_start .. kv_start + limit - 1 of its batch element, which are its sequence's positions
-// 0 .. limit - 1; lse2 float32 [B, H, T, G].
+// the row description (row_a, row_b, row_form; attention_ffi.h) gives query (b, t) the keys at
+// memory rows kv_start .. kv_start + limit - 1 of its batch element, which are its sequence's
+// positions 0 .. limit - 1; lse2 float32 [B, H, T, G].
 //
 // Work unit: one (b, h) pair, on XLA's intra-op thread pool. Inside a unit the keys and values
 // are widened to float32 once (into per-thread scratch); every row then follows the canonical
@@ -85,7 +85,7 @@ void scores(const float* q, const float* kt, const Dims& d, int64_t first, int64
 struct ForwardArgs {
   Dims d;
   const void *q, *k, *v;
-  const int32_t* rows;
+  RowDesc rows;
   void* o;
   float* lse2;
   float c;  // scale * log2(e)
@@ -156,15 +156,15 @@ void forward(ffi::ThreadPool& pool, const ForwardArgs& a) {
 }
 
 ffi::Error AttentionFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> o,
-                           ffi::Result<ffi::Buffer<ffi::F32>> lse2, float scale_log2) {
+                           ffi::Buffer<ffi::S32> row_a, ffi::Buffer<ffi::S32> row_b, ffi::Result<ffi::AnyBuffer> o,
+                           ffi::Result<ffi::Buffer<ffi::F32>> lse2, float scale_log2, int32_t row_form) {
   const char* op = "jaxdet_attention_fwd";
   ForwardArgs a;
-  if (auto err = check_dims(op, q, k, v, rows, &a.d); !err.success()) return err;
+  if (auto err = check_dims(op, q, k, v, row_a, row_b, row_form, &a.d); !err.success()) return err;
   a.q = q.untyped_data();
   a.k = k.untyped_data();
   a.v = v.untyped_data();
-  a.rows = rows.typed_data();
+  a.rows = row_desc(row_a, row_b, row_form);
   a.o = o->untyped_data();
   a.lse2 = lse2->typed_data();
   a.c = scale_log2;
@@ -179,7 +179,7 @@ struct BackwardArgs {
   Dims d;
   const void *q, *k, *v, *o, *dout;
   const float* lse2;
-  const int32_t* rows;
+  RowDesc rows;
   void *dq, *dk, *dv;
   float c;      // scale * log2(e)
   float scale;  // applied once to dq and dk at the end
@@ -253,12 +253,12 @@ void backward(ffi::ThreadPool& pool, const BackwardArgs& a) {
 
 ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse2, ffi::AnyBuffer dout,
-                           ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> dq,
-                           ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale_log2,
-                           float scale) {
+                           ffi::Buffer<ffi::S32> row_a, ffi::Buffer<ffi::S32> row_b,
+                           ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                           ffi::Result<ffi::AnyBuffer> dv, float scale_log2, float scale, int32_t row_form) {
   const char* op = "jaxdet_attention_bwd";
   BackwardArgs a;
-  if (auto err = check_dims(op, q, k, v, rows, &a.d); !err.success()) return err;
+  if (auto err = check_dims(op, q, k, v, row_a, row_b, row_form, &a.d); !err.success()) return err;
   if (auto err = check_backward_operands(op, q, o, dout, lse2, a.d); !err.success()) return err;
   a.q = q.untyped_data();
   a.k = k.untyped_data();
@@ -266,7 +266,7 @@ ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   a.o = o.untyped_data();
   a.dout = dout.untyped_data();
   a.lse2 = lse2.typed_data();
-  a.rows = rows.typed_data();
+  a.rows = row_desc(row_a, row_b, row_form);
   a.dq = dq->untyped_data();
   a.dk = dk->untyped_data();
   a.dv = dv->untyped_data();
@@ -287,9 +287,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_fwd_cpu, attn::AttentionFwdCpu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale_log2"));
+                                  .Attr<float>("scale_log2")
+                                  .Attr<int32_t>("row_form"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cpu, attn::AttentionBwdCpu,
                               ffi::Ffi::Bind()
@@ -301,10 +303,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cpu, attn::AttentionBwdCpu,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale_log2")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("row_form"));
 
 }  // namespace jaxdet

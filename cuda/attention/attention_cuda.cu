@@ -63,7 +63,7 @@ struct Problem {
   const void* q;
   const void* k;
   const void* v;
-  const int32_t* rows;
+  RowDesc rows;
   float c;  // scale * log2(e)
   float zero;  // +0.0f, a value ptxas cannot fold: WgmmaCore's score accumulators start from it
 };
@@ -160,7 +160,7 @@ int device_smem_optin() {
 }
 
 Problem make_problem(const Dims& d, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                     const ffi::Buffer<ffi::S32>& rows, float c) {
+                     const RowDesc& rows, float c) {
   Problem p;
   p.B = d.B;
   p.T = d.T;
@@ -172,7 +172,7 @@ Problem make_problem(const Dims& d, const ffi::AnyBuffer& q, const ffi::AnyBuffe
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
-  p.rows = rows.typed_data();
+  p.rows = rows;
   p.c = c;
   p.zero = 0.0f;
   return p;
@@ -223,13 +223,13 @@ ffi::Error backward_mma(cudaStream_t stream, const Problem& p, const BackwardOut
 }
 
 ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> o,
-                            ffi::Result<ffi::Buffer<ffi::F32>> lse2, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                            float scale_log2) {
+                            ffi::Buffer<ffi::S32> row_a, ffi::Buffer<ffi::S32> row_b,
+                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::Buffer<ffi::F32>> lse2,
+                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale_log2, int32_t row_form) {
   const char* op = "jaxdet_attention_fwd";
   Dims d;
-  if (auto err = check_dims(op, q, k, v, rows, &d); !err.success()) return err;
-  const Problem p = make_problem(d, q, k, v, rows, scale_log2);
+  if (auto err = check_dims(op, q, k, v, row_a, row_b, row_form, &d); !err.success()) return err;
+  const Problem p = make_problem(d, q, k, v, row_desc(row_a, row_b, row_form), scale_log2);
   if (auto err = check_grid(op, p); !err.success()) return err;
   const ForwardWorkspace w = forward_workspace(d.B, d.T, d.H, d.G, d.D, d.S, q.element_type() != ffi::F32);
   if (auto err = check_workspace(op, workspace, w.bytes); !err.success()) return err;
@@ -256,14 +256,15 @@ ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 
 ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer o, ffi::Buffer<ffi::F32> lse2, ffi::AnyBuffer dout,
-                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> dq,
-                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale_log2, float scale) {
+                            ffi::Buffer<ffi::S32> row_a, ffi::Buffer<ffi::S32> row_b,
+                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                            float scale_log2, float scale, int32_t row_form) {
   const char* op = "jaxdet_attention_bwd";
   Dims d;
-  if (auto err = check_dims(op, q, k, v, rows, &d); !err.success()) return err;
+  if (auto err = check_dims(op, q, k, v, row_a, row_b, row_form, &d); !err.success()) return err;
   if (auto err = check_backward_operands(op, q, o, dout, lse2, d); !err.success()) return err;
-  const Problem p = make_problem(d, q, k, v, rows, scale_log2);
+  const Problem p = make_problem(d, q, k, v, row_desc(row_a, row_b, row_form), scale_log2);
   if (auto err = check_grid(op, p); !err.success()) return err;
   const bool tensor_cores = q.element_type() != ffi::F32;
   const BackwardWorkspace w = backward_workspace(d.B, d.T, d.H, d.G, d.D, d.S, tensor_cores);
@@ -311,10 +312,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_fwd_cuda, attn::AttentionFwdCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<float>("scale_log2"),
+                                  .Attr<float>("scale_log2")
+                                  .Attr<int32_t>("row_form"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cuda, attn::AttentionBwdCuda,
@@ -327,12 +330,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cuda, attn::AttentionBwdCuda,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<float>("scale_log2")
-                                  .Attr<float>("scale"),
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("row_form"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

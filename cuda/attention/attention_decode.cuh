@@ -15,8 +15,9 @@
 //   tiles, whose chains do not mix columns) and runs, block after block, the loop's rescale and
 //   the k16 chain over the block's keys with A = block j's probabilities, packed by the warp that
 //   computed them exactly as groups_times_rows packs them.
-// The copies: warp w's K tile and its column slice of V for blocks 0 and 1 at once, the slices of
-// blocks 2-7 into the K tile's place as soon as its scores are in.
+// The copies: warp w's K tile and its column slices of V for blocks 0 .. kEarly - 1 at once (all
+// that shared memory holds besides the K tiles), the later slices into the K tile's place as soon
+// as its scores are in.
 // A decode step has a few tiles of up to kMaxClusterSplits splits each: their CTAs run as a cluster
 // and merge the splits after a cluster barrier, so that no CombineKernel launch follows.
 #pragma once
@@ -25,19 +26,26 @@ namespace jaxdet {
 namespace attn {
 namespace {
 
-// Rows 0 .. kBlock - 1 of the kCols columns at first_row (each row kv_stride elements after the
-// previous one) into a tile of pitch kPitch, one warp; rows from `valid_rows` on are zero-filled.
-template <class Elem, int kCols, int kPitch>
+// A V slice's rows are kCols = 16 elements (two 16-byte chunks) with no padding; chunk c of row r
+// sits at chunk c ^ ((r / 4) % 2), so that ldmatrix's eight rows of one chunk fall in distinct banks.
+template <class T>
+__device__ __forceinline__ T* slice_chunk(T* slice, int row, int chunk) {
+  return slice + row * 16 + ((chunk ^ ((row >> 2) & 1)) * 8);
+}
+
+// Rows 0 .. kBlock - 1 of the 16 columns at first_row (each row row_stride elements after the
+// previous one) into a swizzled slice (slice_chunk), one warp; rows from `valid_rows` on are
+// zero-filled.
+template <class Elem>
 __device__ __forceinline__ void load_column_slice(Elem* slice, const Elem* first_row, int64_t row_stride,
                                                   int valid_rows, const Elem* any, int lane) {
-  constexpr int kChunks = kCols / 8, kStep = 32 / kChunks;
-  static_assert(32 % kChunks == 0 && kBlock % kStep == 0, "whole rows per pass of the lanes");
-  const int i0 = lane / kChunks, col = (lane % kChunks) * 8;
+  constexpr int kStep = 16;  // two lanes per row
+  const int i0 = lane / 2, chunk = lane % 2;
 #pragma unroll
   for (int n = 0; n < kBlock / kStep; ++n) {
     const int row = i0 + n * kStep;
     const bool valid = row < valid_rows;
-    cp_async16(slice + row * kPitch + col, valid ? first_row + row * row_stride + col : any, valid);
+    cp_async16(slice_chunk(slice, row, chunk), valid ? first_row + row * row_stride + chunk * 8 : any, valid);
   }
 }
 
@@ -47,20 +55,26 @@ struct DecodeGeom {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kCols = D / kWarps;  // the output columns of a warp's P.V
   static_assert(kCols == 16, "a warp's columns are one ldmatrix.x4.trans wide (head dimension 128)");
-  static constexpr int kSlicePitch = kCols + kPad;  // conflict-free ldmatrix rows
   static constexpr size_t kKTile = size_t{kBlock} * (D + kPad) * sizeof(Elem);
-  static constexpr size_t kSlice = size_t{kBlock} * kSlicePitch * sizeof(Elem);
-  static constexpr int kEarly = 2;  // V slices copied with the K tile
-  // A warp's region: its K tile, which the later slices overwrite, then the early slices.
-  static constexpr size_t kLate = (kBlocksPerSplit - kEarly) * kSlice;
-  static constexpr size_t kEarlyAt = kKTile > kLate ? kKTile : kLate;
-  static constexpr size_t kRegion = kEarlyAt + kEarly * kSlice;
-  static_assert(kKTile % 16 == 0 && kSlice % 16 == 0 && kRegion % 16 == 0, "16-byte copies");
+  static constexpr size_t kSlice = size_t{kBlock} * kCols * sizeof(Elem);  // swizzled (slice_chunk)
+  static constexpr size_t kProbs = size_t{16} * 32 * sizeof(uint32_t);      // a block's A fragments
   static constexpr size_t kQ = size_t{16} * (D + kPad) * sizeof(Elem);
-  static constexpr size_t kProbs = size_t{kWarps} * 16 * 32 * sizeof(uint32_t);  // A fragments, per block
-  static constexpr size_t kStats = size_t{3} * kWarps * 16 * sizeof(float);       // bm, alpha, ts per block
+  static constexpr size_t kStats = size_t{3} * kWarps * 16 * sizeof(float);  // bm, alpha, ts per block
   static constexpr size_t kRowInfo = size_t{2} * 16 * sizeof(int);
-  static constexpr size_t kBytes = kWarps * kRegion + kQ + kProbs + kStats + kRowInfo;
+  // A warp's region: its K tile, then the V slices copied with it, as many as an H100's opt-in
+  // shared memory per block (227 KiB) holds. The K tile's place, free once the warp's scores are
+  // in, takes the later slices and then the block's probabilities.
+  static constexpr size_t kPerWarp = (size_t{227} * 1024 - kQ - kStats - kRowInfo) / kWarps;
+  static constexpr int kEarly = (kPerWarp - kKTile) / kSlice < kBlocksPerSplit
+                                    ? static_cast<int>((kPerWarp - kKTile) / kSlice)
+                                    : kBlocksPerSplit;
+  static constexpr size_t kLate = (kBlocksPerSplit - kEarly) * kSlice;
+  static_assert(kEarly >= 1 && kLate + kProbs <= kKTile,
+                "the later slices and probabilities fit in the K tile's place");
+  static constexpr size_t kProbsAt = kLate;
+  static constexpr size_t kRegion = kKTile + kEarly * kSlice;
+  static_assert(kKTile % 16 == 0 && kSlice % 16 == 0 && kRegion % 16 == 0, "16-byte copies");
+  static constexpr size_t kBytes = kWarps * kRegion + kQ + kStats + kRowInfo;
 };
 
 // A CTA whose accumulators saw an inf or NaN recomputes its rows as FwdKernel's careful instance
@@ -146,13 +160,14 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
   unsigned char* region = smem + warp * Geo::kRegion;
   Elem* Kw = reinterpret_cast<Elem*>(region);
   auto slice = [&](int j) {
-    return reinterpret_cast<Elem*>(j < kEarly ? region + Geo::kEarlyAt + j * Geo::kSlice
+    return reinterpret_cast<Elem*>(j < kEarly ? region + Geo::kKTile + j * Geo::kSlice
                                               : region + (j - kEarly) * Geo::kSlice);
   };
   unsigned char* shared = smem + kWarps * Geo::kRegion;
   Elem* Qs = reinterpret_cast<Elem*>(shared);
-  uint32_t* probs = reinterpret_cast<uint32_t*>(shared + Geo::kQ);  // block j: [kk * 4 + reg][lane]
-  float* block_max = reinterpret_cast<float*>(shared + Geo::kQ + Geo::kProbs);  // [block][row]
+  // Block j's probabilities, [kk * 4 + reg][lane], in warp j's K tile's place once its scores are in.
+  auto probs_of = [&](int j) { return reinterpret_cast<uint32_t*>(smem + j * Geo::kRegion + Geo::kProbsAt); };
+  float* block_max = reinterpret_cast<float*>(shared + Geo::kQ);  // [block][row]
   float* block_alpha = block_max + kWarps * 16;
   float* block_sum = block_alpha + kWarps * 16;
   PassRows rows{reinterpret_cast<int*>(block_sum + kWarps * 16), nullptr};
@@ -186,9 +201,8 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
     const Elem* v_pass = v + pass_offset;
     auto load_slice = [&](int j) {
       const int blk = blk_begin + j;
-      load_column_slice<Elem, kCols, Geo::kSlicePitch>(slice(j),
-                                                       v_pass + int64_t{blk} * (kBlock * kv_stride) + warp * kCols,
-                                                       kv_stride, plimit - blk * kBlock, v_pass, lane);
+      load_column_slice<Elem>(slice(j), v_pass + int64_t{blk} * (kBlock * kv_stride) + warp * kCols, kv_stride,
+                              plimit - blk * kBlock, v_pass, lane);
     };
     const bool has_block = warp < nb;
     const int pos0 = (blk_begin + warp) * kBlock;
@@ -230,7 +244,7 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
     if (has_block) {
       float mn[2], alpha[2], ts[2];
       block_probs<false>(m_old, bm, s[0], mn, alpha, ts);
-      uint32_t* a = probs + warp * 16 * 32 + lane;
+      uint32_t* a = probs_of(warp) + lane;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {  // groups_times_rows' A fragments
         a[(kk * 4 + 0) * 32] = MmaElem<Elem>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -268,13 +282,13 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
         }
       }
       const Elem* vj = slice(j);
-      const uint32_t* pj = probs + j * 16 * 32 + lane;
+      const uint32_t* pj = probs_of(j) + lane;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const uint32_t a[4] = {pj[(kk * 4) * 32], pj[(kk * 4 + 1) * 32], pj[(kk * 4 + 2) * 32],
                                pj[(kk * 4 + 3) * 32]};
         uint32_t bf[4];
-        ldsm_x4_trans(bf, vj + (kk * 16 + (mi & 1) * 8 + mr) * Geo::kSlicePitch + (mi >> 1) * 8);
+        ldsm_x4_trans(bf, slice_chunk(vj, kk * 16 + (mi & 1) * 8 + mr, mi >> 1));
         MmaElem<Elem>::mma(acc[0], a, bf[0], bf[1]);
         MmaElem<Elem>::mma(acc[1], a, bf[2], bf[3]);
       }
@@ -298,7 +312,7 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
         ws.ml[base] = make_float2(m_run[rr], l);
       }
     }
-    __syncwarp();  // the next pass's copies overwrite this warp's slices
+    __syncthreads();  // the next pass's copies overwrite this warp's slices and probabilities, which all read
   }
   if (__syncthreads_or(fired) && warp == 0) {
     recompute_split_carefully<Elem, D>(p, ws, smem, tile + int64_t{z} * tiles, h, b);  // FwdKernel's grid

@@ -1,9 +1,10 @@
 // Shapes and row descriptions shared by the CPU and CUDA handlers of jaxdet.attention.
 //
 // q, o, dq [B, T, H, G, D] (query head h*G + g uses KV head h); k, v, dk, dv [B, S, H, D];
-// rows int32 [B, T, 2] = (kv_start, limit): query (b, t) sees the keys at memory rows
-// kv_start .. kv_start + limit - 1 of batch element b, which are its sequence's positions
-// 0 .. limit - 1; lse2 (base-2 log-sum-exp) and delta float32 [B, H, T, G].
+// Query (b, t) sees the keys at memory rows kv_start .. kv_start + limit - 1 of batch element b,
+// which are its sequence's positions 0 .. limit - 1 (RowKeys), given by two int32 operands
+// (row_a, row_b) in one of the forms of RowForm; lse2 (base-2 log-sum-exp) and delta float32
+// [B, H, T, G].
 #pragma once
 
 #include <cstdint>
@@ -19,20 +20,57 @@ struct Dims {
   int64_t B, T, H, G, D, S;
 };
 
+// The primitives' row_form attribute (jaxdet/attention.py). The positions forms let a decode step
+// hand its q_positions and kv_lengths to the kernels as they are, with no computation before them.
+enum RowForm : int32_t {
+  kStartLimit = 0,      // row_a [B, T] = kv_start, row_b [B, T] = limit (packed segments)
+  kCausalPositions = 1,  // row_a [B, T] = q_position, row_b [B] = kv_length: kv_start 0, limit
+                         // min(clamp(q_position, -1, S - 1) + 1, clamp(kv_length, 0, S))
+  kLengths = 2,          // row_a [B, 0], row_b [B] = kv_length: kv_start 0, limit clamp(kv_length, 0, S)
+};
+
+struct RowDesc {
+  const int32_t* a;
+  const int32_t* b;
+  int32_t form;
+};
+
+inline ffi::Error check_row_desc(const char* op, const ffi::Buffer<ffi::S32>& row_a,
+                                 const ffi::Buffer<ffi::S32>& row_b, int32_t form, int64_t B, int64_t T) {
+  const auto ad = row_a.dimensions(), bd = row_b.dimensions();
+  const bool a_ok = ad.size() == 2 && ad[0] == B && ad[1] == (form == kLengths ? 0 : T);
+  const bool b_ok =
+      form == kStartLimit ? bd.size() == 2 && bd[0] == B && bd[1] == T : bd.size() == 1 && bd[0] == B;
+  if (form < kStartLimit || form > kLengths) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": row_form must be 0, 1 or 2");
+  }
+  if (!a_ok || !b_ok) {
+    static const char* const kExpected[] = {"row_a [B,T] and row_b [B,T]", "row_a [B,T] and row_b [B]",
+                                            "row_a [B,0] and row_b [B]"};
+    return ffi::Error::InvalidArgument(std::string(op) + ": expected " + kExpected[form]);
+  }
+  return ffi::Error::Success();
+}
+
+inline RowDesc row_desc(const ffi::Buffer<ffi::S32>& row_a, const ffi::Buffer<ffi::S32>& row_b, int32_t form) {
+  return RowDesc{row_a.typed_data(), row_b.typed_data(), form};
+}
+
 inline ffi::Error check_dims(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                             const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& rows, Dims* dims) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), rd = rows.dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || rd.size() != 3) {
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": expected q [B,T,H,G,D], k and v [B,S,H,D], rows [B,T,2]");
+                             const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& row_a,
+                             const ffi::Buffer<ffi::S32>& row_b, int32_t form, Dims* dims) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": expected q [B,T,H,G,D], k and v [B,S,H,D]");
   }
   Dims d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
   for (int i = 0; i < 4; ++i) {
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument(std::string(op) + ": k and v shapes differ");
   }
-  if (kd[0] != d.B || kd[2] != d.H || kd[3] != d.D || rd[0] != d.B || rd[1] != d.T || rd[2] != 2) {
+  if (kd[0] != d.B || kd[2] != d.H || kd[3] != d.D) {
     return ffi::Error::InvalidArgument(std::string(op) + ": inconsistent shapes");
   }
+  if (auto err = check_row_desc(op, row_a, row_b, form, d.B, d.T); !err.success()) return err;
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type()) {
     return ffi::Error::InvalidArgument(std::string(op) + ": q, k and v must have the same dtype");
   }
@@ -60,13 +98,17 @@ struct RowKeys {
   int64_t start, limit;
 };
 
-JAXDET_HD RowKeys row_keys(const int32_t* rows, int64_t T, int64_t S, int64_t b, int64_t t) {
-  const int32_t* r = rows + (b * T + t) * 2;
-  int64_t start = r[0] < 0 ? 0 : r[0];
-  start = start > S ? S : start;
-  int64_t limit = r[1] < 0 ? 0 : r[1];
-  limit = limit > S - start ? S - start : limit;
-  return RowKeys{start, limit};
+JAXDET_HD int64_t clamp_i64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+JAXDET_HD RowKeys row_keys(const RowDesc& rows, int64_t T, int64_t S, int64_t b, int64_t t) {
+  if (rows.form == kStartLimit) {
+    const int64_t start = clamp_i64(rows.a[b * T + t], 0, S);
+    return RowKeys{start, clamp_i64(rows.b[b * T + t], 0, S - start)};
+  }
+  const int64_t length = clamp_i64(rows.b[b], 0, S);
+  if (rows.form == kLengths) return RowKeys{0, length};
+  const int64_t seen = clamp_i64(rows.a[b * T + t], -1, S - 1) + 1;
+  return RowKeys{0, seen < length ? seen : length};
 }
 
 }  // namespace attn
