@@ -845,8 +845,9 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
         factors[e] = make_float2(rs.old_scale, rs.in_scale);
       }
       __syncthreads();
-      // The loads of kBatch splits are issued before their merges (one L2 round trip per batch).
-      constexpr int kBatch = 16;
+      // The loads of kBatch splits are issued before their merges (one L2 round trip per batch:
+      // 32768 positions are 64 splits).
+      constexpr int kBatch = 64;
       for (int j0 = 0; j0 < n; j0 += kBatch) {
         float part[kBatch];
 #pragma unroll
