@@ -218,6 +218,26 @@ def test_attention_sharded_jit_runs_per_shard():
         args = [put(q, m, spec), put(k, m, kv_spec), put(v, m, kv_spec)]
         assert_bitwise(jax.jit(attend)(*args), want, f"{spec}")
         assert collectives(attend, *args) == {}, (spec, collectives(attend, *args))
+    # Each form of the rows' description (jaxdet/attention.py): positions and lengths split with
+    # the batch (and positions with the query rows), segment starts and limits likewise. (Segment
+    # starts are a running maximum along the query rows: split rows need collectives to find
+    # them, before the attention.)
+    kv_lengths = jnp.arange(8, dtype=jnp.int32) * 7 - 3
+    q_positions = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32)[::-1], (8, 48))
+    segment_ids = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32) // 13, (8, 48))
+    forms = {
+        "lengths": lambda q, k, v, p, n, s: jaxdet.attention(q, k, v, causal=False, kv_lengths=n),
+        "positions": lambda q, k, v, p, n, s: jaxdet.attention(q, k, v, q_positions=p, kv_lengths=n),
+        "segments": lambda q, k, v, p, n, s: jaxdet.attention(q, k, v, segment_ids=s),
+    }
+    for name, form in forms.items():
+        expected = form(q, k, v, q_positions, kv_lengths, segment_ids)
+        for spec, kv_spec, row_spec in ((P("data"), P("data"), P("data")), (P(None, "data"), P(), P(None, "data"))):
+            args = [put(x, m, sp) for x, sp in ((q, spec), (k, kv_spec), (v, kv_spec))]
+            args += [put(q_positions, m, row_spec), put(kv_lengths, m, P(*row_spec[:1])), put(segment_ids, m, row_spec)]
+            assert_bitwise(jax.jit(form)(*args), expected, f"{name} {spec}")
+            if name != "segments" or spec == P("data"):
+                assert collectives(form, *args) == {}, (name, spec, collectives(form, *args))
     # The gradient under sharded jit, batch split.
     grads = jax.grad(_attention_loss(w), argnums=(0, 1, 2))
     args = [put(x, m, P("data")) for x in (q, k, v)]
