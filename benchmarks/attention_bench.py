@@ -266,6 +266,10 @@ def sanitize():
                     kv_lengths=jnp.asarray([1001, 1100]),
                 )
             )
+            # a decode step past 64 splits: CombineKernel's rounds (D splits) and loads (64 at a time)
+            kl, vl = rand(8, (1, 34000, 1, D), dtype), rand(9, (1, 34000, 1, D), dtype)
+            pos = jnp.asarray([[33000]])
+            jax.block_until_ready(jaxdet.attention(q[:1, :1, :1], kl, vl, q_positions=pos, kv_lengths=pos[0] + 1))
             # packed sequences past one split in split mode: a CTA's rows in several passes
             q6, k6, v6 = rand(5, (1, 600, 1, D), dtype), rand(6, (1, 600, 1, D), dtype), rand(7, (1, 600, 1, D), dtype)
             seg6 = jnp.asarray(np.repeat([0, 1, 2], [150, 449, 1])[None])
@@ -283,6 +287,7 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the training table")
     parser.add_argument("--profile", action="store_true", help="the first training shape's forward, 3 calls (ncu)")
     parser.add_argument("--trace-decode", action="store_true", help="profile the decode shapes' calls and exit")
+    parser.add_argument("--profile-decode", action="store_true", help="batch-1 decode steps at 4096 and 32768, 3 calls each (ncu)")
     args = parser.parse_args()
     if args.trace_decode:
         on_gpu = jax.devices()[0].platform == "gpu"
@@ -302,6 +307,12 @@ def main() -> None:
         forward = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
         for _ in range(3):
             jax.block_until_ready(forward(q, k, v))
+        return
+    if args.profile_decode:
+        for S in (4096, 32768):
+            step_args = decode_inputs(1, S, 32, 8, args.head_dim, jnp.bfloat16)
+            for _ in range(3):
+                jax.block_until_ready(decode_step(*step_args))
         return
     dev = jax.devices()[0]
     on_gpu = dev.platform == "gpu"

@@ -292,6 +292,27 @@ def test_decode_past_many_splits_equals_full(device):
             assert_bitwise(out, full[:, t : t + 1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_decode_past_a_combine_round_equals_the_prefill_rows(D):
+    # CombineKernel merges a row's splits in rounds of D splits, whose partial outputs it loads 64
+    # at a time: 67 splits are two rounds at D = 64 and two loads at D = 128. Decode steps there
+    # (split mode) give the rows of a prefill chunk of 2112 queries (final mode: one CTA merges a
+    # row's splits as it goes) bitwise, with 64, 65 and 67 splits.
+    S, T = 67 * KV_SPLIT - 100, 2112
+    first = S - T
+    q, k, v = _qkv(1, T, S, 8, 1, D, jnp.bfloat16, seed=31)
+    with jax.default_device(_device("gpu")):
+        positions = jnp.arange(first, S, dtype=jnp.int32)[None]
+        chunk = jaxdet.attention(q, k, v, q_positions=positions, kv_lengths=jnp.asarray([S]))
+        for t in (64 * KV_SPLIT - 1, 64 * KV_SPLIT, S - 1):
+            i, pos, n = t - first, jnp.full((1, 1), t, jnp.int32), jnp.asarray([t + 1])
+            step = jaxdet.attention(q[:, i : i + 1], k, v, q_positions=pos, kv_lengths=n)
+            assert_bitwise(step, chunk[:, i : i + 1], f"position {t}")
+    want = reference(q[:, -1:], k, v, q_positions=jnp.full((1, 1), S - 1), kv_lengths=jnp.asarray([S]))
+    assert _relerr(chunk[:, -1:], want) < TOLERANCE[jnp.bfloat16]
+
+
 # ---- Transformations. ----
 
 

@@ -205,6 +205,31 @@ def test_attention_in_shard_map_keeps_the_unsharded_bits():
 
 
 @on_devices
+def test_attention_in_shard_map_every_row_form():
+    # The lengths form (not causal; a negative length is none) and packed segments, split with the
+    # batch inside jax.shard_map: the forward and jax.grad keep the unsharded bits.
+    q, k, v, w = _attention_inputs()
+    m = mesh()
+    kv_lengths = jnp.arange(8, dtype=jnp.int32) * 7 - 3
+    segment_ids = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32) // 13, (8, 48))
+    forms = {
+        "lengths": (lambda q, k, v, rows: jaxdet.attention(q, k, v, causal=False, kv_lengths=rows), kv_lengths),
+        "segments": (lambda q, k, v, rows: jaxdet.attention(q, k, v, segment_ids=rows), segment_ids),
+    }
+    for name, (form, rows) in forms.items():
+
+        def loss(q, k, v, rows, w, form=form):
+            return jnp.sum(form(q, k, v, rows).astype(jnp.float32) * w)
+
+        grads = jax.grad(loss, argnums=(0, 1, 2))
+        out = jax.shard_map(form, mesh=m, in_specs=P("data"), out_specs=P("data"))(q, k, v, rows)
+        assert_bitwise(out, form(q, k, v, rows), name)
+        got = jax.shard_map(grads, mesh=m, in_specs=P("data"), out_specs=P("data"))(q, k, v, rows, w)
+        for a, e, g in zip(got, grads(q, k, v, rows, w), ("dq", "dk", "dv")):
+            assert_bitwise(a, e, f"{name} {g}")
+
+
+@on_devices
 def test_attention_sharded_jit_runs_per_shard():
     q, k, v, w = _attention_inputs()
     m = mesh()

@@ -13,7 +13,8 @@
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
 #   to diff between two builds: benchmarks/gemm_schedule_bits.py), attention-bits (the same for
 #   attention: benchmarks/attention_schedule_bits.py), ncu-attention (Nsight Compute sections of the
-#   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), mma-latency (clocks per dependent k16 step
+#   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), ncu-decode (the same for
+#   batch-1 decode steps' kernels), mma-latency (clocks per dependent k16 step
 #   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), mma-zero-step (a k16 step of zero
 #   products on every kind of float32 accumulator: benchmarks/mma_zero_step.cu), narrow-stages (the
 #   forward's 16x32 GEMM tile by pipeline depth: benchmarks/gemm_narrow_stages.cu), decode-read (a
@@ -159,6 +160,18 @@ if asked ncu-attention; then
     python3 benchmarks/attention_bench.py --profile ${NCU_ATTENTION_ARGS:-} > "$LOGS/ncu_attention.txt" 2>&1
   grep -E "FwdKernel|Duration|Throughput|Registers Per|Occupancy|Issued Warp|No Eligible|Stall|Ipc|Pipe|Shared" \
     "$LOGS/ncu_attention.txt" | head -60
+fi
+if asked ncu-decode; then
+  # batch-1 decode steps (4096 and 32768 positions), the KV cache left in L2 between replays as a
+  # generation loop leaves it (no preallocation: each replay saves and restores the allocated memory)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 ncu --clock-control none --cache-control none \
+    --kernel-name regex:'DecodeSplitKernel|CombineKernel|FwdKernel' --launch-skip 0 --launch-count 12 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section SchedulerStats --section WarpStateStats \
+    --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+    python3 benchmarks/attention_bench.py --profile-decode > "$LOGS/ncu_decode.txt" 2>&1
+  grep -E "Kernel|Duration|Throughput|Registers Per|Occupancy|Issued Warp|No Eligible|Stall|stalled|Grid Size|Cluster|Active Cycles|Elapsed Cycles" \
+    "$LOGS/ncu_decode.txt" | head -150
 fi
 if has clip && [ -f benchmarks/clip_bench.py ]; then
   sanitize clip 'PartialKernel|FinalizeKernel|ApplyKernel' memcheck python3 benchmarks/clip_bench.py --sanitize

@@ -65,9 +65,7 @@ struct DecodeGeom {
   // shared memory per block (227 KiB) holds. The K tile's place, free once the warp's scores are
   // in, takes the later slices and then the block's probabilities.
   static constexpr size_t kPerWarp = (size_t{227} * 1024 - kQ - kStats - kRowInfo) / kWarps;
-  static constexpr int kEarly = (kPerWarp - kKTile) / kSlice < kBlocksPerSplit
-                                    ? static_cast<int>((kPerWarp - kKTile) / kSlice)
-                                    : kBlocksPerSplit;
+  static constexpr int kEarly = static_cast<int>(std::min<size_t>((kPerWarp - kKTile) / kSlice, kBlocksPerSplit));
   static constexpr size_t kLate = (kBlocksPerSplit - kEarly) * kSlice;
   static_assert(kEarly >= 1 && kLate + kProbs <= kKTile,
                 "the later slices and probabilities fit in the K tile's place");

@@ -807,59 +807,92 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   fwd_cta<Core, kWarps, kCareful>(p, o, lse2, ws, fired_flag, smem, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
+// The running maximum before each of the block's values x (thread i's, in thread order) after
+// `carry`, and in *total the running maximum after all of them: the left fold of max_nan, by a
+// scan. max_nan is associative (its result is the last NaN if there is one, else the first of the
+// largest values) with -inf as its identity, so every grouping gives the walk's bits; an empty
+// split (m = -inf), which the walk skips, changes nothing either. Every thread gets *total.
+__device__ __forceinline__ float exclusive_max_nan(float x, float carry, float* warp_total, float* total) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  float incl = x;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const float left = __shfl_up_sync(kFullMask, incl, off);
+    if (lane >= off) incl = max_nan(left, incl);
+  }
+  const float left_in_warp = __shfl_up_sync(kFullMask, incl, 1);
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  float before = carry, all = carry;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / 32; ++w) {
+    if (w == warp) before = all;
+    all = max_nan(all, warp_total[w]);
+  }
+  *total = all;
+  return lane == 0 ? before : max_nan(before, left_in_warp);
+}
+
 // Split mode's second step: a CTA per row, a thread per output column (blockDim.x == D), merges
 // the row's splits 0 .. ceil(limit / kSplit) - 1 in ascending order with the functions and the
 // order of the final mode's in-kernel merge. A split's two factors (the rescale of the running
-// maximum before it against its own maximum) depend on the row's (m, l) values only: the running
-// maxima are walked once per row by one thread, the factors of a chunk of splits computed side by
-// side, and each column then runs only its chain of merge_term over the splits. Every value gets
-// the operations it gets when one thread walks the splits one after the other: the same bits.
+// maximum before it against its own maximum) depend on the row's (m, l) values only: a scan gives
+// every split its running maximum (exclusive_max_nan), the factors of a chunk of splits are
+// computed side by side, and each column then runs only its chain of merge_term over the splits.
+// Every value gets the operations it gets when one thread walks the splits one after the other:
+// the same bits. The first chunk's loads do not wait for the row's limit (a split past it is
+// loaded and left out: the workspace holds nsplit splits per row).
 template <typename Storage>
 __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, void* o, float* lse2) {
   constexpr int kMaxChunk = 256;  // splits per round: blockDim.x (the head dimension)
-  __shared__ float2 ml[kMaxChunk];      // each split's (m, l)
-  __shared__ float m_before[kMaxChunk];  // the running maximum before each split
-  __shared__ float2 factors[kMaxChunk];  // rescale(m_before, m): (old_scale, in_scale)
+  constexpr int kBatch = 64;      // partial outputs loaded before their merges (32768 positions: 64 splits)
+  __shared__ float2 ml[kMaxChunk];       // each split's (m, l); (-inf, 0) past the row's splits
+  __shared__ float2 factors[kMaxChunk];  // rescale(running maximum before, m): (old_scale, in_scale)
+  __shared__ float warp_total[kMaxChunk / 32];
   const int e = threadIdx.x, chunk = blockDim.x;
   const int64_t rows = p.B * p.H * p.R;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t r = row % p.R, bh = row / p.R;
     const int64_t h = bh % p.H, b = bh / p.H;
+    const int64_t first = (b * p.H + h) * ws.nsplit * p.R + r;  // split z at first + z * R
+    auto load_parts = [&](float(&part)[kBatch], int64_t z, int64_t count) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (j < count) part[j] = ws.acc[(first + (z + j) * p.R) * p.D + e];
+      }
+    };
+    float part[kBatch];
+    const int64_t stored = min(int64_t{chunk}, ws.nsplit);
+    load_parts(part, 0, min(int64_t{kBatch}, stored));
+    float2 mine = e < stored ? ws.ml[first + e * p.R] : make_float2(dm::neg_inf(), 0.0f);
     const int64_t limit = row_keys(p.rows, p.T, p.S, b, row_time(p, r)).limit;
     const int64_t splits = (limit + kSplit - 1) / kSplit;
-    const int64_t first = (b * p.H + h) * ws.nsplit * p.R + r;  // split z at first + z * R
-    float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;  // m_tot: thread 0's
+    float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;  // m_tot: the same in every thread
     for (int64_t z0 = 0; z0 < splits; z0 += chunk) {
       const int n = static_cast<int>(min(int64_t{chunk}, splits - z0));
-      if (e < n) ml[e] = ws.ml[first + (z0 + e) * p.R];
-      __syncthreads();
-      if (e == 0) {
-        for (int j = 0; j < n; ++j) {
-          m_before[j] = m_tot;
-          if (!split_is_empty(ml[j].x)) m_tot = max_nan(m_tot, ml[j].x);  // rescale's m_new
-        }
+      if (z0 > 0) {
+        load_parts(part, z0, min(kBatch, n));
+        if (e < n) mine = ws.ml[first + (z0 + e) * p.R];
       }
-      __syncthreads();
-      if (e < n && !split_is_empty(ml[e].x)) {
-        const Rescale rs = rescale<FastMath>(m_before[e], ml[e].x);
+      if (e >= n) mine = make_float2(dm::neg_inf(), 0.0f);
+      ml[e] = mine;
+      float after;
+      const float m_before = exclusive_max_nan(mine.x, m_tot, warp_total, &after);
+      if (!split_is_empty(mine.x)) {
+        const Rescale rs = rescale<FastMath>(m_before, mine.x);
         factors[e] = make_float2(rs.old_scale, rs.in_scale);
       }
+      m_tot = after;
       __syncthreads();
-      // The loads of kBatch splits are issued before their merges (one L2 round trip per batch:
-      // 32768 positions are 64 splits).
-      constexpr int kBatch = 64;
       for (int j0 = 0; j0 < n; j0 += kBatch) {
-        float part[kBatch];
+        if (j0 > 0) load_parts(part, z0 + j0, min(kBatch, n - j0));
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
-          if (j0 + j < n) part[j] = ws.acc[(first + (z0 + j0 + j) * p.R) * p.D + e];
-        }
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          if (j0 + j >= n || split_is_empty(ml[j0 + j].x)) continue;
-          const float2 f = factors[j0 + j];
-          l_tot = merge_term(l_tot, f.x, ml[j0 + j].y, f.y);
-          acc = merge_term(acc, f.x, part[j], f.y);
+          if (j0 + j >= n) break;
+          const float2 s = ml[j0 + j], f = factors[j0 + j];
+          const bool empty = split_is_empty(s.x);  // its factors were not written
+          const float l_new = merge_term(l_tot, f.x, s.y, f.y), acc_new = merge_term(acc, f.x, part[j], f.y);
+          l_tot = empty ? l_tot : l_new;
+          acc = empty ? acc : acc_new;
         }
       }
       __syncthreads();  // the next chunk overwrites the shared values
