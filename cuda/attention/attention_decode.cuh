@@ -125,12 +125,16 @@ __device__ __forceinline__ void merge_splits_in_cluster(const Problem& p, const 
     const int64_t first = (b * p.H + h) * ws.nsplit * p.R + r;  // split j at first + j * R
     float2 ml[kMaxClusterSplits];
     float part[kMaxClusterSplits];
+    const float2* ml_src = ws.ml + first;
+    const float* part_src = ws.acc + first * D + e;
 #pragma unroll
     for (int j = 0; j < kMaxClusterSplits; ++j) {
       if (j < splits) {
-        ml[j] = __ldcg(ws.ml + first + j * p.R);
-        part[j] = __ldcg(ws.acc + (first + j * p.R) * D + e);
+        ml[j] = __ldcg(ml_src);
+        part[j] = __ldcg(part_src);
       }
+      ml_src += p.R;
+      part_src += p.R * D;
     }
     float m_tot = dm::neg_inf(), l_tot = 0.0f, acc = 0.0f;
 #pragma unroll
