@@ -287,7 +287,9 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the training table")
     parser.add_argument("--profile", action="store_true", help="the first training shape's forward, 3 calls (ncu)")
     parser.add_argument("--trace-decode", action="store_true", help="profile the decode shapes' calls and exit")
-    parser.add_argument("--profile-decode", action="store_true", help="batch-1 decode steps at 4096 and 32768, 3 calls each (ncu)")
+    parser.add_argument(
+        "--profile-decode", action="store_true", help="batch-1 decode steps at 4096 and 32768, 3 calls each (ncu)"
+    )
     args = parser.parse_args()
     if args.trace_decode:
         on_gpu = jax.devices()[0].platform == "gpu"
