@@ -154,6 +154,15 @@ def _attention_inputs():
     return q, k, v, w
 
 
+def _attention_rows():
+    """q_positions (reversed), kv_lengths (the first negative: no keys) and segment_ids for
+    _attention_inputs' batch of 8 sequences of 48 positions."""
+    q_positions = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32)[::-1], (8, 48))
+    kv_lengths = jnp.arange(8, dtype=jnp.int32) * 7 - 3
+    segment_ids = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32) // 13, (8, 48))
+    return q_positions, kv_lengths, segment_ids
+
+
 def _attention_loss(w):
     return lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) * w)
 
@@ -210,8 +219,7 @@ def test_attention_in_shard_map_every_row_form():
     # batch inside jax.shard_map: the forward and jax.grad keep the unsharded bits.
     q, k, v, w = _attention_inputs()
     m = mesh()
-    kv_lengths = jnp.arange(8, dtype=jnp.int32) * 7 - 3
-    segment_ids = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32) // 13, (8, 48))
+    _, kv_lengths, segment_ids = _attention_rows()
     forms = {
         "lengths": (lambda q, k, v, rows: jaxdet.attention(q, k, v, causal=False, kv_lengths=rows), kv_lengths),
         "segments": (lambda q, k, v, rows: jaxdet.attention(q, k, v, segment_ids=rows), segment_ids),
@@ -247,9 +255,7 @@ def test_attention_sharded_jit_runs_per_shard():
     # the batch (and positions with the query rows), segment starts and limits likewise. (Segment
     # starts are a running maximum along the query rows: split rows need collectives to find
     # them, before the attention.)
-    kv_lengths = jnp.arange(8, dtype=jnp.int32) * 7 - 3
-    q_positions = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32)[::-1], (8, 48))
-    segment_ids = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32) // 13, (8, 48))
+    q_positions, kv_lengths, segment_ids = _attention_rows()
     forms = {
         "lengths": lambda q, k, v, p, n, s: jaxdet.attention(q, k, v, causal=False, kv_lengths=n),
         "positions": lambda q, k, v, p, n, s: jaxdet.attention(q, k, v, q_positions=p, kv_lengths=n),
