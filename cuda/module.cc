@@ -114,6 +114,14 @@ NB_MODULE(_native, m) {
       nb::arg("tensor_cores"),
       "Bytes of device memory the CUDA attention kernels work in for q [B, T, H, G, D] and k, v [B, S, H, D] "
       "(tensor_cores: bfloat16 or float16): the size of the custom call's workspace result.");
+  m.def(
+      "attention_forward_splits",
+      [](int64_t B, int64_t T, int64_t H, int64_t G, int64_t D, int64_t S, bool tensor_cores) -> int64_t {
+        return jaxdet::attn::forward_workspace(B, T, H, G, D, S, tensor_cores).nsplit;
+      },
+      nb::arg("B"), nb::arg("T"), nb::arg("H"), nb::arg("G"), nb::arg("D"), nb::arg("S"), nb::arg("tensor_cores"),
+      "The splits per row the CUDA attention forward runs for q [B, T, H, G, D] and k, v [B, S, H, D] in split "
+      "mode, or 0 where it runs in final mode (the choice depends on the shapes only).");
 #if defined(JAXDET_WITH_CUDA)
   m.def("gemm_cuda_tile", &jaxdet::gemm_cuda_tile, nb::arg("dtype"), nb::arg("transpose_a"),
         nb::arg("transpose_b"), nb::arg("out_f32"), nb::arg("m"), nb::arg("n"), nb::arg("l") = 1,

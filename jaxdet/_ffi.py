@@ -327,6 +327,7 @@ def define_primitive(
     operand_output_aliases=None,
     partitioning: Partitioning | None = None,
     cuda_workspace: Callable | None = None,
+    cuda_operand_output_aliases: Callable | None = None,
 ):
     """A primitive named `target` that lowers to the FFI target of that name on cpu and cuda.
 
@@ -337,6 +338,8 @@ def define_primitive(
     cannot run inside XLA's command buffers.)
     `operand_output_aliases` is a dict {operand: result}, or a function of the operand count
     returning one (for variadic primitives such as clipping, whose aliases follow its leaves).
+    `cuda_operand_output_aliases(operand_avals, **params)`, when given, is the CUDA lowering's
+    dict (or None) instead: aliases that only the CUDA kernels chosen for those shapes allow.
     With `partitioning`, the FFI call is a second primitive, ``prim.shard`` (named
     ``target + "_shard"``), that `partitioning.local` binds on each device's shards; its
     parameters are the FFI attributes' and may differ from the outer primitive's.
@@ -344,17 +347,26 @@ def define_primitive(
     prim = _new_primitive(target, abstract_eval, multiple_results, partitioning)
     ffi_prim = prim if partitioning is None else _new_primitive(target + "_shard", abstract_eval, multiple_results)
 
-    def lowering(ctx, *args, **params):
-        aliases = operand_output_aliases(len(args)) if callable(operand_output_aliases) else operand_output_aliases
+    def lower(ctx, args, params, aliases):
         rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases) if aliases else jax.ffi.ffi_lowering(target)
         return rule(ctx, *args, **attributes(**params))
 
+    def default_aliases(n):
+        return operand_output_aliases(n) if callable(operand_output_aliases) else operand_output_aliases
+
+    def lowering(ctx, *args, **params):
+        return lower(ctx, args, params, default_aliases(len(args)))
+
     def cuda_lowering(ctx, *args, **params):
+        if cuda_operand_output_aliases is None:
+            aliases = default_aliases(len(args))
+        else:
+            aliases = cuda_operand_output_aliases(ctx.avals_in, **params)
         if cuda_workspace is None:
-            return lowering(ctx, *args, **params)
+            return lower(ctx, args, params, aliases)
         size = max(int(cuda_workspace(ctx.avals_in, **params)), 1)
         workspace = jax.core.ShapedArray((size,), jnp.uint8)
-        return lowering(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args, **params)[:-1]
+        return lower(ctx.replace(avals_out=[*ctx.avals_out, workspace]), args, params, aliases)[:-1]
 
     mlir.register_lowering(ffi_prim, lowering, platform="cpu")
     if target in CUDA_TARGETS:

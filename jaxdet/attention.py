@@ -130,6 +130,20 @@ def _workspace(pass_):
     return size
 
 
+def _split_mode(q, k):
+    B, T, H, G, D = q.shape
+    return _native.attention_forward_splits(B, T, H, G, D, k.shape[1], q.dtype != jnp.float32) > 0
+
+
+def _fwd_cuda_aliases(avals, **params):
+    """The output in q's buffer where the CUDA forward runs in split mode, which writes the output
+    only after every read of q (by CombineKernel, or by a cluster's CTAs after their barrier): a
+    decode step whose query is not needed after it (a generation loop's carry, a projection's
+    result) then needs no buffer or copy for its output. XLA copies q first where it is still
+    needed (a jitted call's undonated argument, the residual the backward keeps)."""
+    return {0: 0} if _split_mode(avals[0], avals[1]) else None
+
+
 fwd_p = _ffi.define_primitive(
     "jaxdet_attention_fwd",
     _fwd_abstract_eval,
@@ -138,6 +152,7 @@ fwd_p = _ffi.define_primitive(
     multiple_results=True,
     partitioning=_ffi.Partitioning(_fwd_factors, replicated=frozenset({"s", "d", "e"})),
     cuda_workspace=_workspace("fwd"),
+    cuda_operand_output_aliases=_fwd_cuda_aliases,
 )
 
 bwd_p = _ffi.define_primitive(

@@ -677,6 +677,37 @@ def test_handlers_run_in_command_buffers():
     command_buffers.check_in_command_buffers(decode_steps, (q1, kc, vc), ("jaxdet_attention_fwd",))
 
 
+@pytest.mark.gpu
+def test_split_mode_writes_its_output_over_the_query():
+    # In split mode the CUDA forward's output takes q's buffer (every read of q comes before the
+    # output's first write), in final mode it does not. A query still needed after the call is
+    # copied by XLA first, so its caller sees it unchanged; a jitted loop carrying each step's
+    # output as the next step's query (no copy between steps) gives the bits of the steps called
+    # one by one.
+    gpu = jax.devices("gpu")[0]
+    q, kc, vc = (jax.device_put(x, gpu) for x in _qkv(1, 1, 4096, 32, 8, 128, jnp.bfloat16, seed=41))
+    pos, n = jax.device_put(jnp.full((1, 1), 4095, jnp.int32), gpu), jax.device_put(jnp.asarray([4096]), gpu)
+
+    def step(q, kc, vc):
+        return jaxdet.attention(q, kc, vc, q_positions=pos, kv_lengths=n)
+
+    def aliased(fn, *args):
+        return "output_operand_alias" in jax.jit(fn).lower(*args).as_text()
+
+    assert aliased(step, q, kc, vc)
+    assert not aliased(jaxdet.attention, *(jax.device_put(x, gpu) for x in _qkv(1, 256, 256, 32, 8, 128, jnp.bfloat16)))
+    q_before = np.asarray(q)
+    out, q_after = jax.jit(lambda q, kc, vc: (step(q, kc, vc), q))(q, kc, vc)
+    assert_bitwise(q_after, q_before)
+    assert_bitwise(out, step(q, kc, vc))
+    want = q
+    for _ in range(3):
+        want = step(want, kc, vc)
+    loop = jax.jit(lambda q, kc, vc: lax.fori_loop(0, 3, lambda i, x: step(x, kc, vc), q))
+    assert_bitwise(loop(q, kc, vc), want)
+    assert_bitwise(q, q_before)
+
+
 # ---- The two tensor-core forward cores (GPU). ----
 
 

@@ -185,6 +185,18 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
 
   load_query_tile<Elem, D, kThreads, 16>(Qs, static_cast<const Elem*>(p.q), p, b, h, r0);
   cp_async_commit();
+  // The K tile of a pass whose keys start at memory row 0 (every pass of the positions forms),
+  // copied before the rows' descriptions arrive: its rows past the pass's limit (up to the
+  // cache's capacity, zero-filled beyond) only reach scores that block_scores_max replaces by
+  // -inf, so the tile gives the bits of one copied after them.
+  const int first_pos0 = (z * kBlocksPerSplit + warp) * kBlock;
+  bool k_in_flight = first_pos0 < p.S;  // the early tile, until a pass takes or drops it
+  if (k_in_flight) {
+    const Elem* k_first = k + kv_index(p, b, h, 0);
+    load_rows_tile<Elem, D, 32>(Kw, k_first + int64_t{first_pos0} * kv_stride, kv_stride,
+                                static_cast<int>(p.S - first_pos0), k_first, lane);
+  }
+  cp_async_commit();
   load_row_info<16, kThreads>(p, b, r0, rows);
   __syncthreads();  // the row descriptions
 
@@ -208,7 +220,10 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
     };
     const bool has_block = warp < nb;
     const int pos0 = (blk_begin + warp) * kBlock;
-    if (has_block)
+    const bool k_early = k_in_flight && cur == 0;
+    if (k_in_flight && !k_early) cp_async_wait<0>();  // the early tile lands before its place is reused
+    k_in_flight = false;
+    if (has_block && !k_early)
       load_rows_tile<Elem, D, 32>(Kw, k_pass + int64_t{pos0} * kv_stride, kv_stride, plimit - pos0, k_pass, lane);
     cp_async_commit();
     for (int j = 0; j < kEarly && j < nb; ++j) load_slice(j);
@@ -316,6 +331,7 @@ __global__ void __launch_bounds__(DecodeGeom<Elem, D>::kThreads, 1)
     }
     __syncthreads();  // the next pass's copies overwrite this warp's slices and probabilities, which all read
   }
+  cp_async_wait<0>();  // an early tile no pass took
   if (__syncthreads_or(fired) && warp == 0) {
     recompute_split_carefully<Elem, D>(p, ws, smem, tile + int64_t{z} * tiles, h, b);  // FwdKernel's grid
   }

@@ -850,11 +850,11 @@ __global__ void __launch_bounds__(256) CombineKernel(Problem p, SplitOut ws, voi
   __shared__ float warp_total[kMaxChunk / 32];
   const int e = threadIdx.x, chunk = blockDim.x;
   const int64_t rows = p.B * p.H * p.R;
+  const int64_t split_stride = p.R * p.D;  // from a split's partial output row to the next split's
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t r = row % p.R, bh = row / p.R;
     const int64_t h = bh % p.H, b = bh / p.H;
     const int64_t first = (b * p.H + h) * ws.nsplit * p.R + r;  // split z at first + z * R
-    const int64_t split_stride = p.R * p.D;  // from a split's partial output row to the next split's
     auto load_parts = [&](float (&part)[kBatch], int64_t z, int64_t count) {
       const float* src = ws.acc + (first + z * p.R) * p.D + e;  // one multiply per batch, not per load
 #pragma unroll
