@@ -61,7 +61,9 @@ def try_time(fn, *args, **kw):
 
 
 def fmt(x):
-    return f"{x * 1e3:.3f}" if isinstance(x, float) else x
+    if not isinstance(x, float):
+        return x
+    return f"{x * 1e3:.4f}" if x < 1e-4 else f"{x * 1e3:.3f}"  # below 0.1 ms: to 0.1 us
 
 
 def ratio(base, mine):
@@ -285,6 +287,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="the training and decode shapes' head dimension")
     parser.add_argument("--training-only", action="store_true", help="skip the decode table")
     parser.add_argument("--decode-only", action="store_true", help="skip the training table")
+    parser.add_argument(
+        "--decode-batches", type=int, nargs="+", default=[1, 16, 64], help="the decode table's batch sizes"
+    )
     parser.add_argument("--profile", action="store_true", help="the first training shape's forward, 3 calls (ncu)")
     parser.add_argument("--trace-decode", action="store_true", help="profile the decode shapes' calls and exit")
     parser.add_argument(
@@ -328,7 +333,8 @@ def main() -> None:
     if not args.decode_only:
         training([(8, 2048, 32, 8, D), (8, 8192, 32, 8, D)], jnp.bfloat16, on_gpu, args.reps)
     if not args.training_only:
-        decode([(b, s, 32, 8, D) for b in (1, 16, 64) for s in (4096, 32768)], jnp.bfloat16, on_gpu, args.reps, peak)
+        shapes = [(b, s, 32, 8, D) for b in args.decode_batches for s in (4096, 32768)]
+        decode(shapes, jnp.bfloat16, on_gpu, args.reps, peak)
 
 
 if __name__ == "__main__":
