@@ -213,11 +213,12 @@ def trace_decode(shapes, dtype, on_gpu, calls=5):
         q, kc, vc, pos, lens = decode_inputs(B, S, N, K, D, dtype)
         runs = [("jaxdet", decode_step, (q, kc, vc, pos, lens))]
         runs += [(impl, jax.jit(reference(impl)), (q, kc, vc, lens)) for impl in implementations(on_gpu)]
-        runs += [(f"jaxdet, {LOOP_STEPS} steps in a loop", in_a_loop(jaxdet_step), (q, kc, vc, pos, lens))]
-        runs += [
-            (f"{impl}, {LOOP_STEPS} steps in a loop", in_a_loop(reference(impl)), (q, kc, vc, lens))
-            for impl in implementations(on_gpu)
-        ]
+        for graphs, how in ((False, "in a loop"), (True, "in a loop as graphs")):
+            runs += [(f"jaxdet, {LOOP_STEPS} steps {how}", in_a_loop(jaxdet_step, graphs), (q, kc, vc, pos, lens))]
+            runs += [
+                (f"{impl}, {LOOP_STEPS} steps {how}", in_a_loop(reference(impl), graphs), (q, kc, vc, lens))
+                for impl in implementations(on_gpu)
+            ]
         for name, fn, fargs in runs:
 
             def repeated(*a, fn=fn):
@@ -299,6 +300,7 @@ def main() -> None:
     if args.trace_decode:
         on_gpu = jax.devices()[0].platform == "gpu"
         shapes = [(b, s, 32, 8, args.head_dim) for b, s in ((1, 4096), (1, 32768), (16, 32768))]
+        shapes = [shape for shape in shapes if shape[0] in args.decode_batches]
         trace_decode(shapes if on_gpu else [(2, 256, 4, 2, 64)], jnp.bfloat16, on_gpu)
         return
     if args.sanitize:
