@@ -706,6 +706,16 @@ def test_split_mode_writes_its_output_over_the_query():
     loop = jax.jit(lambda q, kc, vc: lax.fori_loop(0, 3, lambda i, x: step(x, kc, vc), q))
     assert_bitwise(loop(q, kc, vc), want)
     assert_bitwise(q, q_before)
+    # The backward's residual q survives the forward: the step's dQ is the full causal pass's last row.
+    w = _rand((1, 1, 32, 128), seed=42)
+    q_full = jnp.concatenate([jax.device_put(_rand((1, 4095, 32, 128), jnp.bfloat16, seed=43), gpu), q], axis=1)
+
+    def loss(fn, q):
+        return jnp.sum(fn(q)[:, -1:].astype(jnp.float32) * w)
+
+    dq_step = jax.jit(jax.grad(lambda q: loss(lambda q: step(q, kc, vc), q)))(q)
+    dq_full = jax.jit(jax.grad(lambda q: loss(lambda q: jaxdet.attention(q, kc, vc), q)))(q_full)
+    assert_bitwise(dq_step, dq_full[:, -1:])
 
 
 # ---- The two tensor-core forward cores (GPU). ----
