@@ -718,6 +718,43 @@ def test_split_mode_writes_its_output_over_the_query():
     assert_bitwise(dq_step, dq_full[:, -1:])
 
 
+@pytest.mark.gpu
+def test_split_mode_under_transformations_keeps_the_direct_bits():
+    # The aliased split-mode forward (and its backward) under vmap, jax.checkpoint inside a
+    # lax.scan, and jax.shard_map (default check_vma) on a one-GPU mesh, whose per-device call
+    # lowers the aliases again from the shard's shapes: outputs and dQ have the direct call's bits.
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    gpu = jax.devices("gpu")[0]
+    q, kc, vc = (jax.device_put(x, gpu) for x in _qkv(2, 1, 2048, 32, 8, 128, jnp.bfloat16, seed=51))
+    pos = jax.device_put(jnp.asarray([[2047], [1300]], jnp.int32), gpu)
+    n = jax.device_put(jnp.asarray([2048, 1301], jnp.int32), gpu)
+    w = jax.device_put(_rand((2, 1, 32, 128), seed=52), gpu)
+
+    def step(q, kc, vc, pos, n):
+        return jaxdet.attention(q, kc, vc, q_positions=pos, kv_lengths=n)
+
+    def dq_of(fn):
+        return jax.jit(jax.grad(lambda q: jnp.sum(fn(q).astype(jnp.float32) * w)))(q)
+
+    want = jax.jit(step)(q, kc, vc, pos, n)
+    want_dq = dq_of(lambda q: step(q, kc, vc, pos, n))
+    rows = jax.jit(jax.vmap(step))(q[:, None], kc[:, None], vc[:, None], pos[:, None], n[:, None])
+    assert_bitwise(rows[:, 0], want)
+
+    def scanned(q):
+        body = jax.checkpoint(lambda c, _: (step(c, kc, vc, pos, n), None))
+        return lax.scan(body, q, None, length=1)[0]
+
+    assert_bitwise(jax.jit(scanned)(q), want)
+    assert_bitwise(dq_of(scanned), want_dq)
+    mesh = Mesh(np.asarray([gpu]), ("data",))
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P("data"),) * 5, out_specs=P("data"))
+    assert_bitwise(jax.jit(sharded)(q, kc, vc, pos, n), want)
+    assert_bitwise(dq_of(lambda q: sharded(q, kc, vc, pos, n)), want_dq)
+
+
 # ---- The two tensor-core forward cores (GPU). ----
 
 
