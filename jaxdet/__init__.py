@@ -21,25 +21,28 @@ def _require_compiled_extension():
 
 _require_compiled_extension()
 
-from jaxdet import _switches  # noqa: E402
+from jaxdet._src.core import switches as _switches  # noqa: E402
 
 _switches.validate_testing_env()  # a mistyped JAXDET_TESTING is an error, never silently ignored
 
+# The public API. Each primitive lives in its own package, jaxdet/_src/<op>/ (mirroring cuda/<op>/);
+# random, parallel, testing, export and optax are public namespaces. A public function carries its
+# constants as attributes (jaxdet.attention.KV_SPLIT, jaxdet.softmax.SEGMENT, ...).
 from jaxdet import (  # noqa: E402
     export,
-    optax,  # noqa: E402 (imports optax lazily)
+    optax,  # imports optax lazily
     parallel,
     random,
     testing,
 )
-from jaxdet._ffi import WITH_CUDA, CudaNotBuiltError
-from jaxdet.attention import attention
-from jaxdet.audit import audit  # noqa: E402
-from jaxdet.clip import clip_by_global_norm, global_norm
-from jaxdet.dropout import dropout
-from jaxdet.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
-from jaxdet.norm import layer_norm, rms_norm
-from jaxdet.softmax import (
+from jaxdet._src.attention.attention import attention
+from jaxdet._src.audit.audit import audit
+from jaxdet._src.clip.clip import clip_by_global_norm, global_norm
+from jaxdet._src.core.ffi import WITH_CUDA, CudaNotBuiltError
+from jaxdet._src.dropout.dropout import dropout
+from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
+from jaxdet._src.norm.norm import layer_norm, rms_norm
+from jaxdet._src.softmax.softmax import (
     label_log_probs,
     log_softmax,
     softmax,
@@ -63,11 +66,11 @@ __all__ = [
     "softmax_cross_entropy_with_integer_labels",
     "label_log_probs",
     "attention",
+    "audit",
     "optax",
     "export",
     "parallel",
     "testing",
-    "audit",
     "random",
     "WITH_CUDA",
     "CudaNotBuiltError",

@@ -2,6 +2,6 @@
 
 import sys
 
-from jaxdet.report import cli
+from jaxdet._src.report import cli
 
 sys.exit(cli())

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import jax
 
-from jaxdet import _ffi
+from jaxdet._src.core import ffi
 
 __all__ = ["disabled_checks", "target_names"]
 
 
 def target_names() -> list[str]:
     """The names of every XLA FFI target this build registers (CPU, and CUDA when built)."""
-    return sorted(set(_ffi.CPU_TARGETS) | set(_ffi.CUDA_TARGETS))
+    return sorted(set(ffi.CPU_TARGETS) | set(ffi.CUDA_TARGETS))
 
 
 def disabled_checks() -> list:

@@ -53,7 +53,7 @@ def run_report(only: str | None = None, list_only: bool = False) -> int:
     import jax
 
     import jaxdet
-    from jaxdet import _switches, contracts
+    from jaxdet._src.core import contracts, switches
 
     checks = contracts.all_checks()
     if only:
@@ -67,10 +67,10 @@ def run_report(only: str | None = None, list_only: bool = False) -> int:
         f"jaxdet {jaxdet.__version__} | jax {jax.__version__} | device: {device.platform} "
         f"({getattr(device, 'device_kind', '?')}) | CUDA kernels built: {jaxdet.WITH_CUDA}"
     )
-    overrides = _switches.active_testing_overrides()
+    overrides = switches.active_testing_overrides()
     if overrides:
         items = ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
-        print(f"testing overrides active ({_switches.TESTING_ENV}={items}): the kernels below are not the default ones")
+        print(f"testing overrides active ({switches.TESTING_ENV}={items}): the kernels below are not the default ones")
     rows, failed, skipped = [], 0, 0
     for i, (name, fn) in enumerate(checks):
         _progress(i, len(checks), name)

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 import jaxdet
-from jaxdet.attention import SUPPORTED_HEAD_DIMS
 
 __all__ = [
     "DecoderConfig",
@@ -56,10 +55,10 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig.{name} must be a positive int, got {value!r}")
         if self.d_model % self.heads:
             raise ValueError(f"DecoderConfig.d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
-        if self.d_model // self.heads not in SUPPORTED_HEAD_DIMS:
+        if self.d_model // self.heads not in jaxdet.attention.SUPPORTED_HEAD_DIMS:
             raise ValueError(
                 f"DecoderConfig.d_model // heads ({self.d_model // self.heads}) must be a head dimension that "
-                f"jaxdet.attention supports: {SUPPORTED_HEAD_DIMS}"
+                f"jaxdet.attention supports: {jaxdet.attention.SUPPORTED_HEAD_DIMS}"
             )
         if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"DecoderConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdet import _ffi, _native
-from jaxdet._checks import FLOAT_DTYPES, check_static_float, float_dtype_of
+from jaxdet import _native
+from jaxdet._src.core import batching, ffi
+from jaxdet._src.core.checks import FLOAT_DTYPES, check_static_float, float_dtype_of
 
 __all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS"]
 
@@ -68,10 +69,10 @@ def _bwd_abstract_eval(q, k, v, o, lse2, do, row_a, row_b, *, scale, row_form):
 def _fold_batch(args, dims):
     """The vmapped axis of every operand moved to the front and folded into B (an unmapped operand
     is broadcast). Rows are independent, so the bits of every row are those of the unbatched call."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
+    size = next(x.shape[d] for x, d in zip(args, dims) if not batching.not_mapped(d))
     out = []
     for x, d in zip(args, dims):
-        moved = jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
+        moved = jnp.broadcast_to(x, (size,) + x.shape) if batching.not_mapped(d) else jnp.moveaxis(x, d, 0)
         out.append(moved.reshape((size * moved.shape[1],) + moved.shape[2:]))
     return size, out
 
@@ -144,18 +145,18 @@ def _fwd_cuda_aliases(avals, **params):
     return {0: 0} if _split_mode(avals[0], avals[1]) else None
 
 
-fwd_p = _ffi.define_primitive(
+fwd_p = ffi.define_primitive(
     "jaxdet_attention_fwd",
     _fwd_abstract_eval,
     attributes=lambda scale, row_form: dict(scale_log2=_scale_log2(scale), row_form=np.int32(row_form)),
     batching_rule=_fwd_batch,
     multiple_results=True,
-    partitioning=_ffi.Partitioning(_fwd_factors, replicated=frozenset({"s", "d", "e"})),
+    partitioning=ffi.Partitioning(_fwd_factors, replicated=frozenset({"s", "d", "e"})),
     cuda_workspace=_workspace("fwd"),
     cuda_operand_output_aliases=_fwd_cuda_aliases,
 )
 
-bwd_p = _ffi.define_primitive(
+bwd_p = ffi.define_primitive(
     "jaxdet_attention_bwd",
     _bwd_abstract_eval,
     attributes=lambda scale, row_form: dict(
@@ -163,7 +164,7 @@ bwd_p = _ffi.define_primitive(
     ),
     batching_rule=_bwd_batch,
     multiple_results=True,
-    partitioning=_ffi.Partitioning(_bwd_factors, replicated=frozenset({"s", "d", "e", "t", "g"})),
+    partitioning=ffi.Partitioning(_bwd_factors, replicated=frozenset({"s", "d", "e", "t", "g"})),
     cuda_workspace=_workspace("bwd"),
 )
 
@@ -184,10 +185,10 @@ def _typed_like(ct, primal):
     """A cotangent with its primal's varying axes (jax.shard_map): axes only the cotangent varies
     over (keys and values invariant next to varying queries) are summed by the canonical tree in
     float32 (never a psum), then cast once."""
-    vma = _ffi.varying_axes(primal)
-    if _ffi.varying_axes(ct) - vma:
-        return _ffi.match_varying(ct.astype(jnp.float32), vma).astype(ct.dtype)
-    return _ffi.match_varying(ct, vma)
+    vma = ffi.varying_axes(primal)
+    if ffi.varying_axes(ct) - vma:
+        return ffi.match_varying(ct.astype(jnp.float32), vma).astype(ct.dtype)
+    return ffi.match_varying(ct, vma)
 
 
 def _attention5_bwd(scale, row_form, res, do):
@@ -339,3 +340,8 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     G = N // K
     out = _attention5(q.reshape(B, T, K, G, D), k, v, row_a, row_b, scale, row_form)
     return out.reshape(B, T, N, D)
+
+
+# The public function carries its constants (jaxdet.attention.KV_SPLIT, ...).
+attention.KV_BLOCK, attention.KV_SPLIT = KV_BLOCK, KV_SPLIT
+attention.SUPPORTED_HEAD_DIMS, attention.SUPPORTED_DTYPES = SUPPORTED_HEAD_DIMS, SUPPORTED_DTYPES

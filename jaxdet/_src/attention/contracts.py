@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 import jaxdet
-from jaxdet.testing import count_bit_differences
+from jaxdet._src.core.testing import count_bit_differences
 
 
 def _rand(shape, dtype=jnp.bfloat16, seed=0):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from jaxdet._audit_rules import (
+from jaxdet._src.audit.rules import (
     BATCH,
     DEVICES,
     RUN,

@@ -28,16 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _clip_kernels as _kernels
-from jaxdet import _clip_parallel as _parallel
-from jaxdet._checks import (
+from jaxdet._src.clip import primitives, sharding
+from jaxdet._src.core.checks import (
     FLOAT_DTYPES,
     is_traced,  # noqa: F401 (re-exported for jaxdet.optax)
 )
 
 __all__ = ["clip_by_global_norm", "global_norm", "CHUNK_SIZE", "NONFINITE_POLICIES"]
 
-CHUNK_SIZE = _kernels.CHUNK_SIZE  # elements per chunk (cuda/clip/clip_math.h kChunk)
+CHUNK_SIZE = primitives.CHUNK_SIZE  # elements per chunk (cuda/clip/clip_math.h kChunk)
 SUPPORTED_DTYPES = FLOAT_DTYPES
 NONFINITE_POLICIES = {"propagate": 0, "skip": 1}  # cuda/clip/clip_math.h Policy
 _LEAF_FORM = "a float32, bfloat16 or float16 array"
@@ -108,11 +107,11 @@ def _check_policy(nonfinite) -> int:
 
 
 def _check_axis_name(axis_name):
-    return None if axis_name is None else _parallel.axis_names(axis_name)
+    return None if axis_name is None else sharding.axis_names(axis_name)
 
 
 def _any_varying(values) -> bool:
-    return any(_parallel.varying_axes(x) for x in values)
+    return any(sharding.varying_axes(x) for x in values)
 
 
 # ---- Public API -------------------------------------------------------------------------------
@@ -129,10 +128,10 @@ def global_norm(tree, *, axis_name=None) -> jax.Array:
     leaves, paths, _ = _check_leaves(tree, "global_norm")
     names = _check_axis_name(axis_name)
     if names is not None and leaves:
-        return _parallel.shard_map_norm(leaves, paths, names)
+        return sharding.shard_map_norm(leaves, paths, names)
     if not leaves or _any_varying(leaves):
-        return _kernels.local_norm(leaves)
-    (norm,) = _parallel.norm_tree_p.bind(*leaves)
+        return primitives.local_norm(leaves)
+    (norm,) = sharding.norm_tree_p.bind(*leaves)
     return norm
 
 
@@ -165,9 +164,14 @@ def clip_by_global_norm(tree, max_norm, *, nonfinite: str = "propagate", axis_na
     max_norm = _check_max_norm(max_norm)
     names = _check_axis_name(axis_name)
     if names is not None and leaves:
-        norm, clipped = _parallel.shard_map_clip(leaves, paths, max_norm, policy, names)
+        norm, clipped = sharding.shard_map_clip(leaves, paths, max_norm, policy, names)
     elif not leaves or _any_varying([max_norm, *leaves]):
-        norm, clipped = _kernels.local_clip(leaves, max_norm, policy)
+        norm, clipped = primitives.local_clip(leaves, max_norm, policy)
     else:
-        norm, *clipped = _parallel.clip_tree_p.bind(max_norm, *leaves, nonfinite=policy)
+        norm, *clipped = sharding.clip_tree_p.bind(max_norm, *leaves, nonfinite=policy)
     return jax.tree_util.tree_unflatten(treedef, clipped), norm
+
+
+# The public functions carry their constants (jaxdet.clip_by_global_norm.NONFINITE_POLICIES, ...).
+clip_by_global_norm.NONFINITE_POLICIES = NONFINITE_POLICIES
+clip_by_global_norm.CHUNK_SIZE = global_norm.CHUNK_SIZE = CHUNK_SIZE

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _clip_reference as ref
-from jaxdet import clip as _clip
-from jaxdet.testing import same_bits as _same_bits
+from jaxdet._src.clip import clip
+from jaxdet._src.clip import reference as ref
+from jaxdet._src.core.testing import same_bits as _same_bits
 
 
 def mixed_tree(seed=0, scale=1.0):
@@ -50,7 +50,7 @@ def _on_default(tree):
 def check_norm_accuracy(tree=None):
     """The norm is within 1e-6 (relative) of a float64 reference."""
     tree = mixed_tree(1) if tree is None else tree
-    got = float(_clip.global_norm(_on_default(tree)))
+    got = float(clip.global_norm(_on_default(tree)))
     want = math.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in jax.tree.leaves(tree)))
     rel = abs(got - want) / want
     return rel <= 1e-6, f"relative error {rel:.2e} vs float64 (limit 1e-6) on {_device().platform}"
@@ -59,12 +59,12 @@ def check_norm_accuracy(tree=None):
 def check_canonical_order(tree=None, max_norm=1.0):
     """Norm, global_norm and clipped leaves are bitwise the NumPy re-implementation of the order."""
     tree = mixed_tree(2, 3.0) if tree is None else tree
-    clipped, norm = jax.jit(lambda t: _clip.clip_by_global_norm(t, max_norm))(_on_default(tree))
+    clipped, norm = jax.jit(lambda t: clip.clip_by_global_norm(t, max_norm))(_on_default(tree))
     leaves = jax.tree.leaves(tree)
     want_leaves, want_norm = ref.clip_by_global_norm([np.asarray(x) for x in leaves], max_norm)
     ok = (
         _same_bits(norm, want_norm)
-        and _same_bits(_clip.global_norm(_on_default(tree)), want_norm)
+        and _same_bits(clip.global_norm(_on_default(tree)), want_norm)
         and all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(clipped), want_leaves))
     )
     return ok, f"norm {float(norm):.9g} and {len(leaves)} clipped leaves vs the NumPy canonical order: " + (
@@ -78,17 +78,17 @@ def check_cpu_equals_device(tree=None, max_norm=1.0, nonfinite="propagate", devi
     if dev.platform == "cpu":
         return None, "the default device is the CPU: nothing to compare with (run on a GPU device)"
     tree = mixed_tree(3, 3.0) if tree is None else tree
-    f = jax.jit(lambda t: _clip.clip_by_global_norm(t, max_norm, nonfinite=nonfinite))
+    f = jax.jit(lambda t: clip.clip_by_global_norm(t, max_norm, nonfinite=nonfinite))
     c_cpu, n_cpu = f(jax.device_put(tree, jax.devices("cpu")[0]))
     c_dev, n_dev = f(jax.device_put(tree, dev))
-    g_dev = _clip.global_norm(jax.device_put(tree, dev))
+    g_dev = clip.global_norm(jax.device_put(tree, dev))
     ok = _same_bits(n_cpu, n_dev) and _same_bits(g_dev, n_cpu) and _leaves_equal(c_cpu, c_dev)
     return ok, f"CPU vs {dev.device_kind}: norm and clipped leaves " + ("bitwise equal" if ok else "DIFFER")
 
 
 def check_run_to_run(tree=None):
     tree = _on_default(mixed_tree(4, 5.0) if tree is None else tree)
-    f = jax.jit(lambda t: _clip.clip_by_global_norm(t, 1.0))
+    f = jax.jit(lambda t: clip.clip_by_global_norm(t, 1.0))
     first = f(tree)
     runs = [f(tree) for _ in range(3)]
     ok = all(_same_bits(r[1], first[1]) and _leaves_equal(r[0], first[0]) for r in runs)
@@ -98,11 +98,11 @@ def check_run_to_run(tree=None):
 def check_identity_and_edge_cases():
     x = np.array([1.5, -0.0, 1e-40, np.uint32(0x7FA12345).view(np.float32)], np.float32)
     tree = _on_default([jnp.asarray(x), jnp.asarray(np.array([0.5, -0.0], np.float16))])
-    c_inf, n_inf = _clip.clip_by_global_norm(tree, math.inf)  # NaN norm, max_norm=inf: untouched
+    c_inf, n_inf = clip.clip_by_global_norm(tree, math.inf)  # NaN norm, max_norm=inf: untouched
     finite = _on_default([jnp.asarray(x[:3])])
-    c_one, _ = _clip.clip_by_global_norm(finite, 10.0)  # scale 1
+    c_one, _ = clip.clip_by_global_norm(finite, 10.0)  # scale 1
     zeros = _on_default([jnp.zeros((5,))])
-    c_zero, n_zero = _clip.clip_by_global_norm(zeros, 0.0)  # 0/0 must not be NaN
+    c_zero, n_zero = clip.clip_by_global_norm(zeros, 0.0)  # 0/0 must not be NaN
     ok = (
         all(_same_bits(a, b) for a, b in zip(c_inf, tree))
         and _same_bits(c_one[0], finite[0])
@@ -122,7 +122,7 @@ def check_no_transfers_in_step():
     @jax.jit
     def step(p):
         g = jax.grad(lambda p: jnp.sum(jnp.tanh(p["w"] * 3.0)) + jnp.sum(p["b"].astype(jnp.float32) ** 2))(p)
-        g, norm = _clip.clip_by_global_norm(g, 0.5)
+        g, norm = clip.clip_by_global_norm(g, 0.5)
         return jax.tree.map(lambda a, b: a - 0.1 * b.astype(a.dtype), p, g), norm
 
     step(params)
@@ -140,10 +140,10 @@ def check_one_call_aliased(tree=None):
     """A tree of at most 256 leaves is one native call whose outputs alias its inputs."""
     tree = mixed_tree(5) if tree is None else tree
     n = len(jax.tree.leaves(tree))
-    text = jax.jit(lambda t: _clip.clip_by_global_norm(t, 1.0)).lower(tree).as_text()
+    text = jax.jit(lambda t: clip.clip_by_global_norm(t, 1.0)).lower(tree).as_text()
     calls = text.count("jaxdet_clip_global_norm")
     aliases = text.count("output_operand_alias<")
-    norm_calls = jax.jit(_clip.global_norm).lower(tree).as_text().count("jaxdet_global_norm")
+    norm_calls = jax.jit(clip.global_norm).lower(tree).as_text().count("jaxdet_global_norm")
     ok = calls == 1 and aliases == n and norm_calls == 1
     return ok, f"{calls} native call for {n} leaves, {aliases} outputs aliased to their inputs"
 

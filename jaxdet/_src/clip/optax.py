@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxdet import clip as _clip
+from jaxdet._src.clip import clip
 
 __all__ = ["clip_by_global_norm", "ClipByGlobalNormState", "last_norm"]
 
@@ -53,10 +53,10 @@ def clip_by_global_norm(max_norm, *, nonfinite: str = "propagate", axis_name=Non
     also accepts ``state=None``; the state it returns then counts from that update.
     """
     optax = _require_optax()
-    _clip._check_policy(nonfinite)  # errors at construction, before anything runs
-    _clip._check_axis_name(axis_name)
-    if not _clip.is_traced(max_norm):
-        _clip._check_max_norm(max_norm)
+    clip._check_policy(nonfinite)  # errors at construction, before anything runs
+    clip._check_axis_name(axis_name)
+    if not clip.is_traced(max_norm):
+        clip._check_max_norm(max_norm)
 
     def init_fn(params):
         del params
@@ -64,7 +64,7 @@ def clip_by_global_norm(max_norm, *, nonfinite: str = "propagate", axis_name=Non
 
     def update_fn(updates, state, params=None):
         del params
-        clipped, norm = _clip.clip_by_global_norm(updates, max_norm, nonfinite=nonfinite, axis_name=axis_name)
+        clipped, norm = clip.clip_by_global_norm(updates, max_norm, nonfinite=nonfinite, axis_name=axis_name)
         skipped = jnp.logical_not(jnp.isfinite(norm)).astype(jnp.int32)
         num = skipped if state is None else state.num_nonfinite + skipped
         return clipped, ClipByGlobalNormState(norm=norm, num_nonfinite=num)

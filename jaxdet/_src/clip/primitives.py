@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _ffi
+from jaxdet._src.core import batching, ffi
 
 CHUNK_SIZE = 4096  # elements per chunk (cuda/clip/clip_math.h kChunk)
 MAX_ALIASED_LEAVES = 256  # leaves per aliased native call (fused clip, apply groups)
@@ -80,7 +80,7 @@ def _clip_batch(args, dims, *, nonfinite):
     return (norm, scratch, *clipped), (0,) * (len(clipped) + 2)
 
 
-global_norm_p = _ffi.define_primitive(
+global_norm_p = ffi.define_primitive(
     "jaxdet_global_norm",
     _global_norm_abstract_eval,
     attributes=dict,
@@ -91,7 +91,7 @@ global_norm_p = _ffi.define_primitive(
 # Operands (max_norm, *leaves); results (norm, scratch, *clipped). Every clipped leaf aliases its
 # input buffer, so clipping allocates no gradient-sized buffer (XLA copies only an operand that is
 # still live afterwards, e.g. a non-donated jit argument).
-clip_p = _ffi.define_primitive(
+clip_p = ffi.define_primitive(
     "jaxdet_clip_global_norm",
     _clip_abstract_eval,
     attributes=lambda nonfinite: dict(nonfinite=np.int32(nonfinite)),
@@ -150,7 +150,7 @@ def _finalize_batch(args, dims, *, nonfinite):
     (slots, max_norm), (sd, md) = args, dims
     size = _batch_size(args, dims)
     slots = _leading(slots, sd, size)
-    if not _ffi.not_mapped(md) or max_norm.ndim:
+    if not batching.not_mapped(md) or max_norm.ndim:
         # One max_norm per example: bring it to the slots' example dims.
         max_norm = jnp.broadcast_to(_leading(max_norm, md, size), slots.shape[:-1])
     return finalize_p.bind(slots, max_norm, nonfinite=nonfinite), (0, 0)
@@ -161,7 +161,7 @@ def _apply_batch(args, dims):
     return apply_leaves(ctrl, leaves), (0,) * len(leaves)
 
 
-partials_p = _ffi.define_primitive(
+partials_p = ffi.define_primitive(
     "jaxdet_clip_partials",
     _partials_abstract_eval,
     attributes=lambda batch_dims: {},
@@ -172,7 +172,7 @@ partials_p = _ffi.define_primitive(
 # The same target with every leaf also returned, aliased (not written): the stage that reads the
 # leaves hands them on, so that the apply stage is the only in-place user of each buffer. (With two
 # users, a reader and an in-place writer, XLA's copy insertion copies the leaves first.)
-partials_through_p = _ffi.define_primitive(
+partials_through_p = ffi.define_primitive(
     "jaxdet_clip_partials",
     _partials_through_abstract_eval,
     attributes=lambda batch_dims: {},
@@ -181,7 +181,7 @@ partials_through_p = _ffi.define_primitive(
     operand_output_aliases=lambda num_operands: {i: i + 1 for i in range(num_operands)},
 )
 
-finalize_p = _ffi.define_primitive(
+finalize_p = ffi.define_primitive(
     "jaxdet_clip_finalize",
     _finalize_abstract_eval,
     attributes=lambda nonfinite: dict(nonfinite=np.int32(nonfinite)),
@@ -190,7 +190,7 @@ finalize_p = _ffi.define_primitive(
 )
 
 # Operands (ctrl, *leaves); results (*clipped), each aliasing its leaf.
-apply_p = _ffi.define_primitive(
+apply_p = ffi.define_primitive(
     "jaxdet_clip_apply",
     _apply_abstract_eval,
     attributes=dict,
@@ -206,19 +206,19 @@ apply_p = _ffi.define_primitive(
 
 
 def _typed(aval, vma):
-    return _ffi._with_varying(aval, frozenset(vma))
+    return ffi._with_varying(aval, frozenset(vma))
 
 
 def _partials_through_varying(*leaves, batch_dims):
     slots, *handed = _partials_through_abstract_eval(*leaves, batch_dims=batch_dims)
-    union = frozenset().union(*(_ffi.varying_axes(x) for x in leaves))
-    return (_typed(slots, union), *(_typed(h, _ffi.varying_axes(x)) for h, x in zip(handed, leaves)))
+    union = frozenset().union(*(ffi.varying_axes(x) for x in leaves))
+    return (_typed(slots, union), *(_typed(h, ffi.varying_axes(x)) for h, x in zip(handed, leaves)))
 
 
 def _apply_varying(ctrl, *leaves):
     outs = _apply_abstract_eval(ctrl, *leaves)
-    decision = _ffi.varying_axes(ctrl)
-    return tuple(_typed(o, decision | _ffi.varying_axes(x)) for o, x in zip(outs, leaves))
+    decision = ffi.varying_axes(ctrl)
+    return tuple(_typed(o, decision | ffi.varying_axes(x)) for o, x in zip(outs, leaves))
 
 
 partials_through_p.def_abstract_eval(_partials_through_varying)
@@ -230,14 +230,14 @@ apply_p.def_abstract_eval(_apply_varying)
 
 def _batch_size(args, dims):
     for x, d in zip(args, dims):
-        if not _ffi.not_mapped(d):
+        if not batching.not_mapped(d):
             return x.shape[d]
     raise AssertionError("a batching rule called with no batched operand")
 
 
 def _leading(x, dim, size):
     """`x` with its batch dim first (broadcast to `size` examples if it has none)."""
-    if _ffi.not_mapped(dim):
+    if batching.not_mapped(dim):
         return jnp.broadcast_to(x, (size,) + tuple(x.shape))
     return jnp.moveaxis(x, dim, 0)
 

@@ -30,8 +30,8 @@ from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdet import _clip_kernels as K
-from jaxdet._ffi import varying_axes
+from jaxdet._src.clip import primitives
+from jaxdet._src.core.varying import varying_axes
 
 
 def axis_names(axis_name) -> tuple:
@@ -46,7 +46,7 @@ def axis_names(axis_name) -> tuple:
 
 def is_aligned(local_shape, blocks: int) -> bool:
     """A leaf cut into `blocks` leading-dim blocks of `local_shape` keeps whole chunks per block."""
-    return blocks == 1 or (len(local_shape) >= 1 and math.prod(local_shape) % K.CHUNK_SIZE == 0)
+    return blocks == 1 or (len(local_shape) >= 1 and math.prod(local_shape) % primitives.CHUNK_SIZE == 0)
 
 
 def slot_permutation(local_shapes, leaf_axes, gather_axes, axis_sizes) -> np.ndarray:
@@ -61,7 +61,7 @@ def slot_permutation(local_shapes, leaf_axes, gather_axes, axis_sizes) -> np.nda
     for a in reversed(gather_axes):
         strides[a] = s
         s *= axis_sizes[a]
-    counts = [K.chunks_of(math.prod(shape)) for shape in local_shapes]
+    counts = [primitives.chunks_of(math.prod(shape)) for shape in local_shapes]
     local_total = sum(counts)
     parts, offset = [], 0
     for c, axes in zip(counts, leaf_axes):
@@ -81,9 +81,9 @@ def global_slots(leaves, leaf_axes, axis_order, axis_sizes, *, invariant: bool, 
     for the apply stage to be their only in-place user (jaxdet/_clip_kernels.py).
     """
     if hand_on:
-        slots, leaves = K.partials_through(list(leaves))
+        slots, leaves = primitives.partials_through(list(leaves))
     else:
-        slots = K.partials_p.bind(*leaves, batch_dims=0)
+        slots = primitives.partials_p.bind(*leaves, batch_dims=0)
     gather_axes = tuple(a for a in axis_order if any(a in axes for axes in leaf_axes))
     if gather_axes:
         extra = {"to": "invarying"} if invariant else {}
@@ -121,7 +121,7 @@ def shard_map_norm(leaves, paths, axis_name):
     names = axis_names(axis_name)
     part_leaves, leaf_axes, sizes = _shard_map_plan(leaves, paths, names, "global_norm")
     slots, _ = global_slots(part_leaves, leaf_axes, names, sizes, invariant=True)
-    norm, _ctrl = K.finalize_p.bind(slots, jnp.float32(np.inf), nonfinite=0)
+    norm, _ctrl = primitives.finalize_p.bind(slots, jnp.float32(np.inf), nonfinite=0)
     return norm
 
 
@@ -137,8 +137,8 @@ def shard_map_clip(leaves, paths, max_norm, nonfinite: int, axis_name):
     slots, handed = global_slots(part_leaves, leaf_axes, names, sizes, invariant=True, hand_on=True)
     # A gathered (misaligned) leaf was handed on in its gathered form: clip the local one.
     local = [h if p is x else x for h, p, x in zip(handed, part_leaves, leaves)]
-    norm, ctrl = K.finalize_p.bind(slots, max_norm, nonfinite=nonfinite)
-    return norm, K.apply_leaves(ctrl, local)
+    norm, ctrl = primitives.finalize_p.bind(slots, max_norm, nonfinite=nonfinite)
+    return norm, primitives.apply_leaves(ctrl, local)
 
 
 # ---- Sharded jit: custom_partitioning -----------------------------------------------------------
@@ -180,7 +180,7 @@ def _replicated(mesh):
 
 def _sharded_norm(leaves, leaf_axes, mesh):
     slots, _ = global_slots(leaves, leaf_axes, mesh.axis_names, dict(mesh.shape), invariant=False)
-    norm, _ctrl = K.finalize_p.bind(slots, jnp.float32(np.inf), nonfinite=0)
+    norm, _ctrl = primitives.finalize_p.bind(slots, jnp.float32(np.inf), nonfinite=0)
     return norm
 
 
@@ -202,8 +202,8 @@ def _clip_partition(nonfinite, mesh, arg_shapes, result_shape):
         slots, leaves = global_slots(
             leaves, leaf_axes, mesh.axis_names, dict(mesh.shape), invariant=False, hand_on=True
         )
-        norm, ctrl = K.finalize_p.bind(slots, max_norm, nonfinite=nonfinite)
-        return (norm, *K.apply_leaves(ctrl, leaves))
+        norm, ctrl = primitives.finalize_p.bind(slots, max_norm, nonfinite=nonfinite)
+        return (norm, *primitives.apply_leaves(ctrl, leaves))
 
     arg_shardings = (_replicated(mesh), *leaf_shardings)
     return mesh, lower_fn, (_replicated(mesh), *leaf_shardings), arg_shardings
@@ -238,11 +238,11 @@ def _clip_infer(nonfinite, mesh, arg_shapes, result_shape):
 
 
 def _norm_body(*leaves):
-    return K.local_norm(list(leaves))
+    return primitives.local_norm(list(leaves))
 
 
 def _clip_body(nonfinite, max_norm, *leaves):
-    norm, clipped = K.local_clip(list(leaves), max_norm, nonfinite)
+    norm, clipped = primitives.local_clip(list(leaves), max_norm, nonfinite)
     return (norm, *clipped)
 
 
@@ -278,24 +278,24 @@ def _define(name, abstract_eval, lower, batch_rule):
 
 
 def _norm_tree_batch(args, dims):
-    return [K.staged_norm(K._to_leading(args, dims), batch_dims=1)], [0]
+    return [primitives.staged_norm(primitives._to_leading(args, dims), batch_dims=1)], [0]
 
 
 def _clip_tree_batch(args, dims, *, nonfinite):
-    max_norm, *leaves = K._to_leading(args, dims)
-    norm, clipped = K.staged_clip(leaves, max_norm, nonfinite, batch_dims=1)
+    max_norm, *leaves = primitives._to_leading(args, dims)
+    norm, clipped = primitives.staged_clip(leaves, max_norm, nonfinite, batch_dims=1)
     return [norm, *clipped], [0] * (len(clipped) + 1)
 
 
 norm_tree_p = _define(
     "jaxdet_global_norm_tree",
-    lambda *leaves: [K._f32()],
+    lambda *leaves: [primitives._f32()],
     lambda *leaves: [_partitioned_norm(*leaves)],
     _norm_tree_batch,
 )
 clip_tree_p = _define(
     "jaxdet_clip_tree",
-    lambda max_norm, *leaves, nonfinite: [K._f32(), *(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)],
+    lambda max_norm, *leaves, nonfinite: [primitives._f32(), *(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)],
     lambda max_norm, *leaves, nonfinite: list(_partitioned_clip(nonfinite, max_norm, *leaves)),
     _clip_tree_batch,
 )

@@ -64,3 +64,29 @@ def check_static_float(value, name: str) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
     return float(value)
+
+
+def check_float_array(x, name: str):
+    """`x` as a jax array of float32/bfloat16/float16, or a TypeError naming `name`."""
+    float_dtype_of(x, name)
+    return jnp.asarray(x)
+
+
+def check_eps(eps, name: str = "eps") -> float:
+    if is_traced(eps):
+        raise TypeError(f"{name} must be a static Python float (it is a kernel attribute), got a traced value")
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a Python float, got {type(eps).__name__}")
+    value = float(eps)
+    if not (value >= 0.0 and np.isfinite(value)):
+        raise ValueError(f"{name} must be a finite float >= 0, got {eps!r}")
+    return value
+
+
+def check_axis(axis, ndim: int, name: str = "axis") -> int:
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(axis).__name__}")
+    axis = int(axis)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}={axis} is out of range for an array of rank {ndim}")
+    return axis % ndim

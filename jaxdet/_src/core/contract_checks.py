@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxdet.testing import same_bits
+from jaxdet._src.core.testing import same_bits
 
 ON_CPU = "the default device is the CPU: nothing to compare with (run on a GPU device)"
 

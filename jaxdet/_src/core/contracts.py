@@ -1,6 +1,7 @@
 """jaxdet's contracts as check functions: one source of truth for the report and the tests.
 
-Each primitive's module here has ``report_checks() -> [(name, check)]``. A check takes no argument and
+Every primitive package ``jaxdet._src.<op>`` that has a ``contracts`` module is found here; that
+module's ``report_checks() -> [(name, check)]`` lists its checks. A check takes no argument and
 returns ``(ok, detail)``: ``ok`` is True (the contract holds on this device), False (broken) or None
 (not measurable here, e.g. CPU == GPU on a machine without a GPU). ``jaxdet report`` runs them all;
 the test suite runs the same functions (tests/test_contracts.py) and asserts ``ok is not False``.
@@ -9,19 +10,28 @@ the test suite runs the same functions (tests/test_contracts.py) and asserts ``o
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import pkgutil
 
-MODULES = ("dropout", "matmul", "clip", "parallel", "norm", "softmax", "attention")
+import jaxdet._src
+
+
+def packages() -> list[str]:
+    """The primitive packages that declare contracts, in name order."""
+    found = []
+    for info in pkgutil.iter_modules(jaxdet._src.__path__):
+        if (
+            info.ispkg
+            and info.name != "core"
+            and importlib.util.find_spec(f"jaxdet._src.{info.name}.contracts") is not None
+        ):
+            found.append(info.name)
+    return sorted(found)
 
 
 def all_checks():
-    """[(name, check)] for every primitive whose contracts module exists in this build."""
+    """[(name, check)] for every primitive package's contracts."""
     checks = []
-    for name in MODULES:
-        try:
-            module = importlib.import_module(f"jaxdet.contracts.{name}")
-        except ModuleNotFoundError as err:
-            if err.name == f"jaxdet.contracts.{name}":
-                continue
-            raise
-        checks.extend(module.report_checks())
+    for name in packages():
+        checks.extend(importlib.import_module(f"jaxdet._src.{name}.contracts").report_checks())
     return checks

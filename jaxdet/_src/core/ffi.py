@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.custom_partitioning import (
     ArrayMapping,
     SdyShardingRule,
@@ -37,6 +36,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdet import _native
+from jaxdet._src.core import varying
 
 try:  # The set of primitives whose lowering needs the device assignment (custom partitioning does).
     from jax._src.dispatch import (
@@ -70,32 +70,6 @@ def _missing_cuda_lowering(target: str):
     return lowering
 
 
-# ---- Varying manual axes (jax.shard_map with check_vma=True). ----
-
-
-def varying_axes(x) -> frozenset:
-    """The mesh axes a value (or an abstract value) varies over inside ``jax.shard_map``."""
-    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
-
-
-def mesh_order(axes) -> tuple:
-    """`axes` in the order of the current mesh's axis names (the order the canonical tree uses)."""
-    names = jax.sharding.get_abstract_mesh().axis_names
-    return tuple(n for n in names if n in axes) + tuple(sorted(n for n in axes if n not in names))
-
-
-def _with_varying(aval, vma: frozenset):
-    """`aval` typed as varying over `vma` (in the current shard_map's abstract mesh)."""
-    if not vma or not isinstance(aval, jax.core.ShapedArray) or varying_axes(aval) == vma:
-        return aval
-    sharding = aval.sharding
-    if sharding.mesh.empty:
-        sharding = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
-    return aval.update(sharding=sharding, manual_axis_type=aval.mat.update(varying=vma))
-
-
 def _propagate_types(abstract_eval, multiple_results, partitioning):
     # A kernel output depends on every input, so it varies wherever any input does (the union;
     # JAX's own rule would insist that the inputs agree, but an invariant weight next to a sharded
@@ -109,9 +83,9 @@ def _propagate_types(abstract_eval, multiple_results, partitioning):
             shardings = _explicit_result_shardings(partitioning, params, avals)
             if shardings is not None:
                 outs = [o.update(sharding=sh) for o, sh in zip(outs, shardings)]
-        vma = frozenset().union(*(varying_axes(a) for a in avals))
+        vma = frozenset().union(*(varying.varying_axes(a) for a in avals))
         if vma:
-            outs = [_with_varying(o, vma) for o in outs]
+            outs = [varying.with_varying(o, vma) for o in outs]
         return type(out)(outs) if multiple_results else outs[0]
 
     return rule
@@ -125,30 +99,6 @@ def _explicit_result_shardings(part, params, avals):
     shapes = [tuple(a.shape) for a in avals]
     axes = _assign_axes(part, params, mesh, shapes, [a.sharding.spec for a in avals])
     return [_sharding(mesh, axes, f) for f in part.factors(params, shapes)[1]]
-
-
-def match_varying(ct, vma: frozenset):
-    """A cotangent typed as its primal (varying over exactly `vma`).
-
-    Axes the cotangent varies over but the primal does not are summed by `tree_psum` (the
-    canonical tree, device-count invariant where the summands line up; never ``psum``), so compute
-    such a cotangent in float32 and cast it after this. Axes the primal varies over but the
-    cotangent does not are a type change only (``pcast``).
-    """
-    have = varying_axes(ct)
-    extra, missing = have - vma, vma - have
-    if extra:
-        # Lazy: jaxdet.parallel is a layer above the primitives.
-        from jaxdet import parallel
-
-        ct = parallel.tree_psum(ct, mesh_order(extra))
-    if missing:
-        ct = lax.pcast(ct, mesh_order(missing), to="varying")
-    return ct
-
-
-def varying_union(*xs) -> frozenset:
-    return frozenset().union(*(varying_axes(x) for x in xs))
 
 
 # ---- Partitioning under sharded jit (custom_partitioning). ----
@@ -280,26 +230,6 @@ def _register_partitioned_lowering(prim, local, part: Partitioning, multiple_res
     _NEEDS_DEVICES.add(prim)
 
 
-def tree_psum_untyped(x, axes: tuple):
-    """``jaxdet.parallel.tree_psum`` for a custom_partitioning lowering, whose per-device values
-    carry no shard_map types: the same canonical tree over the device index (lower index first),
-    with data movement only (all_to_all as a reduce-scatter, then all_gather)."""
-    # Lazy: jaxdet.parallel is a layer above the primitives.
-    from jaxdet import parallel
-
-    size = math.prod(lax.axis_size(n) for n in axes)
-    if size == 1:
-        return x
-    axis = axes if len(axes) > 1 else axes[0]
-    flat = x.reshape(-1)
-    n = flat.shape[0]
-    chunk = -(-n // size)
-    flat = jnp.pad(flat, (0, chunk * size - n))
-    pieces = lax.all_to_all(flat.reshape(size, chunk), axis, 0, 0, tiled=True)
-    part = parallel.tree_sum([pieces[i] for i in range(size)])
-    return lax.all_gather(part, axis, axis=0, tiled=True)[:n].reshape(x.shape)
-
-
 # ---- Defining primitives. ----
 
 
@@ -392,8 +322,3 @@ def define_composite(
     if batching_rule is not None:
         batching.primitive_batchers[prim] = batching_rule
     return prim
-
-
-def not_mapped(dim) -> bool:
-    """True for an operand that a batching rule receives unbatched (None in jax >= 0.10)."""
-    return dim is None or dim is getattr(batching, "not_mapped", None)

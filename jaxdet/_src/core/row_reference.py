@@ -1,10 +1,10 @@
-"""NumPy re-implementation of the canonical order of the norm and softmax kernels (bit-exact).
+"""NumPy re-implementation of the row kernels' shared arithmetic (bit-exact): cuda/common/det_math.h's
+exp and log, the span reductions and the canonical tree.
 
-Written from the documented order (docs/norm.md, docs/softmax.md), independently of the C++ code in
-cuda/common/det_math.h, cuda/norm and cuda/softmax: every operation is one float32 NumPy operation
-(IEEE, round to nearest even, no FMA, subnormals kept), so the results must equal the CPU and GPU
-kernels bit for bit. Used by tests/test_norm.py, tests/test_softmax.py and the report's checks.
-Slow but vectorised over rows; meant for small shapes.
+Written from the documented order (docs/norm.md, docs/softmax.md), independently of the C++ code:
+every operation is one float32 NumPy operation (IEEE, round to nearest even, no FMA, subnormals
+kept), so the results must equal the CPU and GPU kernels bit for bit. The norm and softmax packages'
+references (``reference.py``) are built from it. Slow but vectorised over rows; meant for small shapes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ F32 = np.float32
 LANES = 256  # lanes of a span reduction
 VEC = 4  # consecutive elements per lane and step
 STEP = LANES * VEC
-SOFTMAX_SEGMENT = 8192  # elements per softmax segment
 CANONICAL_NAN = np.uint32(0x7FC00000).view(F32)
 
 _LOG2E = F32(float.fromhex("0x1.715476p+0"))
@@ -29,12 +28,12 @@ _EXP_POLY = [
 _LOG_POLY = [F32(float.fromhex(h)) for h in ("0x1.c71c72p-3", "0x1.24924ap-2", "0x1.99999ap-2", "0x1.555556p-1")]
 
 
-def _f32(x):
+def as_f32(x):
     return np.asarray(x, dtype=F32)
 
 
 def canonical(x):
-    x = _f32(x).copy()
+    x = as_f32(x).copy()
     x[np.isnan(x)] = CANONICAL_NAN
     return x
 
@@ -62,7 +61,7 @@ def fma(a, b, c):
 def exp(x):
     """e^x as det_math.h computes it (Cody-Waite reduction, degree-7 Taylor by fused multiply-adds,
     two-step scaling)."""
-    x = _f32(x)
+    x = as_f32(x)
     with np.errstate(all="ignore"):
         xc = np.where((x > F32(89.0)) | (x < F32(-104.0)) | np.isnan(x), F32(0.0), x)
         kf = fma(xc, _LOG2E, _SHIFT) - _SHIFT
@@ -80,7 +79,7 @@ def exp(x):
 
 def log(x):
     """ln(x) as det_math.h computes it (m in [sqrt(1/2), sqrt(2)), the 2 atanh series)."""
-    x = _f32(x)
+    x = as_f32(x)
     u = x.view(np.uint32).astype(np.int64)
     with np.errstate(all="ignore"):
         sub = (u > 0) & (u < 0x00800000)
@@ -109,7 +108,7 @@ def log(x):
 
 def fmax(a, b):
     """det_math.h's max: NaN-propagating (canonical), max(+0, -0) = +0; independent of order."""
-    a, b = _f32(a), _f32(b)
+    a, b = as_f32(a), as_f32(b)
     eq = (a.view(np.uint32) & b.view(np.uint32)).view(F32)
     out = np.where(a > b, a, np.where(b > a, b, eq))
     return np.where(np.isnan(a) | np.isnan(b), CANONICAL_NAN, out).astype(F32)
@@ -120,7 +119,7 @@ def fmax(a, b):
 
 def span_sum(terms):
     """Lane (e // 4) % 256 folds its terms in increasing e from +0; then the pairwise lane tree."""
-    terms = _f32(terms)
+    terms = as_f32(terms)
     rows, n = terms.shape
     steps = max(1, -(-n // STEP))
     padded = np.zeros((rows, steps * STEP), F32)  # absent terms add +0: a lane sum is never -0
@@ -139,7 +138,7 @@ def span_sum(terms):
 
 def span_max(x):
     """The row maximum as det_math.h's max defines it (order-free): NaN if any NaN, +0 over -0."""
-    x = _f32(x)
+    x = as_f32(x)
     with np.errstate(invalid="ignore"):
         m = np.max(x, axis=1, initial=-np.inf).astype(F32)
     plus_zero = np.any((x == 0) & ~np.signbit(x), axis=1)
@@ -160,137 +159,6 @@ def store(y, dtype):
     return canonical(y).astype(dtype)
 
 
-# ---- RMSNorm / LayerNorm (docs/norm.md). x [T, n] (any float dtype, widened exactly), w, b [n]. ----
-
-
-def norm_forward(x, w, b, eps, center):
-    """(y float32 before storage rounding, mean [T], rstd [T])."""
-    x = _f32(x)
-    n = x.shape[1]
-    nf = F32(n)
-    mean = span_sum(x) / nf if center else np.zeros(x.shape[0], F32)
-    d = x - mean[:, None]
-    rstd = F32(1.0) / np.sqrt(span_sum(d * d) / nf + F32(eps))
-    y = (d * rstd[:, None]) * _f32(w)[None, :]
-    if b is not None:
-        y = y + _f32(b)[None, :]
-    return y, mean, rstd
-
-
-def norm_backward(x, w, g, mean, rstd, center):
-    """(dx float32, per-token scale terms g * xhat [T, n])."""
-    x, g = _f32(x), _f32(g)
-    nf = F32(x.shape[1])
-    xhat = (x - mean[:, None]) * rstd[:, None]
-    gw = g * _f32(w)[None, :]
-    mb = span_sum(gw * xhat) / nf
-    t = gw - xhat * mb[:, None]
-    if center:
-        t = t - (span_sum(gw) / nf)[:, None]
-    return rstd[:, None] * t, g * xhat
-
-
 def token_tree(terms):
     """The canonical tree over tokens (axis 0) of float32 per-token terms [T, n]."""
-    return tree_fold(list(_f32(terms)), lambda a, b: a + b)
-
-
-# ---- softmax, log_softmax, cross-entropy (docs/softmax.md). x [R, n] float32 (widened). ----
-
-
-def _segment_bounds(n):
-    segments = 1 if n <= SOFTMAX_SEGMENT else -(-n // SOFTMAX_SEGMENT)
-    return [(k * SOFTMAX_SEGMENT, min(n, (k + 1) * SOFTMAX_SEGMENT)) for k in range(segments)]
-
-
-def _exp_terms(x, m):
-    """e^(x - m) per element of a segment with max m [rows] (every term 0 where m = -inf)."""
-    with np.errstate(invalid="ignore"):
-        return np.where((m == -np.inf)[:, None], F32(0.0), exp(_f32(x) - m[:, None])).astype(F32)
-
-
-def segment_maxima(x):
-    """Each segment's max m_k: [rows, segments]."""
-    x = _f32(x)
-    return np.stack([span_max(x[:, a:b]) for a, b in _segment_bounds(x.shape[1])], axis=1)
-
-
-def softmax_stats(x):
-    """Per-row (M, S) and the segments' maxima m_k [rows, segments]: s_k = span_sum of e^(x - m_k),
-    M = max of the m_k, S = the tree over the segments' terms s_k * e^(m_k - M) (0 where m_k = -inf)."""
-    x = _f32(x)
-    m = segment_maxima(x)
-    M = span_max(m)
-    leaves = []
-    for k, (a, b) in enumerate(_segment_bounds(x.shape[1])):
-        s_k = span_sum(_exp_terms(x[:, a:b], m[:, k]))
-        with np.errstate(invalid="ignore"):
-            leaf = np.where(m[:, k] == -np.inf, F32(0.0), s_k * exp(m[:, k] - M))
-        leaves.append(leaf.astype(F32))
-    return M, tree_fold(leaves, lambda a, b: a + b), m
-
-
-def prob(x, M, S, m):
-    """e^(x - m_k) * w_k per element of segment k, w_k = e^(m_k - M) * (1 / S)."""
-    x = _f32(x)
-    out = np.empty_like(x)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        inv_s = (F32(1.0) / S).astype(F32)
-        for k, (a, b) in enumerate(_segment_bounds(x.shape[1])):
-            w = (exp(m[:, k] - M) * inv_s).astype(F32)
-            out[:, a:b] = _exp_terms(x[:, a:b], m[:, k]) * w[:, None]
-    return out
-
-
-def softmax(x):
-    return prob(x, *softmax_stats(x))
-
-
-def log_softmax(x):
-    M, S, _ = softmax_stats(x)
-    with np.errstate(invalid="ignore"):
-        return ((_f32(x) - M[:, None]) - log(S)[:, None]).astype(F32)
-
-
-def segment_sum(terms):
-    """A row sum in the softmax order: segments, canonical span sums, the tree with plain adds."""
-    terms = _f32(terms)
-    parts = [span_sum(terms[:, a:b]) for a, b in _segment_bounds(terms.shape[1])]
-    return tree_fold(parts, lambda a, b: a + b)
-
-
-def softmax_backward(x, g, mode):
-    """dx of softmax (mode "softmax") or log_softmax ("log_softmax") for cotangent g, float32."""
-    p, g = prob(x, *softmax_stats(x)), _f32(g)
-    with np.errstate(invalid="ignore"):
-        if mode == "softmax":
-            return p * (g - segment_sum(g * p)[:, None])
-        return g - p * segment_sum(g)[:, None]
-
-
-def cross_entropy(x, labels, log_prob=False):
-    """Per-row loss ln S - (x_label - M) (or the log-prob (x_label - M) - ln S); NaN if out of range."""
-    x = _f32(x)
-    M, S, _ = softmax_stats(x)
-    n = x.shape[1]
-    labels = np.asarray(labels, np.int64)
-    valid = (labels >= 0) & (labels < n)
-    xl = x[np.arange(x.shape[0]), np.where(valid, labels, 0)]
-    with np.errstate(invalid="ignore"):
-        out = ((xl - M) - log(S)) if log_prob else (log(S) - (xl - M))
-    return np.where(valid, canonical(out), CANONICAL_NAN).astype(F32)
-
-
-def cross_entropy_backward(x, labels, g):
-    """g * (p - one_hot(label)); an out-of-range label: 0 where g == 0, else NaN."""
-    x = _f32(x)
-    p = prob(x, *softmax_stats(x))
-    n = x.shape[1]
-    labels = np.asarray(labels, np.int64)
-    valid = (labels >= 0) & (labels < n)
-    onehot = np.arange(n)[None, :] == labels[:, None]
-    g = _f32(g)[:, None]
-    with np.errstate(invalid="ignore"):
-        d = g * np.where(onehot, p - F32(1.0), p)
-    invalid = np.where(g == 0, F32(0.0), CANONICAL_NAN)
-    return np.where(valid[:, None], d, invalid).astype(F32)
+    return tree_fold(list(as_f32(terms)), lambda a, b: a + b)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdet
-from jaxdet import random as jr
-from jaxdet.testing import count_bit_differences
+from jaxdet._src.core.testing import count_bit_differences
+from jaxdet._src.dropout import random as jr
 
 # Official Random123 known-answer vectors (tests/kat_vectors, philox4x32 with 10 rounds):
 # (counter words, key words, output words).

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _ffi
-from jaxdet._checks import (
+from jaxdet._src.core import batching, ffi
+from jaxdet._src.core.checks import (
     check_philox_key,
     check_static_float,
     check_static_int,
@@ -52,9 +52,9 @@ def _dropout_batch(args, dims, **params):
     # The vmapped axis becomes a new leading group axis: each example gets its key and offset (the
     # shared one, broadcast, when they are not batched), so each example's elements are indexed
     # from its own offset exactly as in an unbatched call.
-    size = next(a.shape[d] for a, d in zip(args, dims) if not _ffi.not_mapped(d))
+    size = next(a.shape[d] for a, d in zip(args, dims) if not batching.not_mapped(d))
     x, keys, offsets = (
-        jnp.broadcast_to(a, (size,) + a.shape) if _ffi.not_mapped(d) else jnp.moveaxis(a, d, 0)
+        jnp.broadcast_to(a, (size,) + a.shape) if batching.not_mapped(d) else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     )
     return dropout_p.bind(x, keys, offsets, **params), 0
@@ -155,7 +155,7 @@ def _dropout_factors(params, shapes):
     return [x_factors, groups + ("key",), groups + ("offset",)], [x_factors]
 
 
-dropout_p = _ffi.define_primitive(
+dropout_p = ffi.define_primitive(
     "jaxdet_dropout",
     _dropout_abstract_eval,
     attributes=lambda drop_threshold, scale, mask_strides: dict(
@@ -164,7 +164,7 @@ dropout_p = _ffi.define_primitive(
         mask_strides=np.asarray(mask_strides, np.int64),
     ),
     batching_rule=_dropout_batch,
-    partitioning=_ffi.Partitioning(_dropout_factors, replicated=frozenset({"key", "offset"}), local=_dropout_local),
+    partitioning=ffi.Partitioning(_dropout_factors, replicated=frozenset({"key", "offset"}), local=_dropout_local),
 )
 
 
@@ -184,11 +184,11 @@ def _dropout_bwd(params, x_vma, res, g):
     # x that is invariant over an axis its key or offset varies over gets the canonical-tree sum
     # of the devices' cotangents (float32, cast once): `x_vma` is x's varying axes.
     key, offsets = res
-    if _ffi.varying_union(g, key, offsets) - x_vma:
+    if ffi.varying_union(g, key, offsets) - x_vma:
         g32 = g.astype(jnp.float32)
-        dx = _dropout(g32, key, offsets, params, _ffi.varying_axes(g32))
-        return _ffi.match_varying(dx, x_vma).astype(g.dtype), None, None
-    return _ffi.match_varying(_dropout(g, key, offsets, params, _ffi.varying_axes(g)), x_vma), None, None
+        dx = _dropout(g32, key, offsets, params, ffi.varying_axes(g32))
+        return ffi.match_varying(dx, x_vma).astype(g.dtype), None, None
+    return ffi.match_varying(_dropout(g, key, offsets, params, ffi.varying_axes(g)), x_vma), None, None
 
 
 _dropout.defvjp(_dropout_fwd, _dropout_bwd)
@@ -278,7 +278,7 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
         ("drop_threshold", drop_threshold(rate)),
         ("scale", float(keep_scale(rate))),
     )
-    return _dropout(x, key, offsets, params, _ffi.varying_axes(x))
+    return _dropout(x, key, offsets, params, ffi.varying_axes(x))
 
 
 # `jaxdet.dropout` is the function (the package exports it), so the rule's constants are reachable

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _ffi
-from jaxdet._checks import check_philox_key, check_static_int, is_traced
+from jaxdet._src.core import batching, ffi
+from jaxdet._src.core.checks import check_philox_key, check_static_int, is_traced
 
 FOLD_TAG = 0x464F4C44  # "FOLD"
 JAX_TAG = 0x4A41584B  # "JAXK"
@@ -43,12 +43,12 @@ def _philox_batch(args, dims):
     counters, keys = args
     c_dim, k_dim = dims
     group_ndim = keys.ndim - 1
-    if _ffi.not_mapped(k_dim):
+    if batching.not_mapped(k_dim):
         counters = jnp.moveaxis(counters, c_dim, group_ndim)
         return philox_p.bind(counters, keys), group_ndim
     size = keys.shape[k_dim]
     keys = jnp.moveaxis(keys, k_dim, 0)
-    if _ffi.not_mapped(c_dim):
+    if batching.not_mapped(c_dim):
         counters = jnp.broadcast_to(counters, (size,) + counters.shape)
     else:
         counters = jnp.moveaxis(counters, c_dim, 0)
@@ -63,12 +63,12 @@ def _philox_factors(params, shapes):
     return [blocks, groups + ("key",)], [blocks]
 
 
-philox_p = _ffi.define_primitive(
+philox_p = ffi.define_primitive(
     "jaxdet_philox4x32_10",
     _philox_abstract_eval,
     attributes=lambda: {},
     batching_rule=_philox_batch,
-    partitioning=_ffi.Partitioning(_philox_factors, replicated=frozenset({"words", "key"})),
+    partitioning=ffi.Partitioning(_philox_factors, replicated=frozenset({"words", "key"})),
 )
 
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdet
-from jaxdet.matmul import WGRAD_CHUNK_TOKENS
-from jaxdet.testing import assert_bitwise_equal, bits
-from jaxdet.testing import count_bit_differences as _count_diff
+from jaxdet._src.core.testing import assert_bitwise_equal, bits
+from jaxdet._src.core.testing import count_bit_differences as _count_diff
+from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS
 
 # K, N: not multiples of any register/cache tile, and K above the CPU K block (256).
 K, N = 600, 70
@@ -131,7 +131,7 @@ def check_db_chunk_tree(dtype, k=20, n=12):
 
     More than 3 chunks: the canonical tree over chunk partials; micro-batches of 2^j chunks
     combined with jaxdet.parallel.tree_sum, zero padding into new chunks, acc added once."""
-    from jaxdet.parallel import tree_sum
+    from jaxdet._src.core.tree import tree_sum
 
     c = WGRAD_CHUNK_TOKENS
     a = rand((8 * c, k), dtype, 40)

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _ffi
-from jaxdet._checks import FLOAT_DTYPES, float_dtype_of
+from jaxdet._src.core import batching, ffi
+from jaxdet._src.core.checks import FLOAT_DTYPES, float_dtype_of
 
 __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
 
@@ -66,7 +66,7 @@ def _gemm_batch(args, dims, *, transpose_a, transpose_b, out_dtype):
     a, b = args
     a_dim, b_dim = dims
     params = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
-    if _ffi.not_mapped(b_dim) and not transpose_a:
+    if batching.not_mapped(b_dim) and not transpose_a:
         # Shared b: the vmapped axis of a folds into M (rows are independent, so the bits of every
         # row are those of the per-example call).
         a = jnp.moveaxis(a, a_dim, 1)  # [L, B, M, K]
@@ -74,10 +74,10 @@ def _gemm_batch(args, dims, *, transpose_a, transpose_b, out_dtype):
         out = gemm_p.bind(a.reshape(L, B * M, K), b, **params)
         return out.reshape(L, B, M, out.shape[-1]), 1
     # Otherwise the vmapped axis joins L: a batched GEMM.
-    size = a.shape[a_dim] if not _ffi.not_mapped(a_dim) else b.shape[b_dim]
-    a = jnp.broadcast_to(a, (size,) + a.shape) if _ffi.not_mapped(a_dim) else jnp.moveaxis(a, a_dim, 0)
+    size = a.shape[a_dim] if not batching.not_mapped(a_dim) else b.shape[b_dim]
+    a = jnp.broadcast_to(a, (size,) + a.shape) if batching.not_mapped(a_dim) else jnp.moveaxis(a, a_dim, 0)
     L = a.shape[1]
-    if _ffi.not_mapped(b_dim):
+    if batching.not_mapped(b_dim):
         b = jnp.broadcast_to(b, (size, L) + b.shape[1:])  # b [Lb, ., .], Lb in {1, L}
     else:
         b = jnp.moveaxis(b, b_dim, 0)
@@ -98,14 +98,14 @@ def _gemm_factors(params, shapes):
     return [a_factors, b_factors], [("l", "m", "n")]
 
 
-gemm_p = _ffi.define_primitive(
+gemm_p = ffi.define_primitive(
     "jaxdet_gemm",
     _gemm_abstract_eval,
     attributes=lambda transpose_a, transpose_b, out_dtype: dict(
         transpose_a=bool(transpose_a), transpose_b=bool(transpose_b)
     ),
     batching_rule=_gemm_batch,
-    partitioning=_ffi.Partitioning(_gemm_factors, replicated=frozenset({"k"})),
+    partitioning=ffi.Partitioning(_gemm_factors, replicated=frozenset({"k"})),
 )
 
 
@@ -119,9 +119,9 @@ def _wgrad_abstract_eval(acc, a, dc, *, chunk_tokens):
 
 def _fold_mapped_axis(args, dims):
     """Moves the vmapped axis of every operand to the front and folds it into L: [size * L, ...]."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if not _ffi.not_mapped(d))
+    size = next(x.shape[d] for x, d in zip(args, dims) if not batching.not_mapped(d))
     moved = [
-        jnp.broadcast_to(x, (size,) + x.shape) if _ffi.not_mapped(d) else jnp.moveaxis(x, d, 0)
+        jnp.broadcast_to(x, (size,) + x.shape) if batching.not_mapped(d) else jnp.moveaxis(x, d, 0)
         for x, d in zip(args, dims)
     ]
     L = moved[0].shape[1]
@@ -134,7 +134,7 @@ def _wgrad_batch(args, dims, *, chunk_tokens):
     return out.reshape((size, L) + out.shape[1:]), 0
 
 
-wgrad_p = _ffi.define_primitive(
+wgrad_p = ffi.define_primitive(
     "jaxdet_gemm_wgrad",
     _wgrad_abstract_eval,
     attributes=lambda chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),
@@ -168,7 +168,7 @@ def _wgrad_init_batch(args, dims, *, chunk_tokens, out_dtype):
     return [o.reshape((size, L) + o.shape[1:]) for o in outs], [0, 0]
 
 
-wgrad_init_p = _ffi.define_primitive(
+wgrad_init_p = ffi.define_primitive(
     "jaxdet_gemm_wgrad_init",
     _wgrad_init_abstract_eval,
     attributes=lambda chunk_tokens, out_dtype: dict(chunk_tokens=np.int64(chunk_tokens)),
@@ -278,12 +278,12 @@ def _rows_abstract_eval(a, b, *, transpose_b, out_dtype):
 def _rows_batch(args, dims, *, transpose_b, out_dtype):
     a, b = args
     a_dim, b_dim = dims
-    if _ffi.not_mapped(b_dim):  # the vmapped axis of a is one more leading dimension of rows
+    if batching.not_mapped(b_dim):  # the vmapped axis of a is one more leading dimension of rows
         return rows_gemm_p.bind(jnp.moveaxis(a, a_dim, 0), b, transpose_b=transpose_b, out_dtype=out_dtype), 0
     # A vmapped b: a batched GEMM, example s's rows against b[s].
     size = b.shape[b_dim]
     b = jnp.moveaxis(b, b_dim, 0)
-    a = jnp.broadcast_to(a, (size,) + a.shape) if _ffi.not_mapped(a_dim) else jnp.moveaxis(a, a_dim, 0)
+    a = jnp.broadcast_to(a, (size,) + a.shape) if batching.not_mapped(a_dim) else jnp.moveaxis(a, a_dim, 0)
     out = _gemm(a.reshape(size, -1, a.shape[-1]), b, out_dtype, transpose_b=transpose_b)
     return out.reshape(a.shape[:-1] + (out.shape[-1],)), 0
 
@@ -303,10 +303,10 @@ def _rows_local(params, axes, shapes):
     return run
 
 
-rows_gemm_p = _ffi.define_composite(
+rows_gemm_p = ffi.define_composite(
     "jaxdet_gemm_rows",
     _rows_abstract_eval,
-    _ffi.Partitioning(_rows_factors, replicated=frozenset({"k"}), local=_rows_local),
+    ffi.Partitioning(_rows_factors, replicated=frozenset({"k"}), local=_rows_local),
     batching_rule=_rows_batch,
 )
 
@@ -341,7 +341,7 @@ def _weight_grad_local(params, axes, shapes):
         if not tokens:
             return _wgrad(None, a3, dc3, out_dtype=out_dtype)
         part = _wgrad(None, a3, dc3, out_dtype=_F32)  # this device's subtree root, float32
-        return _ffi.tree_psum_untyped(part, tokens).astype(out_dtype)
+        return ffi.tree_psum_untyped(part, tokens).astype(out_dtype)
 
     return run
 
@@ -356,10 +356,10 @@ def _tokens_line_up(factor, size, parts):
     return rest == 0 and chunks & (chunks - 1) == 0
 
 
-weight_grad_p = _ffi.define_composite(
+weight_grad_p = ffi.define_composite(
     "jaxdet_weight_grad",
     _weight_grad_abstract_eval,
-    _ffi.Partitioning(
+    ffi.Partitioning(
         _weight_grad_factors, reduced=frozenset({"t"}), local=_weight_grad_local, can_split=_tokens_line_up
     ),
     batching_rule=_weight_grad_batch,
@@ -374,10 +374,10 @@ def _cotangent(compute, dtype, primal, others):
     """A cotangent with its primal's dtype and varying axes: `compute(out_dtype)` runs the product;
     under shard_map, axes the cotangent varies over but the primal does not (an invariant weight
     next to sharded activations) are summed by the canonical tree in float32, then cast once."""
-    vma = _ffi.varying_axes(primal)
-    if _ffi.varying_union(*others) - vma:
-        return _ffi.match_varying(compute(_F32), vma).astype(dtype)
-    return _ffi.match_varying(compute(dtype), vma)
+    vma = ffi.varying_axes(primal)
+    if ffi.varying_union(*others) - vma:
+        return ffi.match_varying(compute(_F32), vma).astype(dtype)
+    return ffi.match_varying(compute(dtype), vma)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -521,7 +521,7 @@ def matmul(a, b, *, preferred_element_type=None):
     a = jnp.asarray(a)
     b = jnp.asarray(b)
     if math.prod(out_shape) == 0 or K == 0:
-        return _ffi.match_varying(jnp.zeros(out_shape, out_dtype), _ffi.varying_union(a, b))
+        return ffi.match_varying(jnp.zeros(out_shape, out_dtype), ffi.varying_union(a, b))
     if all(d == 1 for d in b_shape[:-2]):
         # Shared weights: every row of every batch element is one row of a single GEMM.
         return _matmul_rows(jnp.broadcast_to(a, batch + (M, K)), b.reshape(K, N), out_dtype)

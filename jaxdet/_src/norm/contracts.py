@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _row_reference as ref
-from jaxdet import norm as _norm
-from jaxdet.contracts import _rowops
-from jaxdet.contracts._rowops import default_device as _device
-from jaxdet.testing import count_bit_differences, same_bits
+from jaxdet._src.core import contract_checks
+from jaxdet._src.core.contract_checks import default_device as _device
+from jaxdet._src.core.testing import count_bit_differences, same_bits
+from jaxdet._src.norm import norm
+from jaxdet._src.norm import reference as ref
 
 KINDS = ("rms", "layer")
 # Relative-norm bounds of y and dx against float64 (the storage rounding dominates for 16-bit).
@@ -34,7 +34,7 @@ def make_inputs(tokens, n, dtype, seed=0, device=None):
 
 
 def apply(kind, x, w, b, eps=1e-5):
-    return _norm.rms_norm(x, w, eps) if kind == "rms" else _norm.layer_norm(x, w, b, eps)
+    return norm.rms_norm(x, w, eps) if kind == "rms" else norm.layer_norm(x, w, b, eps)
 
 
 def apply_jnp(kind, x, w, b, eps=1e-5):
@@ -163,7 +163,7 @@ def _f64_reference(kind, x, w, b, g, eps=1e-5):
 def relative_errors(kind, dtype, tokens=64, n=1000, seed=5):
     """Relative-norm errors of (y, dx, dscale, dbias) against a float64 reference."""
     x, w, b, g = make_inputs(tokens, n, dtype, seed=seed)
-    return _rowops.relative_errors(value_and_grads(kind, x, w, b, g), _f64_reference(kind, x, w, b, g))
+    return contract_checks.relative_errors(value_and_grads(kind, x, w, b, g), _f64_reference(kind, x, w, b, g))
 
 
 def check_accuracy(kind="layer", dtype=jnp.float32):
@@ -179,7 +179,7 @@ def check_accuracy(kind="layer", dtype=jnp.float32):
 
 
 def check_cpu_equals_device(kind="layer", dtype=jnp.bfloat16, shapes=((3, 1027), (64, 4096), (40, 9000))):
-    return _rowops.cpu_equals_device(
+    return contract_checks.cpu_equals_device(
         lambda *args: value_and_grads(kind, *args),
         lambda tokens, n: make_inputs(tokens, n, dtype, seed=11),
         f"{kind} {np.dtype(dtype).name}",
@@ -190,7 +190,7 @@ def check_cpu_equals_device(kind="layer", dtype=jnp.bfloat16, shapes=((3, 1027),
 
 def check_run_to_run(kind="rms", dtype=jnp.bfloat16, tokens=256, n=4096, runs=4):
     args = make_inputs(tokens, n, dtype, seed=13)
-    ok = _rowops.same_every_run(lambda: value_and_grads(kind, *args), runs)
+    ok = contract_checks.same_every_run(lambda: value_and_grads(kind, *args), runs)
     verdict = "bitwise identical" if ok else "DIFFER"
     return ok, f"{kind} {np.dtype(dtype).name} [{tokens}, {n}]: {runs} runs {verdict}"
 
@@ -207,4 +207,4 @@ def report_checks():
 
 
 def _all(check):
-    return _rowops.over_all(check, "kind", KINDS)
+    return contract_checks.over_all(check, "kind", KINDS)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _ffi, _rows
+from jaxdet._src.core import batching, checks, ffi
 
 __all__ = ["rms_norm", "layer_norm", "GRAD_BLOCK_TOKENS"]
 
@@ -35,22 +35,22 @@ _F32 = np.dtype(jnp.float32)
 
 
 def _fwd_abstract_eval(x, w, b, *, eps, center):
-    return (_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:2] + (2,), _F32))
+    return (batching.shaped(x.shape, x.dtype), batching.shaped(x.shape[:2] + (2,), _F32))
 
 
 def _fold_groups(args, dims, row_args):
     """Brings the vmapped axis to the front and folds it into G. `row_args[i]` says whether
     argument i is shaped like x ([G, R, ...]); the others are parameters [Gp, n] (Gp in {1, G}),
     kept shared when unbatched with Gp == 1 (or empty), else broadcast to [B * G, n]."""
-    size = _rows.batch_size(args, dims)
-    moved = [_rows.moved_to_front(a, d, size) if is_row else a for a, d, is_row in zip(args, dims, row_args)]
+    size = batching.batch_size(args, dims)
+    moved = [batching.moved_to_front(a, d, size) if is_row else a for a, d, is_row in zip(args, dims, row_args)]
     G = next(a.shape[1] for a, is_row in zip(moved, row_args) if is_row)
     out = []
     for a, d, is_row in zip(moved, dims, row_args):
-        if not is_row and (a.size == 0 or (_ffi.not_mapped(d) and a.shape[0] == 1)):
+        if not is_row and (a.size == 0 or (batching.not_mapped(d) and a.shape[0] == 1)):
             out.append(a)
             continue
-        full = a if is_row else jnp.broadcast_to(_rows.moved_to_front(a, d, size), (size, G) + a.shape[-1:])
+        full = a if is_row else jnp.broadcast_to(batching.moved_to_front(a, d, size), (size, G) + a.shape[-1:])
         out.append(full.reshape((size * full.shape[1],) + full.shape[2:]))
     return size, out
 
@@ -58,10 +58,10 @@ def _fold_groups(args, dims, row_args):
 def _fwd_batch(args, dims, *, eps, center):
     size, (x, w, b) = _fold_groups(args, dims, (True, False, False))
     y, stats = norm_fwd_p.bind(x, w, b, eps=eps, center=center)
-    return (_rows.unfold(y, size), _rows.unfold(stats, size)), (0, 0)
+    return (batching.unfold(y, size), batching.unfold(stats, size)), (0, 0)
 
 
-norm_fwd_p = _ffi.define_primitive(
+norm_fwd_p = ffi.define_primitive(
     "jaxdet_norm_fwd",
     _fwd_abstract_eval,
     attributes=lambda eps, center: dict(eps=np.float32(eps), center=bool(center)),
@@ -74,15 +74,15 @@ norm_fwd_p = _ffi.define_primitive(
 
 
 def _bwd_abstract_eval(x, w, stats, g, *, center):
-    return _rows.shaped(x.shape, x.dtype)
+    return batching.shaped(x.shape, x.dtype)
 
 
 def _bwd_batch(args, dims, *, center):
     size, (x, w, stats, g) = _fold_groups(args, dims, (True, False, True, True))
-    return _rows.unfold(norm_bwd_p.bind(x, w, stats, g, center=center), size), 0
+    return batching.unfold(norm_bwd_p.bind(x, w, stats, g, center=center), size), 0
 
 
-norm_bwd_p = _ffi.define_primitive(
+norm_bwd_p = ffi.define_primitive(
     "jaxdet_norm_bwd",
     _bwd_abstract_eval,
     attributes=lambda center: dict(center=bool(center)),
@@ -109,20 +109,20 @@ def _pg_abstract_eval(x, stats, g, *, has_bias):
     G, T, n = x.shape
     ws = _grad_workspace_rows(T)
     return (
-        _rows.shaped((G, n), _F32),
-        _rows.shaped((G, n if has_bias else 0), _F32),
-        _rows.shaped((G, ws, n), _F32),
-        _rows.shaped((G, ws if has_bias else 0, n), _F32),
+        batching.shaped((G, n), _F32),
+        batching.shaped((G, n if has_bias else 0), _F32),
+        batching.shaped((G, ws, n), _F32),
+        batching.shaped((G, ws if has_bias else 0, n), _F32),
     )
 
 
 def _pg_batch(args, dims, *, has_bias):
     size, flat = _fold_groups(args, dims, (True, True, True))
     outs = norm_param_grad_p.bind(*flat, has_bias=has_bias)
-    return [_rows.unfold(o, size) for o in outs], [0, 0, 0, 0]
+    return [batching.unfold(o, size) for o in outs], [0, 0, 0, 0]
 
 
-norm_param_grad_p = _ffi.define_primitive(
+norm_param_grad_p = ffi.define_primitive(
     "jaxdet_norm_param_grad",
     _pg_abstract_eval,
     attributes=lambda has_bias: {},
@@ -146,7 +146,7 @@ def _as_groups(x):
 
 
 def _rows_fwd_abstract_eval(x, w, b, *, eps, center, has_bias):
-    return (_rows.shaped(x.shape, x.dtype), _rows.shaped(x.shape[:-1] + (2,), _F32))
+    return (batching.shaped(x.shape, x.dtype), batching.shaped(x.shape[:-1] + (2,), _F32))
 
 
 def _rows_fwd_local(params, axes, shapes):
@@ -164,7 +164,7 @@ def _rows_fwd_factors(params, shapes):
 
 
 def _param_batched(args, dims, which):
-    return any(not _ffi.not_mapped(dims[i]) for i in which)
+    return any(not batching.not_mapped(dims[i]) for i in which)
 
 
 def _rows_fwd_batch(args, dims, *, eps, center, has_bias):
@@ -172,26 +172,26 @@ def _rows_fwd_batch(args, dims, *, eps, center, has_bias):
     if not _param_batched(args, dims, (1, 2)):  # the vmapped axis is one more row dimension
         return norm_rows_fwd_p.bind(jnp.moveaxis(x, xd, 0), w, b, eps=eps, center=center, has_bias=has_bias), (0, 0)
     # Per-example parameters: one group per example (the kernels' [G, R, n] layout).
-    size = _rows.batch_size(args, dims)
-    x = _rows.moved_to_front(x, xd, size)
-    w, b = _rows.moved_to_front(w, wd, size), _rows.moved_to_front(b, bd, size)
+    size = batching.batch_size(args, dims)
+    x = batching.moved_to_front(x, xd, size)
+    w, b = batching.moved_to_front(w, wd, size), batching.moved_to_front(b, bd, size)
     y, stats = norm_fwd_p.bind(
         x.reshape(size, -1, x.shape[-1]), w, b if has_bias else jnp.zeros((0,), _F32), eps=eps, center=center
     )
     return (y.reshape(x.shape), stats.reshape(x.shape[:-1] + (2,))), (0, 0)
 
 
-norm_rows_fwd_p = _ffi.define_composite(
+norm_rows_fwd_p = ffi.define_composite(
     "jaxdet_norm_rows_fwd",
     _rows_fwd_abstract_eval,
-    _ffi.Partitioning(_rows_fwd_factors, replicated=frozenset({"n", "two"}), local=_rows_fwd_local),
+    ffi.Partitioning(_rows_fwd_factors, replicated=frozenset({"n", "two"}), local=_rows_fwd_local),
     batching_rule=_rows_fwd_batch,
     multiple_results=True,
 )
 
 
 def _rows_bwd_abstract_eval(x, w, stats, g, *, center):
-    return _rows.shaped(x.shape, x.dtype)
+    return batching.shaped(x.shape, x.dtype)
 
 
 def _rows_bwd_local(params, axes, shapes):
@@ -211,9 +211,9 @@ def _rows_bwd_factors(params, shapes):
 
 def _rows_bwd_batch(args, dims, *, center):
     (x, w, stats, g), (xd, wd, sd, gd) = args, dims
-    size = _rows.batch_size(args, dims)
-    x, stats, g = (_rows.moved_to_front(a, d, size) for a, d in ((x, xd), (stats, sd), (g, gd)))
-    if _ffi.not_mapped(wd):
+    size = batching.batch_size(args, dims)
+    x, stats, g = (batching.moved_to_front(a, d, size) for a, d in ((x, xd), (stats, sd), (g, gd)))
+    if batching.not_mapped(wd):
         return norm_rows_bwd_p.bind(x, w, stats, g, center=center), 0
     w = jnp.moveaxis(w, wd, 0)
     grouped = lambda a: a.reshape(size, -1, a.shape[-1])
@@ -221,10 +221,10 @@ def _rows_bwd_batch(args, dims, *, center):
     return dx.reshape(x.shape), 0
 
 
-norm_rows_bwd_p = _ffi.define_composite(
+norm_rows_bwd_p = ffi.define_composite(
     "jaxdet_norm_rows_bwd",
     _rows_bwd_abstract_eval,
-    _ffi.Partitioning(_rows_bwd_factors, replicated=frozenset({"n", "two"}), local=_rows_bwd_local),
+    ffi.Partitioning(_rows_bwd_factors, replicated=frozenset({"n", "two"}), local=_rows_bwd_local),
     batching_rule=_rows_bwd_batch,
 )
 
@@ -237,7 +237,7 @@ norm_rows_bwd_p = _ffi.define_composite(
 
 
 def _grads_abstract_eval(x, stats, g, *, has_bias):
-    return [_rows.shaped(x.shape[-1:], _F32)] * (2 if has_bias else 1)
+    return [batching.shaped(x.shape[-1:], _F32)] * (2 if has_bias else 1)
 
 
 def _grads_of(x3, stats3, g3, has_bias):
@@ -251,7 +251,7 @@ def _grads_local(params, axes, shapes):
 
     def run(x, stats, g):
         out = [o[0] for o in _grads_of(x[None], stats[None], g[None], params["has_bias"])]
-        return [_ffi.tree_psum_untyped(o, tokens) for o in out] if tokens else out
+        return [ffi.tree_psum_untyped(o, tokens) for o in out] if tokens else out
 
     return run
 
@@ -270,15 +270,15 @@ def _tokens_line_up(factor, size, parts):
 
 
 def _grads_batch(args, dims, *, has_bias):
-    size = _rows.batch_size(args, dims)
-    x, stats, g = (_rows.moved_to_front(a, d, size) for a, d in zip(args, dims))
+    size = batching.batch_size(args, dims)
+    x, stats, g = (batching.moved_to_front(a, d, size) for a, d in zip(args, dims))
     return _grads_of(x, stats, g, has_bias), [0] * (2 if has_bias else 1)
 
 
-norm_grads_p = _ffi.define_composite(
+norm_grads_p = ffi.define_composite(
     "jaxdet_norm_param_grads",
     _grads_abstract_eval,
-    _ffi.Partitioning(
+    ffi.Partitioning(
         _grads_factors,
         replicated=frozenset({"two"}),
         reduced=frozenset({"t"}),
@@ -307,11 +307,11 @@ def _norm_bwd(eps, center, has_bias, res, g):
     x, w, b, stats = res
     # Under shard_map, a parameter invariant over axes the activations vary over gets the
     # canonical-tree sum of the devices' gradients (match_varying: tree_psum, never psum).
-    dx = _ffi.match_varying(norm_rows_bwd_p.bind(x, w, stats, g, center=center), _ffi.varying_axes(x))
+    dx = ffi.match_varying(norm_rows_bwd_p.bind(x, w, stats, g, center=center), ffi.varying_axes(x))
     n = x.shape[-1]
     grads = norm_grads_p.bind(x.reshape(-1, n), stats.reshape(-1, 2), g.reshape(-1, n), has_bias=has_bias)
-    dw = _ffi.match_varying(grads[0], _ffi.varying_axes(w))
-    db = _ffi.match_varying(grads[1] if has_bias else jnp.zeros_like(b), _ffi.varying_axes(b))
+    dw = ffi.match_varying(grads[0], ffi.varying_axes(w))
+    db = ffi.match_varying(grads[1] if has_bias else jnp.zeros_like(b), ffi.varying_axes(b))
     return dx, dw, db
 
 
@@ -319,22 +319,22 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 def _check_param(p, name, n):
-    p = _rows.check_float_array(p, name)
+    p = checks.check_float_array(p, name)
     if p.shape != (n,):
         raise ValueError(f"{name} must have shape ({n},) (the last dimension of x), got {tuple(p.shape)}")
     return p
 
 
 def _apply(x, scale, bias, eps, center):
-    x = _rows.check_float_array(x, "x")
+    x = checks.check_float_array(x, "x")
     if x.ndim < 1:
         raise ValueError("x must have at least one dimension (the features are its last axis), got a scalar")
     n = x.shape[-1]
     scale = _check_param(scale, "scale", n) if scale is not None else None
     bias = _check_param(bias, "bias", n) if bias is not None else None
-    eps = _rows.check_eps(eps)
+    eps = checks.check_eps(eps)
     if x.size == 0:
-        return _ffi.match_varying(jnp.zeros(x.shape, x.dtype), _ffi.varying_axes(x))
+        return ffi.match_varying(jnp.zeros(x.shape, x.dtype), ffi.varying_axes(x))
     # Parameters enter the kernels as float32 (exact widening); their gradients come back as
     # float32 tree sums and are rounded once to the parameter dtype by the astype's transpose.
     w = jnp.ones((n,), _F32) if scale is None else scale.astype(_F32)
@@ -371,3 +371,7 @@ def layer_norm(x, scale, bias, eps: float = 1e-6):
     The same contracts as :func:`rms_norm`; dbias is the canonical tree over tokens of ``g``.
     """
     return _apply(x, scale, bias, eps, center=True)
+
+
+# The public functions carry their constants (jaxdet.rms_norm.GRAD_BLOCK_TOKENS, ...).
+rms_norm.GRAD_BLOCK_TOKENS = layer_norm.GRAD_BLOCK_TOKENS = GRAD_BLOCK_TOKENS

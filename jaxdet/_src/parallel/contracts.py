@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdet
-from jaxdet import parallel
+from jaxdet._src.parallel import parallel
 
 RATE = 0.1
 MAX_NORM = 1.0

@@ -25,138 +25,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxdet._src.core.tree import axis_names, check_power_of_two, tree_psum, tree_sum
+from jaxdet._src.core.varying import pcast_to_varying
+
 __all__ = ["tree_psum", "tree_sum", "value_and_grad"]
-
-
-# ---- The canonical tree on one device. ----
-
-
-def _add(x, y):
-    return jax.tree.map(lambda u, v: u + v, x, y)
-
-
-def tree_sum(xs):
-    """The canonical tree sum of a non-empty list of arrays (or of pytrees of the same structure).
-
-    Balanced binary tree, lower index first, the list padded to a power of two with absent leaves
-    (a node whose right half is absent equals its left half): 3 summands give ``(x0 + x1) + x2``,
-    5 give ``((x0 + x1) + (x2 + x3)) + x4``. Adds in the summands' dtype; the reduction of
-    device-count-invariant gradients uses float32.
-    """
-    xs = list(xs)
-    if not xs:
-        raise ValueError("tree_sum needs at least one summand, got an empty list")
-    # Level by level, pairing neighbours and carrying an odd last one up unchanged, is the padded
-    # tree: the carried node's sibling is absent.
-    while len(xs) > 1:
-        xs = [_add(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
-    return xs[0]
-
-
-def _tree_rows(p):
-    """The canonical tree over the leading axis of one array (any length >= 1)."""
-    while p.shape[0] > 1:
-        n = p.shape[0]
-        pairs = p[0 : n - n % 2 : 2] + p[1 : n - n % 2 : 2]
-        p = jnp.concatenate([pairs, p[n - 1 :]], axis=0) if n % 2 else pairs
-    return p[0]
-
-
-# ---- The canonical tree across devices. ----
-
-
-def _axis_names(axis_name, what="axis_name"):
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"{what} must be a mesh axis name (str) or a non-empty tuple of them, got {axis_name!r}")
-    return names
-
-
-def _varying_axes(x):
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
-
-
-def _check_power_of_two(n, what):
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"{what} must be a power of two, got {n}")
-
-
-def _varying(x, names):
-    missing = tuple(n for n in names if n not in _varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _as_summand(x, names):
-    x = jnp.asarray(x)
-    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
-        raise TypeError(f"tree_psum sums float (or integer) arrays, got {x.dtype}")
-    # Like psum: a value not varying over an axis counts once per device of it.
-    return _varying(x, names)
-
-
-_OWN_BUFFER = 1 << 18  # elements (1 MiB of float32)
-
-
-def _tree_psum_flat(flat, axis, size):
-    n = flat.shape[0]
-    if n == 0:
-        return jnp.zeros((0,), flat.dtype)  # nothing to move (a fresh constant is invariant)
-    chunk = -(-n // size)
-    if chunk * size != n:
-        flat = jnp.pad(flat, (0, chunk * size - n))
-    if size > 1:
-        # Reduce-scatter by data movement: device k receives chunk k of every device, in device
-        # order, and reduces those D pieces by the top levels of the canonical tree.
-        pieces = lax.all_to_all(flat.reshape(size, chunk), axis, 0, 0, tiled=True)
-        flat = _tree_rows(pieces)
-    # All-gather the reduced chunks: the same bits on every device, typed invariant.
-    return lax.all_gather(flat, axis, axis=0, tiled=True, to="invarying")[:n]
-
-
-def tree_psum(x, axis_name):
-    """Deterministic all-reduce for ``jax.shard_map`` code: ``psum`` by the canonical tree.
-
-    Args:
-      x: a pytree of float arrays, this device's partial sum: the root of the subtree of the
-        canonical tree over this device's contiguous block of summands.
-      axis_name: a mesh axis name, or a tuple of them. For a tuple the device index is flat with
-        the first axis major (as in ``psum``/``all_gather``), so the tree reduces the last
-        (minor) axis first. The total size must be a power of two.
-
-    Returns the sum over the axis, by the balanced binary tree over the device index (lower index
-    first), with the same bits on every device and typed as invariant over ``axis_name`` (so
-    ``out_specs=P()`` is allowed under ``check_vma=True``). A value that is not varying over an
-    axis counts once per device, as with ``psum``. Only data moves between devices (all_to_all
-    reduce-scatter, then all_gather; the traffic of a ring all-reduce); the adds run locally in
-    x's dtype (float32 for device-count-invariant gradients). Any shapes: large leaves travel
-    alone and the small leaves of one dtype as one flat buffer, each zero-padded to a multiple of
-    the device count (each element's sum is the same tree whatever the packing). An axis of size 1
-    is the identity.
-    """
-    names = _axis_names(axis_name)
-    size = math.prod(lax.axis_size(n) for n in names)
-    _check_power_of_two(size, f"the size of mesh axis {axis_name!r}")
-    axis = names if len(names) > 1 else names[0]
-    leaves, treedef = jax.tree.flatten(x)
-    leaves = [_as_summand(leaf, names) for leaf in leaves]
-    # One buffer per dtype and per set of other varying axes (which the result keeps); a leaf of
-    # at least _OWN_BUFFER elements travels alone: packing it would copy it twice (concatenate,
-    # slice) and hold every collective back until the last gradient exists.
-    groups = {}
-    for i, leaf in enumerate(leaves):
-        alone = (i,) if leaf.size >= _OWN_BUFFER else ()
-        groups.setdefault((leaf.dtype, _varying_axes(leaf) - set(names), alone), []).append(i)
-    out = [None] * len(leaves)
-    for members in groups.values():
-        flats = [leaves[i].reshape(-1) for i in members]
-        summed = _tree_psum_flat(jnp.concatenate(flats) if len(flats) > 1 else flats[0], axis, size)
-        start = 0
-        for i in members:
-            out[i] = summed[start : start + leaves[i].size].reshape(leaves[i].shape)
-            start += leaves[i].size
-    return jax.tree.unflatten(treedef, out)
 
 
 # ---- Data parallelism over leaves. ----
@@ -221,12 +93,12 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    names = _axis_names(axis_name)
+    names = axis_names(axis_name)
     size = _mesh_axis_size(mesh, names)
-    _check_power_of_two(size, f"the size of mesh axis {axis_name!r}")
+    check_power_of_two(size, f"the size of mesh axis {axis_name!r}")
     if not isinstance(leaves, int) or isinstance(leaves, bool):
         raise TypeError(f"leaves must be an int, got {type(leaves).__name__}")
-    _check_power_of_two(leaves, "leaves")
+    check_power_of_two(leaves, "leaves")
     if leaves < size:
         raise ValueError(f"leaves must be at least the size of mesh axis {axis_name!r} ({size}), got {leaves}")
     per_device = leaves // size
@@ -256,13 +128,13 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
         init = None
         if levels:
             shapes = jax.eval_shape(lambda: leaf(first)[0])
-            init = jax.tree.map(lambda t: _varying(jnp.zeros(t.shape, t.dtype), names), shapes)
+            init = jax.tree.map(lambda t: pcast_to_varying(jnp.zeros(t.shape, t.dtype), names), shapes)
         (loss, grads), aux = _local_tree(leaf, levels, first, init)
         loss, grads = tree_psum((loss, grads), names)
         grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
         if has_aux:
             aux = jax.tree.map(
-                lambda x: lax.all_gather(_varying(x, names), spec_axis, axis=0, tiled=True, to="invarying"),
+                lambda x: lax.all_gather(pcast_to_varying(x, names), spec_axis, axis=0, tiled=True, to="invarying"),
                 aux,
             )
             return (loss, aux), grads

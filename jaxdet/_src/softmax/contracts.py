@@ -12,11 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _row_reference as ref
-from jaxdet.contracts import _rowops
-from jaxdet.contracts._rowops import default_device as _device
-from jaxdet.softmax import det_math, label_log_probs, log_softmax, softmax, softmax_cross_entropy_with_integer_labels
-from jaxdet.testing import count_bit_differences, same_bits
+from jaxdet._src.core import contract_checks
+from jaxdet._src.core.contract_checks import default_device as _device
+from jaxdet._src.core.testing import count_bit_differences, same_bits
+from jaxdet._src.softmax import reference as ref
+from jaxdet._src.softmax.softmax import (
+    det_math,
+    label_log_probs,
+    log_softmax,
+    softmax,
+    softmax_cross_entropy_with_integer_labels,
+)
 
 MODES = ("softmax", "log_softmax", "cross_entropy")
 ACCURACY = {np.dtype(jnp.float32): 4e-6, np.dtype(jnp.bfloat16): 8e-3, np.dtype(jnp.float16): 1e-3}
@@ -210,7 +216,7 @@ def _f64_reference(mode, x, labels, g, gl):
 
 def relative_errors(mode, dtype, rows=16, n=20000, seed=5):
     args = make_inputs(rows, n, dtype, seed=seed)
-    return _rowops.relative_errors(value_and_grad(mode, *args), _f64_reference(mode, *args))
+    return contract_checks.relative_errors(value_and_grad(mode, *args), _f64_reference(mode, *args))
 
 
 def check_accuracy(mode="softmax", dtype=jnp.float32):
@@ -237,7 +243,7 @@ def check_label_log_probs(dtype=jnp.float32, rows=12, n=20000):
 
 
 def check_cpu_equals_device(mode="cross_entropy", dtype=jnp.bfloat16, shapes=((3, 1027), (64, 4096), (5, 128256))):
-    return _rowops.cpu_equals_device(
+    return contract_checks.cpu_equals_device(
         lambda *args: value_and_grad(mode, *args),
         lambda rows, n: make_inputs(rows, n, dtype, seed=11),
         f"{mode} {np.dtype(dtype).name}",
@@ -249,7 +255,7 @@ def check_cpu_equals_device(mode="cross_entropy", dtype=jnp.bfloat16, shapes=((3
 def check_cpu_equals_device_math():
     dev = _device()
     if dev.platform == "cpu":
-        return None, _rowops.ON_CPU
+        return None, contract_checks.ON_CPU
     x = jnp.asarray(math_inputs())
     cpu = jax.devices("cpu")[0]
     bad = [
@@ -265,12 +271,12 @@ def check_cpu_equals_device_math():
 
 def check_run_to_run(mode="cross_entropy", dtype=jnp.bfloat16, rows=64, n=32768, runs=4):
     args = make_inputs(rows, n, dtype, seed=13)
-    ok = _rowops.same_every_run(lambda: value_and_grad(mode, *args), runs)
+    ok = contract_checks.same_every_run(lambda: value_and_grad(mode, *args), runs)
     return ok, f"{mode} {np.dtype(dtype).name} [{rows}, {n}]: {runs} runs " + ("bitwise identical" if ok else "DIFFER")
 
 
 def _all(check, **kw):
-    return _rowops.over_all(check, "mode", MODES, **kw)
+    return contract_checks.over_all(check, "mode", MODES, **kw)
 
 
 def report_checks():

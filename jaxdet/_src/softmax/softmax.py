@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet import _ffi, _rows
+from jaxdet._src.core import batching, checks, ffi
 
 __all__ = [
     "softmax",
@@ -60,10 +60,10 @@ def _workspace_segments(n):
 def _fold_rows(args, dims):
     """Moves the vmapped axis to the front (broadcasting unmapped arguments) and folds it into the
     rows: every argument's leading axis is the row axis."""
-    size = _rows.batch_size(args, dims)
+    size = batching.batch_size(args, dims)
     flat = []
     for a, d in zip(args, dims):
-        moved = _rows.moved_to_front(a, d, size)
+        moved = batching.moved_to_front(a, d, size)
         flat.append(moved.reshape((size * moved.shape[1],) + moved.shape[2:]))
     return size, flat
 
@@ -76,8 +76,8 @@ def _batch_rows(primitive):
         size, flat = _fold_rows(args, dims)
         outs = primitive().bind(*flat, **params)
         if isinstance(outs, (list, tuple)):
-            return [_rows.unfold(o, size) for o in outs], [0] * len(outs)
-        return _rows.unfold(outs, size), 0
+            return [batching.unfold(o, size) for o in outs], [0] * len(outs)
+        return batching.unfold(outs, size), 0
 
     return rule
 
@@ -88,13 +88,13 @@ def _batch_rows(primitive):
 def _sfwd_abstract_eval(x, *, mode):
     R, n = x.shape
     return (
-        _rows.shaped(x.shape, x.dtype),
-        _rows.shaped((R, _stat_width(n)), _F32),
-        _rows.shaped((R, _workspace_segments(n), 2), _F32),
+        batching.shaped(x.shape, x.dtype),
+        batching.shaped((R, _stat_width(n)), _F32),
+        batching.shaped((R, _workspace_segments(n), 2), _F32),
     )
 
 
-softmax_fwd_p = _ffi.define_primitive(
+softmax_fwd_p = ffi.define_primitive(
     "jaxdet_softmax_fwd",
     _sfwd_abstract_eval,
     attributes=lambda mode: dict(mode=np.int32(mode)),
@@ -108,10 +108,10 @@ softmax_fwd_p = _ffi.define_primitive(
 
 def _sbwd_abstract_eval(x, stats, g, *, mode):
     R, n = x.shape
-    return (_rows.shaped(x.shape, x.dtype), _rows.shaped((R, _workspace_segments(n)), _F32))
+    return (batching.shaped(x.shape, x.dtype), batching.shaped((R, _workspace_segments(n)), _F32))
 
 
-softmax_bwd_p = _ffi.define_primitive(
+softmax_bwd_p = ffi.define_primitive(
     "jaxdet_softmax_bwd",
     _sbwd_abstract_eval,
     attributes=lambda mode: dict(mode=np.int32(mode)),
@@ -126,13 +126,13 @@ softmax_bwd_p = _ffi.define_primitive(
 def _xfwd_abstract_eval(x, labels, *, log_prob):
     R, n = x.shape
     return (
-        _rows.shaped((R,), _F32),
-        _rows.shaped((R, _stat_width(n)), _F32),
-        _rows.shaped((R, _workspace_segments(n), 2), _F32),
+        batching.shaped((R,), _F32),
+        batching.shaped((R, _stat_width(n)), _F32),
+        batching.shaped((R, _workspace_segments(n), 2), _F32),
     )
 
 
-xent_fwd_p = _ffi.define_primitive(
+xent_fwd_p = ffi.define_primitive(
     "jaxdet_xent_fwd",
     _xfwd_abstract_eval,
     attributes=lambda log_prob: dict(log_prob=bool(log_prob)),
@@ -145,10 +145,10 @@ xent_fwd_p = _ffi.define_primitive(
 
 
 def _xbwd_abstract_eval(x, labels, stats, g):
-    return _rows.shaped(x.shape, x.dtype)
+    return batching.shaped(x.shape, x.dtype)
 
 
-xent_bwd_p = _ffi.define_primitive(
+xent_bwd_p = ffi.define_primitive(
     "jaxdet_xent_bwd", _xbwd_abstract_eval, attributes=lambda: {}, batching_rule=_batch_rows(lambda: xent_bwd_p)
 )
 
@@ -157,9 +157,9 @@ xent_bwd_p = _ffi.define_primitive(
 
 _MATH_OPS = {"exp": 0, "log": 1, "rsqrt": 2, "exp_nonpositive": 3}
 
-det_math_p = _ffi.define_primitive(
+det_math_p = ffi.define_primitive(
     "jaxdet_det_math",
-    lambda x, *, op: _rows.shaped(x.shape, _F32),
+    lambda x, *, op: batching.shaped(x.shape, _F32),
     attributes=lambda op: dict(op=np.int32(op)),
     batching_rule=lambda args, dims, *, op: (det_math_p.bind(args[0], op=op), dims[0]),
 )
@@ -192,8 +192,8 @@ def _row_factors(shape, trailing):
 
 def _fold_into_rows(prim, args, dims, params, nout):
     """A vmapped axis is one more leading row dimension: move it to the front everywhere."""
-    size = _rows.batch_size(args, dims)
-    out = prim.bind(*[_rows.moved_to_front(a, d, size) for a, d in zip(args, dims)], **params)
+    size = batching.batch_size(args, dims)
+    out = prim.bind(*[batching.moved_to_front(a, d, size) for a, d in zip(args, dims)], **params)
     return out, ([0] * nout if prim.multiple_results else 0)
 
 
@@ -203,10 +203,10 @@ def _composite(name, abstract_eval, factors, local, nout):
     def batch(args, dims, **params):
         return _fold_into_rows(prim, args, dims, params, nout)
 
-    prim = _ffi.define_composite(
+    prim = ffi.define_composite(
         name,
         abstract_eval,
-        _ffi.Partitioning(factors, replicated=frozenset({"n", "stats"}), local=local),
+        ffi.Partitioning(factors, replicated=frozenset({"n", "stats"}), local=local),
         batching_rule=batch,
         multiple_results=nout > 1,
     )
@@ -224,8 +224,8 @@ def _sm_local(params, axes, shapes):
 softmax_rows_p = _composite(
     "jaxdet_softmax_rows",
     lambda x, *, mode: [
-        _rows.shaped(x.shape, x.dtype),
-        _rows.shaped(x.shape[:-1] + (_stat_width(x.shape[-1]),), _F32),
+        batching.shaped(x.shape, x.dtype),
+        batching.shaped(x.shape[:-1] + (_stat_width(x.shape[-1]),), _F32),
     ],
     lambda params, shapes: (
         [_row_factors(shapes[0], 1) + ("n",)],
@@ -246,7 +246,7 @@ def _sm_bwd_local(params, axes, shapes):
 
 softmax_rows_bwd_p = _composite(
     "jaxdet_softmax_rows_bwd",
-    lambda x, stats, g, *, mode: _rows.shaped(x.shape, x.dtype),
+    lambda x, stats, g, *, mode: batching.shaped(x.shape, x.dtype),
     lambda params, shapes: (
         [
             _row_factors(shapes[0], 1) + ("n",),
@@ -271,8 +271,8 @@ def _xent_local(params, axes, shapes):
 xent_rows_p = _composite(
     "jaxdet_xent_rows",
     lambda x, labels, *, log_prob: [
-        _rows.shaped(labels.shape, _F32),
-        _rows.shaped(labels.shape + (_stat_width(x.shape[-1]),), _F32),
+        batching.shaped(labels.shape, _F32),
+        batching.shaped(labels.shape + (_stat_width(x.shape[-1]),), _F32),
     ],
     lambda params, shapes: (
         [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1)],
@@ -293,7 +293,7 @@ def _xent_bwd_local(params, axes, shapes):
 
 xent_rows_bwd_p = _composite(
     "jaxdet_xent_rows_bwd",
-    lambda x, labels, stats, g: _rows.shaped(x.shape, x.dtype),
+    lambda x, labels, stats, g: batching.shaped(x.shape, x.dtype),
     lambda params, shapes: (
         [
             _row_factors(shapes[0], 1) + ("n",),
@@ -325,7 +325,7 @@ def _softmax_rows_bwd(mode, res, g):
     x, stats = res
     # The probabilities are recomputed from x and the row statistics in float32 (never from a
     # bfloat16/float16 output), exactly as the forward computed them.
-    return (_ffi.match_varying(softmax_rows_bwd_p.bind(x, stats, g, mode=mode), _ffi.varying_axes(x)),)
+    return (ffi.match_varying(softmax_rows_bwd_p.bind(x, stats, g, mode=mode), ffi.varying_axes(x)),)
 
 
 _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
@@ -345,7 +345,7 @@ def _xent_rows_bwd(log_prob, res, g):
     x, labels, stats = res
     # d(log p_label) = -d(loss): negating the cotangent is exact.
     dx = xent_rows_bwd_p.bind(x, labels, stats, -g if log_prob else g)
-    return _ffi.match_varying(dx, _ffi.varying_axes(x)), np.zeros(labels.shape, jax.dtypes.float0)
+    return ffi.match_varying(dx, ffi.varying_axes(x)), np.zeros(labels.shape, jax.dtypes.float0)
 
 
 _xent_rows.defvjp(_xent_rows_fwd, _xent_rows_bwd)
@@ -355,10 +355,10 @@ _xent_rows.defvjp(_xent_rows_fwd, _xent_rows_bwd)
 
 
 def _rows_of(x, axis, name):
-    x = _rows.check_float_array(x, name)
+    x = checks.check_float_array(x, name)
     if x.ndim < 1:
         raise ValueError(f"{name} must have at least one dimension, got a scalar")
-    axis = _rows.check_axis(axis, x.ndim)
+    axis = checks.check_axis(axis, x.ndim)
     moved = jnp.moveaxis(x, axis, -1) if axis != x.ndim - 1 else x
     return moved, axis
 
@@ -366,7 +366,7 @@ def _rows_of(x, axis, name):
 def _softmax_like(x, axis, mode):
     moved, axis = _rows_of(x, axis, "x")
     if moved.size == 0:
-        return _ffi.match_varying(jnp.zeros(x.shape, x.dtype), _ffi.varying_axes(x))
+        return ffi.match_varying(jnp.zeros(x.shape, x.dtype), ffi.varying_axes(x))
     y = _softmax_rows(moved, _MODES[mode])
     return jnp.moveaxis(y, -1, axis) if axis != x.ndim - 1 else y
 
@@ -415,7 +415,7 @@ def _xent(logits, labels, axis, log_prob):
         raise ValueError("logits must have at least one class (the class axis has size 0)")
     labels = _labels_int32(labels, n, moved.shape[:-1])
     if moved.size == 0:
-        return _ffi.match_varying(jnp.zeros(labels.shape, _F32), _ffi.varying_union(moved, labels))
+        return ffi.match_varying(jnp.zeros(labels.shape, _F32), ffi.varying_union(moved, labels))
     return _xent_rows(moved, labels, log_prob)
 
 
@@ -446,3 +446,8 @@ def label_log_probs(logits, labels, axis: int = -1):
     ``-softmax_cross_entropy_with_integer_labels(logits, labels)`` and, for float32 logits,
     ``take_along_axis(log_softmax(logits), labels)``. NaN for an out-of-range label."""
     return _xent(logits, labels, axis, log_prob=True)
+
+
+# The public functions carry their constants (jaxdet.softmax.SEGMENT, ...).
+for _fn in (softmax, log_softmax, softmax_cross_entropy, softmax_cross_entropy_with_integer_labels, label_log_probs):
+    _fn.SEGMENT = SEGMENT
