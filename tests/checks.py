@@ -1,4 +1,4 @@
-"""What the tests of a contracts module (jaxdet/contracts/) share: the dtypes they run over, and
+"""What the tests of a contracts module (jaxdet/_src/<op>/contracts.py) share: the dtypes they run over, and
 asserting a check's (ok, detail)."""
 
 import jax.numpy as jnp

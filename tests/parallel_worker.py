@@ -1,6 +1,6 @@
 """Runs jaxdet.parallel on several (simulated CPU, or GPU) devices for tests/test_parallel.py,
 tests/test_multiprocess.py and the GPU sweep; the device count is fixed when JAX starts, so the tests
-start this script in a subprocess (jaxdet.contracts.parallel.subprocess_env sets the flag).
+start this script in a subprocess (jaxdet._src.parallel.contracts.subprocess_env sets the flag).
 
     python parallel_worker.py collectives OUT_DIR     # tree_psum cases -> OUT_DIR/collectives.npz + .json
     python parallel_worker.py train STEPS [D ...]     # training hashes per D (tree and psum) -> JSON on stdout
@@ -256,7 +256,7 @@ def run_collectives(out_dir):
 def run_train(steps, ds):
     import jax
 
-    from jaxdet.contracts import parallel as fp
+    from jaxdet._src.parallel import contracts as fp
 
     batches = fp.make_batches(steps, 64)
     result = {}
@@ -289,7 +289,7 @@ def run_multi(process_id, num_processes, port, steps):
         num_processes=num_processes,
         process_id=process_id,
     )
-    from jaxdet.contracts import parallel as fp
+    from jaxdet._src.parallel import contracts as fp
 
     m = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
     hashes, same = fp.train(m, fp.make_batches(steps, 64))
@@ -309,7 +309,7 @@ def run_gpu(steps):
     caller compares the hashes across NCCL settings."""
     import jax
 
-    from jaxdet.contracts import parallel as fp
+    from jaxdet._src.parallel import contracts as fp
 
     batches = fp.make_batches(steps, 64)
     result = {"nccl": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}

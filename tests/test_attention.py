@@ -20,8 +20,8 @@ from jax.test_util import check_grads
 from special_values import sprinkle_special
 
 import jaxdet
-from jaxdet.attention import KV_SPLIT
-from jaxdet.contracts import attention as contracts
+from jaxdet._src.attention import contracts
+from jaxdet._src.attention.attention import KV_SPLIT
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdet
-from jaxdet.audit import BATCH, DEVICES, RUN, AuditReport, Finding
+from jaxdet._src.audit.audit import BATCH, DEVICES, RUN, AuditReport, Finding
 
 _SOURCE = pathlib.Path(__file__).read_text().splitlines()
 

@@ -4,7 +4,7 @@ Semantics proven here (each test names the clause it proves):
   * norm = sqrt(sum of squares) accumulated in float32 per chunk / float64 over chunks, also for
     bfloat16 / float16 leaves; within 1e-6 relative of a float64 reference; no float16 overflow.
   * the canonical order: the norm and the clipped leaves equal, bit for bit, a NumPy
-    re-implementation of the documented order (jaxdet/_clip_reference.py).
+    re-implementation of the documented order (jaxdet/_src/clip/reference.py).
   * scale = min(1, max_norm / norm); norm == 0 -> scale 1; max_norm == 0 with norm == 0 -> no NaN;
     max_norm == inf never produces NaN; scale == 1 leaves every leaf bit-identical (NaN payloads,
     -0 and subnormals included).
@@ -23,9 +23,9 @@ import pytest
 from bitwise import assert_bitwise, bits
 
 import jaxdet
-from jaxdet import _clip_kernels as _kernels
-from jaxdet import _clip_reference as ref
-from jaxdet.contracts import clip as contracts
+from jaxdet._src.clip import contracts
+from jaxdet._src.clip import primitives as _kernels
+from jaxdet._src.clip import reference as ref
 
 BF16 = jnp.bfloat16
 F16 = jnp.float16
@@ -626,7 +626,7 @@ def test_cpu_equals_gpu_bitwise(cpu, gpu, policy):
 def test_staged_targets_cpu_equals_gpu_bitwise(cpu, gpu, policy):
     # The three stages on their own (the path of vmap, shard_map and sharded jit, and of trees of
     # more than MAX_ALIASED_LEAVES leaves): CPU == GPU, and == the fused call.
-    code = jaxdet.clip.NONFINITE_POLICIES[policy]
+    code = jaxdet.clip_by_global_norm.NONFINITE_POLICIES[policy]
     for name, tree, max_norm in _gpu_trees():
         leaves = jax.tree.leaves(tree)
         staged = jax.jit(lambda t: _kernels.staged_clip(t, jnp.float32(max_norm), code))

@@ -1,4 +1,4 @@
-"""Every contract check of the report (jaxdet.contracts), run by the test suite: one source of truth.
+"""Every contract check of the report (jaxdet._src.core.contracts), run by the test suite: one source of truth.
 
 A check returns (ok, detail); ok None means "not measurable on this device" (e.g. CPU == GPU without
 a GPU) and is reported as a skip.
@@ -6,7 +6,7 @@ a GPU) and is reported as a skip.
 
 import pytest
 
-from jaxdet import contracts
+from jaxdet._src.core import contracts
 
 CHECKS = contracts.all_checks()
 

@@ -1,4 +1,4 @@
-"""Registration and lowering rules shared by every primitive (jaxdet/_ffi.py)."""
+"""Registration and lowering rules shared by every primitive (jaxdet/_src/core/ffi.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxdet
-from jaxdet import _ffi
+from jaxdet._src.core import ffi as _ffi
 
 
 def test_cpu_targets_are_registered_and_cuda_ones_match_the_build():

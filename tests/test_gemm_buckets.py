@@ -32,7 +32,7 @@ import pytest
 
 import jaxdet
 from jaxdet import _native
-from jaxdet.matmul import gemm_p
+from jaxdet._src.matmul.matmul import gemm_p
 from jaxdet.testing import assert_bitwise_equal, bits, count_bit_differences
 
 SCRIPT = os.path.abspath(__file__)

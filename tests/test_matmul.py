@@ -1,7 +1,7 @@
 """jaxdet.matmul: row invariance (forward and dA), the dB chunk contract, vmap/jit, accuracy, errors.
 
 Every contract in docs/matmul.md names the test here that proves it. The invariance checks are
-written once, in jaxdet.contracts.matmul (the report runs them too), and run here on the CPU and,
+written once, in jaxdet._src.matmul.contracts (the report runs them too), and run here on the CPU and,
 marked `gpu`, on the GPU.
 """
 
@@ -20,8 +20,8 @@ from jax.test_util import check_grads
 
 import jaxdet
 from jaxdet import _native
-from jaxdet.contracts import matmul as contracts
-from jaxdet.matmul import gemm_p, wgrad_p
+from jaxdet._src.matmul import contracts
+from jaxdet._src.matmul.matmul import gemm_p, wgrad_p
 
 # K, N: not multiples of any register/cache tile, and K above the CPU K block (256).
 K, N = 600, 70

@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from jaxdet.contracts.parallel import subprocess_env
+from jaxdet._src.parallel.contracts import subprocess_env
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel_worker.py")
 STEPS = 20

@@ -2,7 +2,7 @@
 
 * row invariance, forward and backward (a row alone vs inside batches of 4-64, bitwise);
 * the canonical order: y, dx, dscale, dbias bitwise equal to the NumPy re-implementation
-  (jaxdet/_row_reference.py) -- the host side of CPU == GPU; the GPU tests compare the bits;
+  (jaxdet/_src/norm/reference.py) -- the host side of CPU == GPU; the GPU tests compare the bits;
 * parameter gradients: the canonical tree over tokens (aligned power-of-two blocks are subtrees);
 * accuracy against float64 (forward and backward) and check_grads in float32;
 * float32 statistics for bfloat16/float16 inputs; IEEE subnormals;
@@ -18,8 +18,8 @@ from checks import DTYPE_IDS, DTYPES, expect
 from jax.test_util import check_grads
 
 import jaxdet
-from jaxdet import _row_reference as ref
-from jaxdet.contracts import norm as contracts
+from jaxdet._src.norm import contracts
+from jaxdet._src.norm import reference as ref
 
 KINDS = ["rms", "layer"]
 

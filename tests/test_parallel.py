@@ -18,7 +18,7 @@ import pytest
 from bitwise import assert_bitwise, bits
 
 from jaxdet import parallel
-from jaxdet.contracts.parallel import subprocess_env
+from jaxdet._src.parallel.contracts import subprocess_env
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel_worker.py")
 STEPS = 20
@@ -209,7 +209,7 @@ def test_value_and_grad_leaves_aux_and_index(collectives):
 
 def test_training_bits_do_not_depend_on_device_count(training):
     """jaxdet.matmul layers, dropout keyed by the global element index, clip_by_global_norm and
-    optax.adamw (jaxdet.contracts.parallel): the SHA-256 of the parameters and optimizer state after
+    optax.adamw (jaxdet._src.parallel.contracts): the SHA-256 of the parameters and optimizer state after
     every step is the same for D = 1, 2, 4, 8 and on every device."""
     ref = training["tree1"]["hashes"]
     assert len(ref) == STEPS and len(set(ref)) == STEPS

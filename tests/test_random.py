@@ -8,7 +8,7 @@ from philox_reference import philox4x32_10 as np_philox
 
 import jaxdet
 from jaxdet import random as jr
-from jaxdet.contracts import dropout as contracts
+from jaxdet._src.dropout import contracts
 
 
 def test_known_answer_vectors_cpu(cpu):

@@ -251,7 +251,7 @@ def test_attention_sharded_jit_runs_per_shard():
         args = [put(q, m, spec), put(k, m, kv_spec), put(v, m, kv_spec)]
         assert_bitwise(jax.jit(attend)(*args), want, f"{spec}")
         assert collectives(attend, *args) == {}, (spec, collectives(attend, *args))
-    # Each form of the rows' description (jaxdet/attention.py): positions and lengths split with
+    # Each form of the rows' description (jaxdet/_src/attention/attention.py): positions and lengths split with
     # the batch (and positions with the query rows), segment starts and limits likewise. (Segment
     # starts are a running maximum along the query rows: split rows need collectives to find
     # them, before the attention.)

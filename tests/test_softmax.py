@@ -21,9 +21,9 @@ from checks import DTYPE_IDS, DTYPES, expect
 from jax.test_util import check_grads
 
 import jaxdet
-from jaxdet import _row_reference as ref
-from jaxdet.contracts import softmax as contracts
-from jaxdet.softmax import det_math
+from jaxdet._src.softmax import contracts
+from jaxdet._src.softmax import reference as ref
+from jaxdet._src.softmax.softmax import det_math
 
 MODES = ["softmax", "log_softmax", "cross_entropy"]
 
@@ -321,8 +321,8 @@ def test_gpu_equals_cpu_bitwise(mode, dtype, on_gpu):
 
 _PASSES_SCRIPT = """
 import hashlib, sys, jax, numpy as np
-from jaxdet.contracts import softmax as contracts
-from jaxdet._switches import active_testing_overrides
+from jaxdet._src.softmax import contracts
+from jaxdet._src.core.switches import active_testing_overrides
 assert active_testing_overrides() == {"softmax": "passes"}, active_testing_overrides()
 with jax.default_device(jax.devices("gpu")[0]):
     for mode, dtype, rows, n in eval(sys.argv[1]):

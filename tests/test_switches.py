@@ -1,4 +1,4 @@
-"""The testing switch JAXDET_TESTING (jaxdet/_switches.py, cuda/common/testing.h; docs/DEVELOPING.md)."""
+"""The testing switch JAXDET_TESTING (jaxdet/_src/core/switches.py, cuda/common/testing.h; docs/DEVELOPING.md)."""
 
 import os
 import subprocess
@@ -8,7 +8,12 @@ import tempfile
 import pytest
 
 from jaxdet import _native
-from jaxdet._switches import TESTING_ENV, active_testing_overrides, parse_testing_overrides, validate_testing_env
+from jaxdet._src.core.switches import (
+    TESTING_ENV,
+    active_testing_overrides,
+    parse_testing_overrides,
+    validate_testing_env,
+)
 
 
 def test_parse_accepted_items():
@@ -41,7 +46,7 @@ def _run(code, testing):
 
 def test_native_code_reads_the_switch_once_per_process():
     code = (
-        "from jaxdet._switches import active_testing_overrides; from jaxdet import _native\n"
+        "from jaxdet._src.core.switches import active_testing_overrides; from jaxdet import _native\n"
         "print(sorted(active_testing_overrides().items()), _native.cpu_gemm_isa())"
     )
     r = _run(code, "cpu_gemm=generic, gemm=sm80")

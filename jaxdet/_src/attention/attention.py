@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from jaxdet import _native
-from jaxdet._src.core import batching, ffi
+from jaxdet._src.core import batching, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, check_static_float, float_dtype_of
 
 __all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS"]
@@ -185,10 +185,10 @@ def _typed_like(ct, primal):
     """A cotangent with its primal's varying axes (jax.shard_map): axes only the cotangent varies
     over (keys and values invariant next to varying queries) are summed by the canonical tree in
     float32 (never a psum), then cast once."""
-    vma = ffi.varying_axes(primal)
-    if ffi.varying_axes(ct) - vma:
-        return ffi.match_varying(ct.astype(jnp.float32), vma).astype(ct.dtype)
-    return ffi.match_varying(ct, vma)
+    vma = varying.varying_axes(primal)
+    if varying.varying_axes(ct) - vma:
+        return tree.match_varying(ct.astype(jnp.float32), vma).astype(ct.dtype)
+    return tree.match_varying(ct, vma)
 
 
 def _attention5_bwd(scale, row_form, res, do):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import batching, ffi
+from jaxdet._src.core import batching, ffi, varying
 
 CHUNK_SIZE = 4096  # elements per chunk (cuda/clip/clip_math.h kChunk)
 MAX_ALIASED_LEAVES = 256  # leaves per aliased native call (fused clip, apply groups)
@@ -206,19 +206,19 @@ apply_p = ffi.define_primitive(
 
 
 def _typed(aval, vma):
-    return ffi._with_varying(aval, frozenset(vma))
+    return varying.with_varying(aval, frozenset(vma))
 
 
 def _partials_through_varying(*leaves, batch_dims):
     slots, *handed = _partials_through_abstract_eval(*leaves, batch_dims=batch_dims)
-    union = frozenset().union(*(ffi.varying_axes(x) for x in leaves))
-    return (_typed(slots, union), *(_typed(h, ffi.varying_axes(x)) for h, x in zip(handed, leaves)))
+    union = frozenset().union(*(varying.varying_axes(x) for x in leaves))
+    return (_typed(slots, union), *(_typed(h, varying.varying_axes(x)) for h, x in zip(handed, leaves)))
 
 
 def _apply_varying(ctrl, *leaves):
     outs = _apply_abstract_eval(ctrl, *leaves)
-    decision = ffi.varying_axes(ctrl)
-    return tuple(_typed(o, decision | ffi.varying_axes(x)) for o, x in zip(outs, leaves))
+    decision = varying.varying_axes(ctrl)
+    return tuple(_typed(o, decision | varying.varying_axes(x)) for o, x in zip(outs, leaves))
 
 
 partials_through_p.def_abstract_eval(_partials_through_varying)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import batching, ffi
+from jaxdet._src.core import batching, ffi, tree, varying
 from jaxdet._src.core.checks import (
     check_philox_key,
     check_static_float,
@@ -184,11 +184,11 @@ def _dropout_bwd(params, x_vma, res, g):
     # x that is invariant over an axis its key or offset varies over gets the canonical-tree sum
     # of the devices' cotangents (float32, cast once): `x_vma` is x's varying axes.
     key, offsets = res
-    if ffi.varying_union(g, key, offsets) - x_vma:
+    if varying.varying_union(g, key, offsets) - x_vma:
         g32 = g.astype(jnp.float32)
-        dx = _dropout(g32, key, offsets, params, ffi.varying_axes(g32))
-        return ffi.match_varying(dx, x_vma).astype(g.dtype), None, None
-    return ffi.match_varying(_dropout(g, key, offsets, params, ffi.varying_axes(g)), x_vma), None, None
+        dx = _dropout(g32, key, offsets, params, varying.varying_axes(g32))
+        return tree.match_varying(dx, x_vma).astype(g.dtype), None, None
+    return tree.match_varying(_dropout(g, key, offsets, params, varying.varying_axes(g)), x_vma), None, None
 
 
 _dropout.defvjp(_dropout_fwd, _dropout_bwd)
@@ -278,7 +278,7 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
         ("drop_threshold", drop_threshold(rate)),
         ("scale", float(keep_scale(rate))),
     )
-    return _dropout(x, key, offsets, params, ffi.varying_axes(x))
+    return _dropout(x, key, offsets, params, varying.varying_axes(x))
 
 
 # `jaxdet.dropout` is the function (the package exports it), so the rule's constants are reachable

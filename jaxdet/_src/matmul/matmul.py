@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import batching, ffi
+from jaxdet._src.core import batching, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, float_dtype_of
 
 __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
@@ -341,7 +341,7 @@ def _weight_grad_local(params, axes, shapes):
         if not tokens:
             return _wgrad(None, a3, dc3, out_dtype=out_dtype)
         part = _wgrad(None, a3, dc3, out_dtype=_F32)  # this device's subtree root, float32
-        return ffi.tree_psum_untyped(part, tokens).astype(out_dtype)
+        return tree.tree_psum_untyped(part, tokens).astype(out_dtype)
 
     return run
 
@@ -374,10 +374,10 @@ def _cotangent(compute, dtype, primal, others):
     """A cotangent with its primal's dtype and varying axes: `compute(out_dtype)` runs the product;
     under shard_map, axes the cotangent varies over but the primal does not (an invariant weight
     next to sharded activations) are summed by the canonical tree in float32, then cast once."""
-    vma = ffi.varying_axes(primal)
-    if ffi.varying_union(*others) - vma:
-        return ffi.match_varying(compute(_F32), vma).astype(dtype)
-    return ffi.match_varying(compute(dtype), vma)
+    vma = varying.varying_axes(primal)
+    if varying.varying_union(*others) - vma:
+        return tree.match_varying(compute(_F32), vma).astype(dtype)
+    return tree.match_varying(compute(dtype), vma)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -521,7 +521,7 @@ def matmul(a, b, *, preferred_element_type=None):
     a = jnp.asarray(a)
     b = jnp.asarray(b)
     if math.prod(out_shape) == 0 or K == 0:
-        return ffi.match_varying(jnp.zeros(out_shape, out_dtype), ffi.varying_union(a, b))
+        return tree.match_varying(jnp.zeros(out_shape, out_dtype), varying.varying_union(a, b))
     if all(d == 1 for d in b_shape[:-2]):
         # Shared weights: every row of every batch element is one row of a single GEMM.
         return _matmul_rows(jnp.broadcast_to(a, batch + (M, K)), b.reshape(K, N), out_dtype)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import batching, checks, ffi
+from jaxdet._src.core import batching, checks, ffi, tree, varying
 
 __all__ = ["rms_norm", "layer_norm", "GRAD_BLOCK_TOKENS"]
 
@@ -251,7 +251,7 @@ def _grads_local(params, axes, shapes):
 
     def run(x, stats, g):
         out = [o[0] for o in _grads_of(x[None], stats[None], g[None], params["has_bias"])]
-        return [ffi.tree_psum_untyped(o, tokens) for o in out] if tokens else out
+        return [tree.tree_psum_untyped(o, tokens) for o in out] if tokens else out
 
     return run
 
@@ -307,11 +307,11 @@ def _norm_bwd(eps, center, has_bias, res, g):
     x, w, b, stats = res
     # Under shard_map, a parameter invariant over axes the activations vary over gets the
     # canonical-tree sum of the devices' gradients (match_varying: tree_psum, never psum).
-    dx = ffi.match_varying(norm_rows_bwd_p.bind(x, w, stats, g, center=center), ffi.varying_axes(x))
+    dx = tree.match_varying(norm_rows_bwd_p.bind(x, w, stats, g, center=center), varying.varying_axes(x))
     n = x.shape[-1]
     grads = norm_grads_p.bind(x.reshape(-1, n), stats.reshape(-1, 2), g.reshape(-1, n), has_bias=has_bias)
-    dw = ffi.match_varying(grads[0], ffi.varying_axes(w))
-    db = ffi.match_varying(grads[1] if has_bias else jnp.zeros_like(b), ffi.varying_axes(b))
+    dw = tree.match_varying(grads[0], varying.varying_axes(w))
+    db = tree.match_varying(grads[1] if has_bias else jnp.zeros_like(b), varying.varying_axes(b))
     return dx, dw, db
 
 
@@ -334,7 +334,7 @@ def _apply(x, scale, bias, eps, center):
     bias = _check_param(bias, "bias", n) if bias is not None else None
     eps = checks.check_eps(eps)
     if x.size == 0:
-        return ffi.match_varying(jnp.zeros(x.shape, x.dtype), ffi.varying_axes(x))
+        return tree.match_varying(jnp.zeros(x.shape, x.dtype), varying.varying_axes(x))
     # Parameters enter the kernels as float32 (exact widening); their gradients come back as
     # float32 tree sums and are rounded once to the parameter dtype by the astype's transpose.
     w = jnp.ones((n,), _F32) if scale is None else scale.astype(_F32)

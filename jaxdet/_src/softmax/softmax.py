@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import batching, checks, ffi
+from jaxdet._src.core import batching, checks, ffi, tree, varying
 
 __all__ = [
     "softmax",
@@ -325,7 +325,7 @@ def _softmax_rows_bwd(mode, res, g):
     x, stats = res
     # The probabilities are recomputed from x and the row statistics in float32 (never from a
     # bfloat16/float16 output), exactly as the forward computed them.
-    return (ffi.match_varying(softmax_rows_bwd_p.bind(x, stats, g, mode=mode), ffi.varying_axes(x)),)
+    return (tree.match_varying(softmax_rows_bwd_p.bind(x, stats, g, mode=mode), varying.varying_axes(x)),)
 
 
 _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
@@ -345,7 +345,7 @@ def _xent_rows_bwd(log_prob, res, g):
     x, labels, stats = res
     # d(log p_label) = -d(loss): negating the cotangent is exact.
     dx = xent_rows_bwd_p.bind(x, labels, stats, -g if log_prob else g)
-    return ffi.match_varying(dx, ffi.varying_axes(x)), np.zeros(labels.shape, jax.dtypes.float0)
+    return tree.match_varying(dx, varying.varying_axes(x)), np.zeros(labels.shape, jax.dtypes.float0)
 
 
 _xent_rows.defvjp(_xent_rows_fwd, _xent_rows_bwd)
@@ -366,7 +366,7 @@ def _rows_of(x, axis, name):
 def _softmax_like(x, axis, mode):
     moved, axis = _rows_of(x, axis, "x")
     if moved.size == 0:
-        return ffi.match_varying(jnp.zeros(x.shape, x.dtype), ffi.varying_axes(x))
+        return tree.match_varying(jnp.zeros(x.shape, x.dtype), varying.varying_axes(x))
     y = _softmax_rows(moved, _MODES[mode])
     return jnp.moveaxis(y, -1, axis) if axis != x.ndim - 1 else y
 
@@ -415,7 +415,7 @@ def _xent(logits, labels, axis, log_prob):
         raise ValueError("logits must have at least one class (the class axis has size 0)")
     labels = _labels_int32(labels, n, moved.shape[:-1])
     if moved.size == 0:
-        return ffi.match_varying(jnp.zeros(labels.shape, _F32), ffi.varying_union(moved, labels))
+        return tree.match_varying(jnp.zeros(labels.shape, _F32), varying.varying_union(moved, labels))
     return _xent_rows(moved, labels, log_prob)
 
 
