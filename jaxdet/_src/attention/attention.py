@@ -69,16 +69,12 @@ def _bwd_abstract_eval(q, k, v, o, lse2, do, row_a, row_b, *, scale, row_form):
 def _fold_batch(args, dims):
     """The vmapped axis of every operand moved to the front and folded into B (an unmapped operand
     is broadcast). Rows are independent, so the bits of every row are those of the unbatched call."""
-    size = next(x.shape[d] for x, d in zip(args, dims) if not batching.not_mapped(d))
-    out = []
-    for x, d in zip(args, dims):
-        moved = jnp.broadcast_to(x, (size,) + x.shape) if batching.not_mapped(d) else jnp.moveaxis(x, d, 0)
-        out.append(moved.reshape((size * moved.shape[1],) + moved.shape[2:]))
-    return size, out
+    size, moved = batching.to_front(args, dims)
+    return size, [x.reshape((size * x.shape[1],) + x.shape[2:]) for x in moved]
 
 
 def _unfold(size, outs):
-    return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs], [0] * len(outs)
+    return [batching.unfold(o, size) for o in outs], [0] * len(outs)
 
 
 def _fwd_batch(args, dims, **params):

@@ -41,7 +41,7 @@ def num_chunks(shapes) -> int:
     return sum(chunks_of(_size(s)) for s in shapes)
 
 
-def _f32(shape=()):
+def f32_aval(shape=()):
     return jax.core.ShapedArray(tuple(shape), jnp.float32)
 
 
@@ -50,16 +50,16 @@ def _f32(shape=()):
 
 def _scratch_aval(leaves):
     # Chunk slots, then the clip decision (scale, mode): device memory the kernels hand on.
-    return _f32((num_chunks([x.shape for x in leaves]) + 2,))
+    return f32_aval((num_chunks([x.shape for x in leaves]) + 2,))
 
 
 def _global_norm_abstract_eval(*leaves):
-    return (_f32(), _scratch_aval(leaves))
+    return (f32_aval(), _scratch_aval(leaves))
 
 
 def _clip_abstract_eval(max_norm, *leaves, nonfinite):
     del max_norm, nonfinite
-    return (_f32(), _scratch_aval(leaves), *(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves))
+    return (f32_aval(), _scratch_aval(leaves), *(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves))
 
 
 # vmap: the staged path, one norm and one decision per example. The scratch result is internal
@@ -67,14 +67,14 @@ def _clip_abstract_eval(max_norm, *leaves, nonfinite):
 
 
 def _global_norm_batch(args, dims):
-    leaves = _to_leading(args, dims)
+    leaves = to_leading(args, dims)
     norm = staged_norm(leaves, batch_dims=1)
     scratch = jnp.zeros(norm.shape + (num_chunks([x.shape[1:] for x in leaves]) + 2,), jnp.float32)
     return (norm, scratch), (0, 0)
 
 
 def _clip_batch(args, dims, *, nonfinite):
-    max_norm, *leaves = _to_leading(args, dims)
+    max_norm, *leaves = to_leading(args, dims)
     norm, clipped = staged_clip(leaves, max_norm, nonfinite, batch_dims=1)
     scratch = jnp.zeros(norm.shape + (num_chunks([x.shape[1:] for x in leaves]) + 2,), jnp.float32)
     return (norm, scratch, *clipped), (0,) * (len(clipped) + 2)
@@ -115,7 +115,7 @@ def _batch_shape(leaves, batch_dims):
 
 def _partials_abstract_eval(*leaves, batch_dims):
     shape = _batch_shape(leaves, batch_dims)
-    return _f32(shape + (num_chunks([x.shape[batch_dims:] for x in leaves]),))
+    return f32_aval(shape + (num_chunks([x.shape[batch_dims:] for x in leaves]),))
 
 
 def _partials_through_abstract_eval(*leaves, batch_dims):
@@ -128,7 +128,7 @@ def _finalize_abstract_eval(slots, max_norm, *, nonfinite):
     shape = tuple(slots.shape[:-1])
     if tuple(max_norm.shape) not in ((), shape):
         raise ValueError(f"clip stages: max_norm has shape {max_norm.shape}, expected () or {shape}")
-    return (_f32(shape), jax.core.ShapedArray(shape + (2,), jnp.uint32))
+    return (f32_aval(shape), jax.core.ShapedArray(shape + (2,), jnp.uint32))
 
 
 def _apply_abstract_eval(ctrl, *leaves):
@@ -138,27 +138,41 @@ def _apply_abstract_eval(ctrl, *leaves):
 
 
 def _partials_batch(args, dims, *, batch_dims):
-    return partials_p.bind(*_to_leading(args, dims), batch_dims=batch_dims + 1), 0
+    return partials_p.bind(*to_leading(args, dims), batch_dims=batch_dims + 1), 0
 
 
 def _partials_through_batch(args, dims, *, batch_dims):
-    out = partials_through_p.bind(*_to_leading(args, dims), batch_dims=batch_dims + 1)
+    out = partials_through_p.bind(*to_leading(args, dims), batch_dims=batch_dims + 1)
     return out, (0,) * len(out)
 
 
 def _finalize_batch(args, dims, *, nonfinite):
     (slots, max_norm), (sd, md) = args, dims
-    size = _batch_size(args, dims)
-    slots = _leading(slots, sd, size)
+    size = batching.batch_size(args, dims)
+    slots = batching.moved_to_front(slots, sd, size)
     if not batching.not_mapped(md) or max_norm.ndim:
         # One max_norm per example: bring it to the slots' example dims.
-        max_norm = jnp.broadcast_to(_leading(max_norm, md, size), slots.shape[:-1])
+        max_norm = jnp.broadcast_to(batching.moved_to_front(max_norm, md, size), slots.shape[:-1])
     return finalize_p.bind(slots, max_norm, nonfinite=nonfinite), (0, 0)
 
 
 def _apply_batch(args, dims):
-    ctrl, *leaves = _to_leading(args, dims)
+    ctrl, *leaves = to_leading(args, dims)
     return apply_leaves(ctrl, leaves), (0,) * len(leaves)
+
+
+# Inside shard_map each handed-on or clipped leaf varies where its own leaf does (and, for apply,
+# where the decision does), not over the union of all the call's leaves: a replicated leaf clipped
+# next to sharded ones stays replicated. (The define_primitive default is the union of all inputs.)
+
+
+def _partials_through_varying(*leaves):
+    return (varying.varying_union(*leaves), *(varying.varying_axes(x) for x in leaves))
+
+
+def _apply_varying(ctrl, *leaves):
+    decision = varying.varying_axes(ctrl)
+    return tuple(decision | varying.varying_axes(x) for x in leaves)
 
 
 partials_p = ffi.define_primitive(
@@ -179,6 +193,7 @@ partials_through_p = ffi.define_primitive(
     batching_rule=_partials_through_batch,
     multiple_results=True,
     operand_output_aliases=lambda num_operands: {i: i + 1 for i in range(num_operands)},
+    result_varying=_partials_through_varying,
 )
 
 finalize_p = ffi.define_primitive(
@@ -197,54 +212,16 @@ apply_p = ffi.define_primitive(
     batching_rule=_apply_batch,
     multiple_results=True,
     operand_output_aliases=lambda num_operands: {i: i - 1 for i in range(1, num_operands)},
+    result_varying=_apply_varying,
 )
-
-
-# Inside shard_map each handed-on or clipped leaf varies where its own leaf does (and, for apply,
-# where the decision does), not over the union of all the call's leaves: a replicated leaf clipped
-# next to sharded ones stays replicated. (The define_primitive default is the union of all inputs.)
-
-
-def _typed(aval, vma):
-    return varying.with_varying(aval, frozenset(vma))
-
-
-def _partials_through_varying(*leaves, batch_dims):
-    slots, *handed = _partials_through_abstract_eval(*leaves, batch_dims=batch_dims)
-    union = frozenset().union(*(varying.varying_axes(x) for x in leaves))
-    return (_typed(slots, union), *(_typed(h, varying.varying_axes(x)) for h, x in zip(handed, leaves)))
-
-
-def _apply_varying(ctrl, *leaves):
-    outs = _apply_abstract_eval(ctrl, *leaves)
-    decision = varying.varying_axes(ctrl)
-    return tuple(_typed(o, decision | varying.varying_axes(x)) for o, x in zip(outs, leaves))
-
-
-partials_through_p.def_abstract_eval(_partials_through_varying)
-apply_p.def_abstract_eval(_apply_varying)
 
 
 # ---- Batching helpers ---------------------------------------------------------------------------
 
 
-def _batch_size(args, dims):
-    for x, d in zip(args, dims):
-        if not batching.not_mapped(d):
-            return x.shape[d]
-    raise AssertionError("a batching rule called with no batched operand")
-
-
-def _leading(x, dim, size):
-    """`x` with its batch dim first (broadcast to `size` examples if it has none)."""
-    if batching.not_mapped(dim):
-        return jnp.broadcast_to(x, (size,) + tuple(x.shape))
-    return jnp.moveaxis(x, dim, 0)
-
-
-def _to_leading(args, dims):
-    size = _batch_size(args, dims)
-    return [_leading(x, d, size) for x, d in zip(args, dims)]
+def to_leading(args, dims):
+    """Every operand with its batch dim first (broadcast to the batch if it has none)."""
+    return batching.to_front(args, dims)[1]
 
 
 # ---- One-device compositions --------------------------------------------------------------------

@@ -26,11 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
-from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdet._src.clip import primitives
+from jaxdet._src.core import ffi
 from jaxdet._src.core.varying import varying_axes
 
 
@@ -258,44 +257,30 @@ _partitioned_clip.def_partition(_clip_partition, infer_sharding_from_operands=_c
 # custom_partitioning, gets theirs: the staged kernels with one decision per example.
 
 
-def _define(name, abstract_eval, lower, batch_rule):
-    prim = jex_core.Primitive(name)
-    prim.multiple_results = True
-    prim.def_abstract_eval(abstract_eval)
-    jitted = jax.jit(lambda *args, params: prim.bind(*args, **dict(params)), static_argnames=("params",))
-    prim.def_impl(lambda *args, **params: jitted(*args, params=tuple(sorted(params.items()))))
-    mlir.register_lowering(prim, mlir.lower_fun(lower, multiple_results=True))
-    batching.primitive_batchers[prim] = batch_rule
-    # custom_partitioning's lowering needs the device assignment, which jit provides only to the
-    # primitives it knows need it.
-    try:
-        from jax._src import dispatch  # noqa: PLC0415
-
-        dispatch.prim_requires_devices_during_lowering.add(prim)
-    except (ImportError, AttributeError):  # pragma: no cover - a JAX without the registry
-        pass
-    return prim
-
-
 def _norm_tree_batch(args, dims):
-    return [primitives.staged_norm(primitives._to_leading(args, dims), batch_dims=1)], [0]
+    return [primitives.staged_norm(primitives.to_leading(args, dims), batch_dims=1)], [0]
 
 
 def _clip_tree_batch(args, dims, *, nonfinite):
-    max_norm, *leaves = primitives._to_leading(args, dims)
+    max_norm, *leaves = primitives.to_leading(args, dims)
     norm, clipped = primitives.staged_clip(leaves, max_norm, nonfinite, batch_dims=1)
     return [norm, *clipped], [0] * (len(clipped) + 1)
 
 
-norm_tree_p = _define(
+norm_tree_p = ffi.define_lowered(
     "jaxdet_global_norm_tree",
-    lambda *leaves: [primitives._f32()],
+    lambda *leaves: [primitives.f32_aval()],
     lambda *leaves: [_partitioned_norm(*leaves)],
     _norm_tree_batch,
+    multiple_results=True,
 )
-clip_tree_p = _define(
+clip_tree_p = ffi.define_lowered(
     "jaxdet_clip_tree",
-    lambda max_norm, *leaves, nonfinite: [primitives._f32(), *(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)],
+    lambda max_norm, *leaves, nonfinite: [
+        primitives.f32_aval(),
+        *(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves),
+    ],
     lambda max_norm, *leaves, nonfinite: list(_partitioned_clip(nonfinite, max_norm, *leaves)),
     _clip_tree_batch,
+    multiple_results=True,
 )

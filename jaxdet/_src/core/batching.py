@@ -20,7 +20,14 @@ def unfold(x, size):
 
 
 def batch_size(args, dims):
+    """The size of the vmapped axis (a batching rule gets at least one batched operand)."""
     return next(x.shape[d] for x, d in zip(args, dims) if not not_mapped(d))
+
+
+def to_front(args, dims):
+    """(size, operands): every operand with its vmapped axis first, an unmapped one broadcast."""
+    size = batch_size(args, dims)
+    return size, [moved_to_front(x, d, size) for x, d in zip(args, dims)]
 
 
 def shaped(shape, dtype):

@@ -70,12 +70,12 @@ def _missing_cuda_lowering(target: str):
     return lowering
 
 
-def _propagate_types(abstract_eval, multiple_results, partitioning):
+def _propagate_types(abstract_eval, multiple_results, partitioning, result_varying=None):
     # A kernel output depends on every input, so it varies wherever any input does (the union;
     # JAX's own rule would insist that the inputs agree, but an invariant weight next to a sharded
-    # activation is the common case). With explicitly sharded operands (a mesh of
-    # AxisType.Explicit), each result dimension is typed with its factor's sharding, as the
-    # partitioning rule will produce it.
+    # activation is the common case), unless `result_varying(*avals)` names each result's axes.
+    # With explicitly sharded operands (a mesh of AxisType.Explicit), each result dimension is
+    # typed with its factor's sharding, as the partitioning rule will produce it.
     def rule(*avals, **params):
         out = abstract_eval(*avals, **params)
         outs = list(out) if multiple_results else [out]
@@ -83,9 +83,12 @@ def _propagate_types(abstract_eval, multiple_results, partitioning):
             shardings = _explicit_result_shardings(partitioning, params, avals)
             if shardings is not None:
                 outs = [o.update(sharding=sh) for o, sh in zip(outs, shardings)]
-        vma = frozenset().union(*(varying.varying_axes(a) for a in avals))
-        if vma:
-            outs = [varying.with_varying(o, vma) for o in outs]
+        if result_varying is not None:
+            outs = [varying.with_varying(o, frozenset(v)) for o, v in zip(outs, result_varying(*avals))]
+        else:
+            vma = varying.varying_union(*avals)
+            if vma:
+                outs = [varying.with_varying(o, vma) for o in outs]
         return type(out)(outs) if multiple_results else outs[0]
 
     return rule
@@ -233,10 +236,10 @@ def _register_partitioned_lowering(prim, local, part: Partitioning, multiple_res
 # ---- Defining primitives. ----
 
 
-def _new_primitive(name, abstract_eval, multiple_results, partitioning=None):
+def _new_primitive(name, abstract_eval, multiple_results, partitioning=None, result_varying=None):
     prim = jex_core.Primitive(name)
     prim.multiple_results = multiple_results
-    prim.def_abstract_eval(_propagate_types(abstract_eval, multiple_results, partitioning))
+    prim.def_abstract_eval(_propagate_types(abstract_eval, multiple_results, partitioning, result_varying))
 
     @functools.partial(jax.jit, static_argnames=("params",))
     def _jitted(*args, params):
@@ -258,6 +261,7 @@ def define_primitive(
     partitioning: Partitioning | None = None,
     cuda_workspace: Callable | None = None,
     cuda_operand_output_aliases: Callable | None = None,
+    result_varying: Callable | None = None,
 ):
     """A primitive named `target` that lowers to the FFI target of that name on cpu and cuda.
 
@@ -270,12 +274,18 @@ def define_primitive(
     returning one (for variadic primitives such as clipping, whose aliases follow its leaves).
     `cuda_operand_output_aliases(operand_avals, **params)`, when given, is the CUDA lowering's
     dict (or None) instead: aliases that only the CUDA kernels chosen for those shapes allow.
+    `result_varying(*operand_avals)`, when given, is each result's set of varying mesh axes inside
+    ``jax.shard_map`` (default: every result varies over the union of the operands' axes).
     With `partitioning`, the FFI call is a second primitive, ``prim.shard`` (named
     ``target + "_shard"``), that `partitioning.local` binds on each device's shards; its
     parameters are the FFI attributes' and may differ from the outer primitive's.
     """
-    prim = _new_primitive(target, abstract_eval, multiple_results, partitioning)
-    ffi_prim = prim if partitioning is None else _new_primitive(target + "_shard", abstract_eval, multiple_results)
+    prim = _new_primitive(target, abstract_eval, multiple_results, partitioning, result_varying)
+    ffi_prim = (
+        prim
+        if partitioning is None
+        else _new_primitive(target + "_shard", abstract_eval, multiple_results, result_varying=result_varying)
+    )
 
     def lower(ctx, args, params, aliases):
         rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases) if aliases else jax.ffi.ffi_lowering(target)
@@ -319,6 +329,19 @@ def define_composite(
     its own batching and partitioning rules."""
     prim = _new_primitive(name, abstract_eval, multiple_results, partitioning)
     _register_partitioned_lowering(prim, partitioning.local, partitioning, multiple_results)
+    if batching_rule is not None:
+        batching.primitive_batchers[prim] = batching_rule
+    return prim
+
+
+def define_lowered(name: str, abstract_eval, lowering, batching_rule=None, *, multiple_results=False):
+    """A primitive lowered by ``lowering(*operands, **params)``, a function of other operations: for a
+    ``custom_partitioning`` call that plans its own sharding (a pytree of leaves, each sharded its
+    own way), where `Partitioning`'s one factor per dimension does not fit. The primitive carries
+    the batching rule that ``custom_partitioning`` lacks."""
+    prim = _new_primitive(name, abstract_eval, multiple_results)
+    mlir.register_lowering(prim, mlir.lower_fun(lowering, multiple_results=multiple_results))
+    _NEEDS_DEVICES.add(prim)
     if batching_rule is not None:
         batching.primitive_batchers[prim] = batching_rule
     return prim

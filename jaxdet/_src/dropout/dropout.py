@@ -52,11 +52,7 @@ def _dropout_batch(args, dims, **params):
     # The vmapped axis becomes a new leading group axis: each example gets its key and offset (the
     # shared one, broadcast, when they are not batched), so each example's elements are indexed
     # from its own offset exactly as in an unbatched call.
-    size = next(a.shape[d] for a, d in zip(args, dims) if not batching.not_mapped(d))
-    x, keys, offsets = (
-        jnp.broadcast_to(a, (size,) + a.shape) if batching.not_mapped(d) else jnp.moveaxis(a, d, 0)
-        for a, d in zip(args, dims)
-    )
+    _, (x, keys, offsets) = batching.to_front(args, dims)
     return dropout_p.bind(x, keys, offsets, **params), 0
 
 
