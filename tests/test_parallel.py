@@ -204,6 +204,72 @@ def test_value_and_grad_leaves_aux_and_index(collectives):
     assert arrays["vg_aux_sum_D1"].shape == (8,)
 
 
+EXPLICIT_MESH_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType
+from jaxdet import parallel
+
+def loss(p, b, i):
+    return jnp.sum(jnp.tanh(b @ p) * (i + 1).astype(jnp.float32))
+
+rng = np.random.default_rng(0)
+params = jnp.asarray(rng.standard_normal((5, 3), np.float32))
+batch = jnp.asarray(rng.standard_normal((32, 5), np.float32))  # not placed on any mesh
+out = {}
+for d in (1, 2, 8):
+    for kind in ("explicit", "auto"):
+        mesh = jax.make_mesh((d,), ("d",), axis_types=(getattr(AxisType, kind.title()),), devices=jax.devices()[:d])
+        lv, g = parallel.value_and_grad(loss, mesh=mesh, axis_name="d", leaves=8)(params, batch)
+        out[f"{kind}{d}"] = [np.asarray(lv).tobytes().hex(), np.asarray(g).tobytes().hex()]
+print(json.dumps(out))
+"""
+
+
+def test_value_and_grad_places_the_batch_on_an_explicit_mesh():
+    """A mesh from jax.make_mesh with explicit axis types and a batch not placed on it: value_and_grad
+    places the batch itself, with the bits of an Auto mesh, for D = 1, 2, 8."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EXPLICIT_MESH_SCRIPT],
+        env=subprocess_env(8),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key, value in out.items():
+        assert value == out["auto1"], key
+
+
+def test_value_and_grad_explicit_mesh_one_device():
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:1])
+    f = parallel.value_and_grad(lambda p, b, i: jnp.sum(b * p), mesh=mesh, axis_name="d", leaves=2)
+    loss, grads = f(jnp.ones((3,)), jnp.arange(12.0).reshape(4, 3))
+    assert_bitwise(loss, np.float32(66.0))
+    assert_bitwise(grads, np.array([18.0, 22.0, 26.0], np.float32))
+
+
+@pytest.mark.parametrize("collective", ["psum", "pmean", "pmax", "all_gather"])
+def test_value_and_grad_refuses_collectives_over_the_data_axis(collective):
+    """A psum (pmean, ...) over the data axis inside loss_fn would count every leaf D times (or
+    scale by D): value_and_grad refuses it, saying that it sums the leaves itself."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+
+    def reduce(x):
+        if collective == "all_gather":
+            return jnp.sum(jax.lax.all_gather(x, "d"))
+        return getattr(jax.lax, collective)(x, "d")
+
+    def loss(p, b, i):
+        return jax.lax.cond(i >= 0, reduce, lambda x: reduce(x) + 1.0, jnp.sum(b * p))  # inside a cond too
+
+    f = parallel.value_and_grad(loss, mesh=mesh, axis_name="d", leaves=2)
+    with pytest.raises(ValueError, match=r"over the data axis 'd'.*must not reduce over.*sums the leaves"):
+        f(jnp.ones((3,)), jnp.ones((4, 3)))
+
+
 # ---- Training: 20 adamw steps of a jaxdet model on 1, 2, 4, 8 devices ----
 
 

@@ -23,6 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
+from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 from jaxdet._src.core.tree import axis_names, check_power_of_two, tree_psum, tree_sum
@@ -63,6 +65,66 @@ def _local_tree(leaf_fn, levels, first, init):
 
     root, stacked = lax.scan(body, init, jnp.arange(2, dtype=jnp.int32))
     return root, jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stacked)
+
+
+# Primitives that communicate over a mesh axis. Inside loss_fn, over the data axis, any of them
+# makes a leaf's loss depend on the other leaves or on the device count.
+_COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum2",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "ppermute",
+        "pshuffle",
+        "pgather",
+        "all_gather",
+        "all_gather_invariant",
+        "all_to_all",
+        "reduce_scatter",
+        "psum_scatter",
+    }
+)
+
+
+def _sub_jaxprs(value):
+    if isinstance(value, jex_core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jex_core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def _collectives_over(jaxpr, names):
+    """The names of collective primitives in `jaxpr` (and its sub-jaxprs) over any axis of `names`."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _COLLECTIVES:
+            axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+            axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+            if any(a in names for a in axes):
+                found.append(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                found.extend(_collectives_over(sub, names))
+    return found
+
+
+def _check_no_data_axis_collectives(loss_fn, names, *args):
+    """Refuses a loss_fn that reduces (or otherwise communicates) over the data axis."""
+    found = _collectives_over(jax.make_jaxpr(loss_fn)(*args).jaxpr, names)
+    if found:
+        axis = names[0] if len(names) == 1 else names
+        raise ValueError(
+            f"loss_fn uses {', '.join(sorted(set(found)))} over the data axis {axis!r}: loss_fn sees one "
+            "leaf of the batch and must not reduce over (or communicate along) the data axis; "
+            "jaxdet.parallel.value_and_grad sums the leaves' losses and gradients itself, by the "
+            "canonical tree (a psum or pmean inside loss_fn would count every leaf D times, or scale "
+            "the result by the device count). Return this leaf's loss only."
+        )
 
 
 def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
@@ -112,6 +174,8 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
         params_v = lax.pcast(params, names, to="varying")
         leaf_batch_size = jax.tree.leaves(batch)[0].shape[0] // per_device
         first = lax.axis_index(spec_axis) * per_device
+        leaf_batch0 = jax.tree.map(lambda x: x[:leaf_batch_size], batch)
+        _check_no_data_axis_collectives(loss_fn, names, params_v, leaf_batch0, first, *args)
 
         def leaf(index):
             offset = (index - first) * leaf_batch_size
@@ -148,6 +212,14 @@ def value_and_grad(loss_fn, *, mesh, axis_name, leaves, has_aux=False):
         if batch_size % leaves:
             raise ValueError(f"the batch's leading dim ({batch_size}) must be a multiple of leaves ({leaves})")
         in_specs = (P(), P(spec_axis), *(P() for _ in args))
+        if any(t == AxisType.Explicit for t in mesh.axis_types):
+            # A mesh with explicit axes (jax.make_mesh's default) types every array's sharding:
+            # shard_map then wants its inputs already laid out as in_specs says, so place them here
+            # (the batch split over the data axis, the rest replicated).
+            params, batch, *args = (
+                jax.tree.map(lambda x, s=spec: reshard(x, NamedSharding(mesh, s)), tree)
+                for tree, spec in zip((params, batch, *args), in_specs)
+            )
         f = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())
         return f(params, batch, *args)
 
