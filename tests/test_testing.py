@@ -159,3 +159,75 @@ def test_a_nondeterministic_function_fails_with_the_run_and_bits():
     assert "First: drifting: output['y'], run 2 vs run 1: 4 of 4 elements differ bitwise; first: (0,): 1.001" in msg
     with pytest.raises(ValueError, match="runs must be an int >= 2"):
         assert_deterministic(drifting, jnp.ones(4), runs=1)
+
+
+# ---- Pytrees and Flax nnx modules. ----
+
+
+def test_bit_comparisons_take_pytrees_leaf_by_leaf():
+    a = {"params": {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}, "step": (jnp.int32(4),)}
+    b = jax.tree.map(lambda x: x, a)
+    b["params"]["w"] = b["params"]["w"].at[1, 2].set(2.0)
+    assert same_bits(a, jax.tree.map(lambda x: x, a)) and not same_bits(a, b)
+    assert count_bit_differences(a, b) == 1
+    assert describe_bit_differences(a, jax.tree.map(lambda x: x, a), "state") is None
+    msg = describe_bit_differences(a, b, "state")
+    assert msg.startswith("state: 1 of 3 leaves differ\nstate['params']['w']: 1 of 6 elements differ bitwise")
+    with pytest.raises(AssertionError, match=r"state\['params'\]\['w'\]: 1 of 6 elements differ"):
+        assert_bitwise_equal(a, b, "state")
+    assert_bitwise_equal((X, [W]), (X, [W]))
+    assert not same_bits(a, {"params": a["params"]})  # another structure
+    with pytest.raises(AssertionError, match="cannot compare pytrees of different structures"):
+        assert_bitwise_equal(a, {"params": a["params"]})
+    with pytest.raises(ValueError, match="different structures"):
+        count_bit_differences([X], [X, X])
+    with pytest.raises(TypeError, match=r"bits takes one array, got a pytree \(dict\)"):
+        bits(a)
+    assert count_bit_differences([1.0, 2.0], [1.0, 3.0]) == 1  # a list of numbers is still one array
+
+
+def _nnx_model():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Noisy(nnx.Module):
+        """A linear layer that draws a key and counts its calls on every call (nnx state it mutates),
+        its outputs depending on neither."""
+
+        def __init__(self):
+            self.linear = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+            self.rngs = nnx.Rngs(1)
+            self.calls = nnx.Variable(jnp.int32(0))
+
+        def __call__(self, x):
+            key = self.rngs()
+            self.calls.value += 1
+            return jaxdet.matmul(x, self.linear.kernel.value) + 0.0 * jax.random.uniform(key, ())
+
+    return nnx, Noisy()
+
+
+def test_helpers_run_flax_nnx_closures_and_modules_under_jit():
+    """jax.jit of a closure over an nnx Module that mutates its state fails (TraceContextError); the
+    helpers run it through nnx.jit and leave the module's state as it was."""
+    nnx, model = _nnx_model()
+    x = jax.random.normal(jax.random.key(2), (16, 8), jnp.float32)
+    count = int(model.rngs.default.count.value)
+    assert_deterministic(lambda b: model(b), x, runs=3)
+    assert_deterministic(lambda b: model(b), x, runs=2, recompile=True)
+    assert_deterministic(model, x)  # the module itself
+    assert_deterministic(model.__call__, x)  # a bound method
+    assert_deterministic(lambda m, b: m(b), model, x)  # the module as an argument
+    assert_batch_invariant(lambda b: model(b), x, sizes=(1, 4))
+    assert_batch_invariant(lambda b: model(b), x, sizes=(4,), jit=False)
+    assert int(model.calls.value) == 0 and int(model.rngs.default.count.value) == count  # as it was
+
+
+def test_nnx_state_the_helpers_cannot_reach_is_a_clear_error():
+    _, model = _nnx_model()
+    holder = {"model": model}  # reached through a dict: not found
+
+    def fn(b):
+        return holder["model"](b)
+
+    with pytest.raises(TypeError, match="pass the module as an argument"):
+        assert_deterministic(fn, jnp.ones((4, 8)))

@@ -9,6 +9,8 @@ every element has the same bit pattern (so ``-0.0 != +0.0`` and NaN payloads cou
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -26,25 +28,74 @@ __all__ = [
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def bits(x) -> np.ndarray:
-    """The raw bits of an array as unsigned integers of the same width (uint16 for bfloat16)."""
+def _is_tree(x) -> bool:
+    """Whether `x` is a pytree to compare leaf by leaf: a container (dict, list, tuple, dataclass...)
+    whose leaves are not all Python/NumPy scalars (``[1.0, 2.0]`` stays one array, as NumPy reads it)."""
+    if isinstance(x, np.ndarray) or not isinstance(x, (dict, list, tuple)) and hasattr(x, "__array__"):
+        return False
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return False
+    return not leaves or not all(isinstance(leaf, (int, float, complex, bool, np.generic)) for leaf in leaves)
+
+
+def _as_array(x, name="x") -> np.ndarray:
     a = np.asarray(x)
+    if a.dtype == object:
+        raise TypeError(
+            f"{name} must be an array (or, where a function takes pytrees, a pytree of arrays), got {type(x).__name__}"
+        )
+    return a
+
+
+def _tree_pairs(x, y, what):
+    """[(name, leaf_x, leaf_y)] for two pytrees of the same structure; ValueError naming both
+    structures otherwise."""
+    import jax
+
+    px, tx = jax.tree_util.tree_flatten_with_path(x)
+    py, ty = jax.tree_util.tree_flatten_with_path(y)
+    if tx != ty:
+        raise ValueError(f"{what}: cannot compare pytrees of different structures: {tx} vs {ty}")
+    return [(what + jax.tree_util.keystr(path), a, b) for (path, a), (_, b) in zip(px, py)]
+
+
+def bits(x) -> np.ndarray:
+    """The raw bits of an array as unsigned integers of the same width (uint16 for bfloat16).
+
+    One array only; for a pytree use ``jax.tree.map(jaxdet.testing.bits, tree)``."""
+    if _is_tree(x):
+        raise TypeError(
+            f"bits takes one array, got a pytree ({type(x).__name__}); use jax.tree.map(jaxdet.testing.bits, tree)"
+        )
+    a = _as_array(x)
     if a.dtype == np.bool_:
         return a.view(np.uint8)
     return a.view(_UINT_OF_SIZE[a.dtype.itemsize])
 
 
 def count_bit_differences(x, y) -> int:
-    """How many elements of two same-shape, same-dtype arrays differ in any bit."""
-    a, b = np.asarray(x), np.asarray(y)
+    """How many elements of two same-shape, same-dtype arrays differ in any bit (pytrees of the same
+    structure: summed over the leaves)."""
+    if _is_tree(x) or _is_tree(y):
+        return sum(count_bit_differences(a, b) for _, a, b in _tree_pairs(x, y, "x"))
+    a, b = _as_array(x), _as_array(y)
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"cannot compare bits of {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
     return int(np.count_nonzero(bits(a) != bits(b)))
 
 
 def same_bits(x, y) -> bool:
-    """True when both arrays have the same dtype, shape and bits."""
-    a, b = np.asarray(x), np.asarray(y)
+    """True when both arrays (or pytrees of arrays, leaf by leaf) have the same dtype, shape and bits."""
+    if _is_tree(x) or _is_tree(y):
+        try:
+            pairs = _tree_pairs(x, y, "x")
+        except ValueError:
+            return False
+        return all(same_bits(a, b) for _, a, b in pairs)
+    a, b = _as_array(x), _as_array(y)
     return a.dtype == b.dtype and a.shape == b.shape and count_bit_differences(a, b) == 0
 
 
@@ -64,8 +115,20 @@ def _ulps(ba: int, bb: int, width: int) -> int | None:
 def describe_bit_differences(x, y, what: str = "arrays", limit: int = 5) -> str | None:
     """None when ``x`` and ``y`` are bit-identical; otherwise a message with how many elements
     differ, where (the first ``limit`` indices), both values with their bits, and, for floats, the
-    distance in ulps and the largest absolute difference."""
-    a, b = np.asarray(x), np.asarray(y)
+    distance in ulps and the largest absolute difference.
+
+    Pytrees of arrays are compared leaf by leaf: one line per differing leaf, named by its path
+    (``what['params']['w']``), or a message naming both structures when they differ."""
+    if _is_tree(x) or _is_tree(y):
+        try:
+            pairs = _tree_pairs(x, y, what)
+        except ValueError as e:
+            return str(e)
+        msgs = [m for name, a, b in pairs if (m := describe_bit_differences(a, b, name, limit)) is not None]
+        if not msgs:
+            return None
+        return f"{what}: {len(msgs)} of {len(pairs)} leaves differ\n" + "\n".join(msgs)
+    a, b = _as_array(x), _as_array(y)
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
     ba, bb = bits(a), bits(b)
@@ -96,7 +159,8 @@ def describe_bit_differences(x, y, what: str = "arrays", limit: int = 5) -> str 
 
 
 def assert_bitwise_equal(x, y, what: str = "arrays") -> None:
-    """Raise AssertionError, with where and how the bits differ, unless `x` and `y` are bit-identical."""
+    """Raise AssertionError, with where and how the bits differ, unless `x` and `y` (arrays, or
+    pytrees of arrays compared leaf by leaf) are bit-identical."""
     msg = describe_bit_differences(x, y, what)
     if msg is not None:
         raise AssertionError(msg)
@@ -109,6 +173,112 @@ def _leaves_with_paths(tree):
     import jax
 
     return [("output" + jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _nnx_rebind(fn):
+    """For a function that reaches Flax nnx objects directly -- an nnx Module itself, a bound method
+    of one, or a function whose closure cells or global names hold one -- ``(call, nodes)``:
+    ``call(nodes, *args, **kwargs)`` runs ``fn`` with those objects replaced by ``nodes`` (so that
+    ``nnx.jit`` can pass them as arguments and carry their state in and out); None otherwise.
+
+    ``jax.jit`` of a closure over an nnx Module bakes its arrays in as constants and fails when the
+    module mutates its state (an ``nnx.Rngs`` counter, batch statistics): nnx allows that only to
+    objects passed through ``nnx.jit``'s arguments."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:  # nnx objects exist only once flax.nnx is imported
+        return None
+    is_node = nnx.graph.is_graph_node
+    if is_node(fn):
+        return (lambda nodes, *a, **k: nodes[0](*a, **k)), [fn]
+    if isinstance(fn, types.MethodType) and is_node(fn.__self__):
+        func = fn.__func__
+        return (lambda nodes, *a, **k: func(nodes[0], *a, **k)), [fn.__self__]
+    if not isinstance(fn, types.FunctionType):
+        return None
+    cells = tuple(fn.__closure__ or ())
+
+    def cell_node(cell):
+        try:
+            return is_node(cell.cell_contents)
+        except ValueError:  # an empty cell
+            return False
+
+    cell_idx = [i for i, c in enumerate(cells) if cell_node(c)]
+    glob_names = [n for n in fn.__code__.co_names if n in fn.__globals__ and is_node(fn.__globals__[n])]
+    if not cell_idx and not glob_names:
+        return None
+    nodes = [cells[i].cell_contents for i in cell_idx] + [fn.__globals__[n] for n in glob_names]
+
+    def call(nodes, *a, **k):
+        new_cells = list(cells)
+        for j, i in enumerate(cell_idx):
+            new_cells[i] = types.CellType(nodes[j])
+        g = fn.__globals__
+        if glob_names:
+            g = dict(g)
+            g.update(zip(glob_names, nodes[len(cell_idx) :]))
+        f = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, tuple(new_cells))
+        f.__kwdefaults__ = fn.__kwdefaults__
+        return f(*a, **k)
+
+    return call, nodes
+
+
+def _wrap_nnx_errors(nnx, inner, restore):
+    def run(*a, **k):
+        try:
+            return inner(*a, **k)
+        except sys.modules["flax.errors"].TraceContextError as e:
+            raise TypeError(
+                "the function under test mutates Flax nnx state that jaxdet.testing cannot pass through "
+                "nnx.jit: it finds nnx objects only as the function itself, a bound method, the "
+                "function's closure variables or global names, and the arguments; pass the module as "
+                "an argument (fn(model, batch)) or use jit=False"
+            ) from e
+        finally:
+            restore()
+
+    return run
+
+
+def _runner(fn, jit: bool, args=(), kwargs=None):
+    """``fn`` as the helpers run it: ``jax.jit(fn)`` (or ``fn`` itself with jit=False).
+
+    With Flax nnx objects (reached by ``fn`` as ``_nnx_rebind`` finds them, or passed in ``args`` /
+    ``kwargs``), ``nnx.jit`` of ``fn`` taking them as arguments, and every call starts from the
+    state they had when the helper was called and leaves them in it: a module that advances an
+    ``nnx.Rngs`` counter is compared with itself, not with its next draw, and the helper does not
+    change the model. ``make()`` gives a fresh runner (a new trace and compile)."""
+    import jax
+
+    nnx = sys.modules.get("flax.nnx")
+    rebound = _nnx_rebind(fn)
+    held = [] if rebound is None else list(rebound[1])
+    if nnx is not None:
+        held += [x for x in (*args, *(kwargs or {}).values()) if nnx.graph.is_graph_node(x)]
+    if not held:
+
+        def make_plain():
+            f = jax.jit(lambda *a, **k: fn(*a, **k)) if jit else fn
+            return f if nnx is None else _wrap_nnx_errors(nnx, f, lambda: None)
+
+        return make_plain
+    snapshot = [jax.tree.map(lambda v: v, nnx.state(node)) for node in held]
+
+    def restore():
+        for node, state in zip(held, snapshot):
+            nnx.update(node, state)
+
+    if rebound is None:
+        call, nodes = (lambda nodes, *a, **k: fn(*a, **k)), []
+    else:
+        call, nodes = rebound
+
+    def make():
+        inner = nnx.jit(call) if jit else call
+        return _wrap_nnx_errors(nnx, lambda *a, **k: inner(nodes, *a, **k), restore)
+
+    return make
 
 
 def _check_sizes(sizes, name):
@@ -171,7 +341,7 @@ def assert_batch_invariant(
         raise ValueError(f"row must index batch's {n_rows} rows, got {row!r}")
     row = int(row) % n_rows
     name = what or getattr(fn, "__name__", "fn")
-    run = jax.jit(fn) if jit else fn
+    run = _runner(fn, jit)()
 
     def take(idx):
         # Rows are copied by indexing (exact): NumPy leaves on the host, JAX arrays (typed PRNG
@@ -245,10 +415,11 @@ def assert_deterministic(
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     name = what or getattr(fn, "__name__", "fn")
-    compiled = jax.jit(fn)
+    make = _runner(fn, True, args, kwargs)
+    compiled = make()
 
     def once():
-        f = jax.jit(lambda *a, **k: fn(*a, **k)) if recompile else compiled
+        f = make() if recompile else compiled
         out = f(*args, **kwargs)
         return [(p, np.asarray(leaf)) for p, leaf in _leaves_with_paths(jax.block_until_ready(out))]
 
