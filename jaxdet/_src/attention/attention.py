@@ -114,12 +114,28 @@ def _bwd_factors(params, shapes):
     return [q, kv, kv, q, ("b", "h", "t", "g"), q, *_row_factors(params["row_form"])], [q, kv, kv]
 
 
+def _static_dims(q, k):
+    """q's and k's dims as ints; a clear error for symbolic ones: the CUDA kernels' workspace and
+    split plan are sized from the shapes when the program is compiled (the CPU kernels need
+    neither, so ``jax.export`` with symbolic sequence lengths works for platforms=["cpu"])."""
+    for name, x in (("q", q), ("k", k)):
+        symbolic = [str(d) for d in x.shape if not isinstance(d, (int, np.integer))]
+        if symbolic:
+            raise ValueError(
+                f"jaxdet.attention on CUDA needs static shapes: {name} has symbolic dimension(s) "
+                f"{', '.join(symbolic)} (jax.export.symbolic_shape). The CUDA kernels' workspace and "
+                "split plan depend on the batch, sequence lengths and heads; export for CUDA with "
+                "concrete shapes (one export per sequence-length bucket), or for platforms=['cpu']"
+            )
+
+
 def _workspace(pass_):
     """The CUDA kernels' workspace in bytes (cuda/attention/attention_workspace.h), from the
     shapes of q and k."""
 
     def size(avals, **params):
         q, k = avals[0], avals[1]
+        _static_dims(q, k)
         B, T, H, G, D = q.shape
         tensor_cores = q.dtype != jnp.float32
         return _native.attention_workspace_bytes(pass_, B, T, H, G, D, k.shape[1], tensor_cores)
@@ -128,6 +144,7 @@ def _workspace(pass_):
 
 
 def _split_mode(q, k):
+    _static_dims(q, k)
     B, T, H, G, D = q.shape
     return _native.attention_forward_splits(B, T, H, G, D, k.shape[1], q.dtype != jnp.float32) > 0
 
@@ -190,8 +207,9 @@ def _typed_like(ct, primal):
 def _attention5_bwd(scale, row_form, res, do):
     q, k, v, row_a, row_b, o, lse2 = res
     dq, dk, dv = bwd_p.bind(q, k, v, o, lse2, do.astype(q.dtype), row_a, row_b, scale=scale, row_form=row_form)
-    no_cotangent = [np.zeros(x.shape, jax.dtypes.float0) for x in (row_a, row_b)]
-    return (_typed_like(dq, q), _typed_like(dk, k), _typed_like(dv, v), *no_cotangent)
+    # None: the integer row descriptions get zero cotangents (no float0 array, whose shape may be
+    # symbolic under jax.export).
+    return (_typed_like(dq, q), _typed_like(dk, k), _typed_like(dv, v), None, None)
 
 
 _attention5.defvjp(_attention5_fwd, _attention5_bwd)
@@ -304,7 +322,8 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
         raise ValueError(f"the number of KV heads ({K}) must divide the number of query heads ({N})")
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dimension D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
-    if max(T, S) >= 2**31 - 1:
+    # Symbolic dims (jax.export.symbolic_shape) are checked where the exported function is called.
+    if any(isinstance(n, int) and n >= 2**31 - 1 for n in (T, S)):
         raise ValueError(f"sequence lengths must be < 2**31 - 1, got T={T}, S={S}")
     scale = 1.0 / math.sqrt(D) if scale is None else check_static_float(scale, "scale")
     if not math.isfinite(scale):
