@@ -193,3 +193,37 @@ def test_gpu_decode_loop_log_probs_equal_the_training_forward(norms, gpu, dtype)
         for prompt, capacity in ((1, SEQ), (7, 4 * SEQ)):
             decode = jax.jit(lambda p, t: decoder.decode_log_probs(p, t, cfg, prompt=prompt, capacity=capacity))
             assert_bitwise_equal(decode(params, tokens[:8]), train, "decode-loop log-probs")
+
+
+def test_out_of_range_inputs_are_refused():
+    """Out-of-vocabulary tokens, positions past max_len and KV-cache overflow raise ValueError
+    (concrete inputs) instead of embedding zero rows or clamping the cache write."""
+    cfg, params, tokens = _setup()
+    bad = tokens[:2].at[1, 3].set(cfg.vocab)
+    with pytest.raises(ValueError, match=r"tokens must be in \[0, vocab=128\), got 128 at \[1, 3\]"):
+        decoder.token_log_probs(params, bad, cfg)
+    with pytest.raises(ValueError, match=r"tokens must be in \[0, vocab=128\), got -1"):
+        decoder.embed(params, tokens[:2].at[0, 0].set(-1), cfg)
+    with pytest.raises(ValueError, match="tokens must be in"):
+        decoder.decode_log_probs(params, bad, cfg, prompt=2)
+    cache = decoder.init_cache(cfg, 2, 8)
+    with pytest.raises(ValueError, match="tokens must be in"):
+        decoder.extend(params, cache, bad[:, 2:4], 0, cfg)
+    # KV-cache overflow: 8 positions of capacity.
+    with pytest.raises(ValueError, match="overflow the KV cache of capacity 8"):
+        decoder.extend(params, cache, tokens[:2, :2], 7, cfg)
+    with pytest.raises(ValueError, match="overflow the KV cache of capacity 8"):
+        decoder.extend(params, cache, tokens[:2, :1], jnp.array([3, 8], jnp.int32), cfg)
+    with pytest.raises(ValueError, match="do not fit a KV cache of capacity 8"):
+        decoder.extend(params, cache, tokens[:2, :9], 0, cfg)
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        decoder.extend(params, cache, tokens[:2, :1], -1, cfg)
+    # Positions past max_len (32), with a cache large enough.
+    big = decoder.init_cache(cfg, 2, 40)
+    with pytest.raises(ValueError, match="positions up to 32 .* past the config's max_len=32"):
+        decoder.extend(params, big, tokens[:2, :1], 32, cfg)
+    with pytest.raises(ValueError, match="max_len=32"):
+        decoder.token_log_probs(params, jnp.zeros((1, 33), jnp.int32), cfg)
+    # In range, the last position of both the table and the cache is fine.
+    logits, _ = decoder.extend(params, decoder.init_cache(cfg, 2, 32), tokens[:2, :1], 31, cfg)
+    assert logits.shape == (2, 1, cfg.vocab)

@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxdet
 
@@ -101,6 +102,25 @@ def _check_tokens(tokens, cfg):
         )
     if tokens.shape[1] > cfg.max_len:
         raise ValueError(f"tokens has {tokens.shape[1]} positions but the config allows max_len={cfg.max_len}")
+    values = _concrete(tokens)
+    if values is not None and values.size:
+        bad = np.argwhere((values < 0) | (values >= cfg.vocab))
+        if bad.size:
+            at = tuple(int(i) for i in bad[0])
+            raise ValueError(
+                f"tokens must be in [0, vocab={cfg.vocab}), got {int(values[at])} at {list(at)} "
+                f"({len(bad)} token(s) out of the vocabulary)"
+            )
+
+
+def _concrete(x):
+    """x as a NumPy array when its values are known now (not traced under jit, vmap, scan...), else
+    None. Traced values cannot be checked without jax.experimental.checkify: out-of-range tokens or
+    positions then embed as zero rows (jax.nn.one_hot) and a cache write past the capacity is
+    clamped by dynamic_update_slice -- callers that trace these must keep them in range."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
 
 
 def embed(params, tokens, cfg: DecoderConfig):
@@ -190,9 +210,33 @@ def extend(params, cache, tokens, start, cfg: DecoderConfig):
     """Runs ``tokens`` ``[batch, n]`` at positions ``start .. start + n - 1`` (``start``: int or
     int ``[batch]``, each sequence's length so far) against the cache, which holds positions
     ``0 .. start - 1``. Returns the next-token logits ``[batch, n, vocab]`` (float32) and the cache
-    with the new positions written. ``n = 1`` is one decode step; a prompt can go in one call."""
+    with the new positions written. ``n = 1`` is one decode step; a prompt can go in one call.
+
+    Raises ValueError for tokens out of ``[0, vocab)``, positions past ``max_len`` or past the
+    cache's capacity, when they are known (not traced: ``tokens``'s shape always is, ``start`` and
+    the token values are when passed as concrete arrays or ints). Traced out-of-range values are
+    not checked: keep them in range (``decode_log_probs`` checks its whole sequence up front)."""
     _check_tokens(tokens, cfg)
     b, n = tokens.shape
+    capacity = cache[0][0].shape[1] if cache else None
+    if capacity is not None and n > capacity:
+        raise ValueError(f"extend: {n} tokens do not fit a KV cache of capacity {capacity}")
+    first = _concrete(start)
+    if first is not None:
+        first = np.broadcast_to(first, (b,)).astype(np.int64)
+        end = int(first.max(initial=0)) + n
+        if (first < 0).any():
+            raise ValueError(f"extend: start must be >= 0, got {first.tolist()}")
+        if end > cfg.max_len:
+            raise ValueError(
+                f"extend: positions up to {end - 1} (start {first.tolist()} + {n} tokens) are past the "
+                f"config's max_len={cfg.max_len} (the position table has rows 0 .. {cfg.max_len - 1})"
+            )
+        if capacity is not None and end > capacity:
+            raise ValueError(
+                f"extend: positions up to {end - 1} (start {first.tolist()} + {n} tokens) overflow the KV "
+                f"cache of capacity {capacity}"
+            )
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
     positions = start[:, None] + jnp.arange(n, dtype=jnp.int32)
     x = jaxdet.matmul(jax.nn.one_hot(tokens, cfg.vocab, dtype=cfg.dtype), params["tok"])
