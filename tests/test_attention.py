@@ -795,3 +795,23 @@ def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
         assert results[core].files == names
         differ = [n for n in names if results[core][n].tobytes() != results["mma"][n].tobytes()]
         assert not differ, f"{core}: {len(differ)} of {len(names)} arrays differ from mma.sync's, e.g. {differ[:5]}"
+
+
+def test_audit_advice_and_docs_point_to_jaxdet_attention():
+    """The audit's advice for attention names jaxdet.attention (it exists); user-facing docs cite
+    no path on a development machine and no internal roadmap words."""
+    q = jnp.ones((2, 16, 4, 8), jnp.float32)
+    report = jaxdet.audit(lambda q: jax.nn.dot_product_attention(q, q, q), q, batch_argnums=0)
+    found = [f for f in report.findings if f.kind == "attention"]
+    assert found and all(f.fix.startswith("jaxdet.attention(q, k, v)") and "Step" not in f.fix for f in found)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pages = [os.path.join(root, "README.md")] + [
+        os.path.join(root, "docs", n) for n in os.listdir(os.path.join(root, "docs")) if n.endswith(".md")
+    ]
+    for page in pages:
+        if os.path.basename(page) == "DEVELOPING.md":  # the developers' own tools and machines
+            continue
+        with open(page, encoding="utf-8") as f:
+            text = f.read()
+        for pattern in (r"/work/", r"shared/reference", r"\bStep \d", r"\bsessions?\b"):
+            assert not re.search(pattern, text), f"{os.path.relpath(page, root)}: {pattern}"

@@ -20,10 +20,10 @@ _NEEDS = ("rms_norm", "softmax", "softmax_cross_entropy")
 
 @pytest.fixture
 def norms():
-    """The decoder needs Step 7's row primitives; until they are in this build, its tests skip."""
+    """The decoder needs the row primitives; in a build without them, its tests skip."""
     missing = [f"jaxdet.{n}" for n in _NEEDS if not hasattr(jaxdet, n)]
     if missing:
-        pytest.skip(f"needs {', '.join(missing)} (Step 7's norm, softmax and cross-entropy primitives)")
+        pytest.skip(f"needs {', '.join(missing)} (the norm, softmax and cross-entropy primitives)")
 
 
 def _setup(dtype=jnp.float32):

@@ -171,7 +171,8 @@ _UNSEEN = {
 _SOFTMAXES = {"softmax", "log_softmax", "_softmax", "_log_softmax", "_softmax_deprecated"}
 
 _ATTENTION_FIX = (
-    "jaxdet.matmul for QKᵀ and PV (batch dims allowed) with jaxdet.softmax, until jaxdet's fused attention (Step 8)"
+    "jaxdet.attention(q, k, v) (fused; a query's output is the same in any batch, prefill chunk or KV-cache "
+    "decode step), or jaxdet.matmul for QKᵀ and PV (batch dims allowed) with jaxdet.softmax"
 )
 _MATMUL_FIX = (
     "jaxdet.matmul(a, b) (rows invariant; its weight gradient follows jaxdet.matmul_weight_grad's chunk contract)"
