@@ -367,3 +367,19 @@ def test_gpu_matches_numpy_order_and_row_invariance(mode, on_gpu):
     for n in (4099, 128256):
         expect(contracts.check_row_invariance(mode, jnp.bfloat16, n=n))
     expect(contracts.check_run_to_run(mode, jnp.bfloat16, rows=512, n=128256))
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "softmax_cross_entropy", "label_log_probs"])
+def test_unsupported_differentiation_names_the_public_function(name):
+    """Forward mode and second derivatives raise errors naming jaxdet.<name> and what is supported,
+    not JAX's errors about internal primitives."""
+    x = jnp.linspace(-2.0, 2.0, 4 * 32, dtype=jnp.float32).reshape(4, 32)
+    labels = jnp.arange(4, dtype=jnp.int32)
+    fn = getattr(jaxdet, name)
+    f = (lambda x: fn(x, labels)) if "softmax_" in name or "label" in name else fn
+    supported = rf"jaxdet\.{name} supports reverse-mode differentiation once"
+    with pytest.raises(TypeError, match=supported + ".*forward mode"):
+        jax.jvp(f, (x,), (x,))
+    with pytest.raises(NotImplementedError, match=supported + ".*its gradient again"):
+        jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)))(x)
+    jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)
