@@ -41,39 +41,21 @@ _da, _db = contracts._da, contracts._db
 # ---- CPU tests ----
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_row_invariance_forward(dtype):
-    check_row_invariance_forward(dtype)
+CPU_CONTRACTS = {
+    "row_invariance_forward": check_row_invariance_forward,
+    "row_invariance_da": check_row_invariance_da,
+    "db_padding_and_microbatch_accumulation": check_db_contract,
+    "db_chunk_tree": check_db_chunk_tree,
+    "rows_around_warpgroup_boundaries": lambda dtype: check_rows_around_warpgroup_boundaries(dtype, k=K, n=N),
+    "vmap_equals_loop": check_vmap,
+    "jit_equals_eager": check_jit_vs_eager,
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_row_invariance_da(dtype):
-    check_row_invariance_da(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_db_padding_and_microbatch_accumulation(dtype):
-    check_db_contract(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_db_chunk_tree(dtype):
-    check_db_chunk_tree(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_rows_around_warpgroup_boundaries(dtype):
-    check_rows_around_warpgroup_boundaries(dtype, k=K, n=N)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_vmap_equals_loop(dtype):
-    check_vmap(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_jit_equals_eager(dtype):
-    check_jit_vs_eager(dtype)
+@pytest.mark.parametrize("contract", list(CPU_CONTRACTS))
+def test_contract_on_cpu(contract, dtype):
+    CPU_CONTRACTS[contract](dtype)
 
 
 def test_row_invariance_small_and_large_shapes():

@@ -197,6 +197,11 @@ class Hit:
     blocking: bool = True
 
 
+def _hit_if(kind, breaks, why, fix):
+    """A Hit, or None where the operation breaks nothing (`breaks` is None)."""
+    return None if breaks is None else Hit(kind, breaks, why, fix)
+
+
 def _is_float(aval) -> bool:
     dt = getattr(aval, "dtype", None)
     try:
@@ -430,15 +435,11 @@ def classify(eqn, axes: Axes, apis, function, backend, backward) -> Hit | None:
         if not in_float or window <= 2 or (name == "reduce_window" and not _accumulates(p)):
             return None
         breaks = _batch_breaks(axes, False)
-        return (
-            None
-            if breaks is None
-            else Hit(
-                "reduce",
-                breaks,
-                "a windowed float sum (pooling) whose loop XLA emits from the whole shape",
-                "jaxdet.matmul of the windows (lax.conv_general_dilated_patches) with a ones vector",
-            )
+        return _hit_if(
+            "reduce",
+            breaks,
+            "a windowed float sum (pooling) whose loop XLA emits from the whole shape",
+            "jaxdet.matmul of the windows (lax.conv_general_dilated_patches) with a ones vector",
         )
 
     if name in ("cumsum", "cumprod", "cumlogsumexp"):
@@ -492,44 +493,32 @@ def classify(eqn, axes: Axes, apis, function, backend, backward) -> Hit | None:
                 "small matrices on a GPU)"
             )
         )
-        return (
-            None
-            if breaks is None
-            else Hit(
-                "linalg",
-                breaks,
-                f"{name} by {lib}",
-                "no jaxdet equivalent: keep it out of the reproducible path, or run it with a fixed batch shape",
-            )
+        return _hit_if(
+            "linalg",
+            breaks,
+            f"{name} by {lib}",
+            "no jaxdet equivalent: keep it out of the reproducible path, or run it with a fixed batch shape",
         )
 
     if name == "sort":
         if p.get("is_stable", True) or len(eqn.invars) <= p.get("num_keys", 1):
             return None
         breaks = _batch_breaks(axes, gpu)
-        return (
-            None
-            if breaks is None
-            else Hit(
-                "sort",
-                breaks,
-                "an unstable sort carrying payloads: the order of equal keys depends on the algorithm, "
-                "its size and the backend",
-                "is_stable=True (jnp.argsort and lax.sort with stable ordering)",
-            )
+        return _hit_if(
+            "sort",
+            breaks,
+            "an unstable sort carrying payloads: the order of equal keys depends on the algorithm, "
+            "its size and the backend",
+            "is_stable=True (jnp.argsort and lax.sort with stable ordering)",
         )
 
     if name == "approx_top_k":
         breaks = _batch_breaks(axes, False)
-        return (
-            None
-            if breaks is None
-            else Hit(
-                "sort",
-                breaks,
-                "approximate top-k: which elements it keeps depends on the whole shape",
-                "lax.top_k (exact; ties go to the lower index)",
-            )
+        return _hit_if(
+            "sort",
+            breaks,
+            "approximate top-k: which elements it keeps depends on the whole shape",
+            "lax.top_k (exact; ties go to the lower index)",
         )
 
     if name not in _UNSEEN and sub_jaxprs(p):
@@ -560,16 +549,12 @@ def _scatter_hit(eqn, axes: Axes, name, in_float, gpu) -> Hit | None:
         return None
     if name.startswith("select_and_scatter"):
         breaks = _batch_breaks(axes, gpu)
-        return (
-            None
-            if breaks is None
-            else Hit(
-                "scatter",
-                breaks,
-                "the gradient of max pooling: overlapping windows add into the same input element"
-                + ("; XLA:GPU has no deterministic select-and-scatter" if gpu else ""),
-                "non-overlapping windows (stride == window), or pooling written with jaxdet.matmul",
-            )
+        return _hit_if(
+            "scatter",
+            breaks,
+            "the gradient of max pooling: overlapping windows add into the same input element"
+            + ("; XLA:GPU has no deterministic select-and-scatter" if gpu else ""),
+            "non-overlapping windows (stride == window), or pooling written with jaxdet.matmul",
         )
     if p.get("unique_indices"):
         return None

@@ -53,3 +53,9 @@ def over_all(check, param, values, **kw):
     if all(o is None for o in oks):
         return None, results[0][1]
     return all(o is not False for o in oks), "; ".join(r[1] for r in results)
+
+
+def bitwise_verdict(what: str, differences: list, separator: str = "; "):
+    """``(ok, detail)`` of a bitwise comparison: `what` followed by "bitwise equal", or by the differences."""
+    ok = not differences
+    return ok, what + ("bitwise equal" if ok else separator.join(differences))

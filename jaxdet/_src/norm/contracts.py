@@ -84,10 +84,9 @@ def check_canonical_order(kind="layer", dtype=jnp.bfloat16, shapes=((1, 1), (5, 
                 continue
             if not same_bits(a, e):
                 bad.append(f"{name}{[tokens, n]}: {count_bit_differences(np.asarray(a), e)} differ")
-    ok = not bad
-    return ok, (
-        f"{kind} {np.dtype(dtype).name} y, dx, dscale, dbias at {len(shapes)} shapes vs the NumPy order: "
-        + ("bitwise equal" if ok else "; ".join(bad))
+    return contract_checks.bitwise_verdict(
+        f"{kind} {np.dtype(dtype).name} y, dx, dscale, dbias at {len(shapes)} shapes vs the NumPy order: ",
+        bad,
     )
 
 

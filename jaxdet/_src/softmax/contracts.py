@@ -94,10 +94,10 @@ def check_canonical_order(mode="cross_entropy", dtype=jnp.float32, shapes=SHAPES
         for name, a, e in zip(("out", "grad"), value_and_grad(mode, *args), reference(mode, *args)):
             if not same_bits(a, e):
                 bad.append(f"{name}{[rows, n]}: {count_bit_differences(np.asarray(a), e)} differ")
-    ok = not bad
-    return ok, (
+    return contract_checks.bitwise_verdict(
         f"{mode} {np.dtype(dtype).name} at {len(shapes)} shapes (up to {max(s[1] for s in shapes)} "
-        "classes) vs the NumPy order: " + ("bitwise equal" if ok else "; ".join(bad))
+        "classes) vs the NumPy order: ",
+        bad,
     )
 
 
@@ -150,10 +150,9 @@ def check_math_functions():
         got = det_math(jax.device_put(jnp.asarray(arg), _device()), op)
         if not same_bits(got, want):
             bad.append(f"{op}: {count_bit_differences(np.asarray(got), want)} differ")
-    ok = not bad
-    return ok, (
-        f"exp, log, rsqrt, exp_nonpositive of {x.size} float32 values on {_device().platform} vs NumPy: "
-        + ("bitwise equal" if ok else "; ".join(bad))
+    return contract_checks.bitwise_verdict(
+        f"exp, log, rsqrt, exp_nonpositive of {x.size} float32 values on {_device().platform} vs NumPy: ",
+        bad,
     )
 
 
