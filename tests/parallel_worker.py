@@ -46,6 +46,7 @@ def run_collectives(out_dir):
     from jax.sharding import PartitionSpec as P
 
     import jaxdet.parallel as jp
+    from jaxdet._src.core import tree
 
     devices = jax.devices()
     arrays, facts = {}, {}
@@ -91,7 +92,7 @@ def run_collectives(out_dir):
         "a": _summands(10, 8, (5, 7), np.float32),
         "b": _summands(11, 8, (3,), jnp.bfloat16),
         "c": _summands(12, 8, (), np.float32),
-        "d": _summands(13, 8, (jp._OWN_BUFFER + 3,), np.float32),
+        "d": _summands(13, 8, (tree._OWN_BUFFER + 3,), np.float32),
     }
     for k, v in tree_in.items():
         arrays[f"pytree_{k}_in"] = v
@@ -108,7 +109,7 @@ def run_collectives(out_dir):
 
     # Under jax.vmap, jax.checkpoint and lax.scan inside shard_map (8 devices, one summand each),
     # with a leaf large enough to travel alone: each slice has the bits of the plain call.
-    tx = {"big": _summands(14, 8, (jp._OWN_BUFFER + 5,), np.float32), "small": _summands(15, 8, (3, 5), np.float32)}
+    tx = {"big": _summands(14, 8, (tree._OWN_BUFFER + 5,), np.float32), "small": _summands(15, 8, (3, 5), np.float32)}
     m8 = mesh((8,), ("d",))
 
     def on_mesh(f):

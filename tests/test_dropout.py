@@ -394,3 +394,9 @@ def test_gpu_scanned_micro_batches_equal_the_whole_batch(gpu):
 
     _, out = jax.jit(lambda x: jax.lax.scan(micro, 0, (x, jnp.arange(4, dtype=jnp.int32))))(x)
     np.testing.assert_array_equal(bits(out), bits(jaxdet.dropout(x, key, 0.5)))
+
+
+def test_forward_mode_names_jaxdet_dropout():
+    x = jnp.ones((4, 8), jnp.float32)
+    with pytest.raises(TypeError, match=r"jaxdet\.dropout supports reverse-mode differentiation to any order"):
+        jax.jvp(lambda x: jaxdet.dropout(x, jr.key(0), 0.5), (x,), (x,))

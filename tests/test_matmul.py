@@ -388,3 +388,11 @@ def test_forward_mode_is_not_supported():
     x, w = rand((4, 8), jnp.float32, 37), rand((8, 3), jnp.float32, 38)
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(lambda w: jaxdet.matmul(x, w), (w,), (w,))
+
+
+def test_forward_mode_names_jaxdet_matmul():
+    a, b = jnp.ones((4, 8), jnp.float32), jnp.ones((8, 3), jnp.float32)
+    with pytest.raises(TypeError, match=r"jaxdet\.matmul supports reverse-mode differentiation to any order"):
+        jax.jvp(lambda a: jaxdet.matmul(a, b), (a,), (a,))
+    # Reverse mode to second order works.
+    assert jax.grad(lambda a: jax.grad(lambda a: jnp.sum(jaxdet.matmul(a, b) ** 2))(a).sum())(a).shape == a.shape

@@ -26,11 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
-from jax.interpreters import ad
 
 from jaxdet import _native
-from jaxdet._src.core import batching, ffi, tree, varying
+from jaxdet._src.core import autodiff, batching, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, check_static_float, float_dtype_of
 
 __all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS"]
@@ -217,45 +215,6 @@ def _attention5_bwd(scale, row_form, res, do):
 _attention5.defvjp(_attention5_fwd, _attention5_bwd)
 
 
-# ---- Differentiation: reverse mode once. The public functions are jax.custom_vjp functions whose
-# backward is one jaxdet kernel: forward mode, and differentiating the gradient again, name the
-# public function and what is supported instead of JAX's generic errors about internal primitives. ----
-
-_JVP_OF_CUSTOM_VJP = "forward-mode autodiff (jvp) to a custom_vjp function"
-
-
-def _ad_support(public):
-    return (
-        f"{public} supports reverse-mode differentiation once (jax.grad, jax.vjp, jax.value_and_grad); "
-        "forward mode (jax.jvp, jax.jacfwd, jax.linearize, jax.hessian) and differentiating its gradient "
-        "again are not supported yet"
-    )
-
-
-def _refuse_jvp(public_of):
-    """A JVP rule for every primitive of this module that raises NotImplementedError naming the
-    public function (``public_of(params)``) instead of JAX's 'Differentiation rule for
-    'jaxdet_...' not implemented'."""
-    for prim in [v for v in globals().values() if isinstance(v, jex_core.Primitive)]:
-
-        def rule(primals, tangents, _prim=prim, **params):
-            raise NotImplementedError(f"{_ad_support(public_of(params))} (the internal primitive {_prim.name})")
-
-        ad.primitive_jvps[prim] = rule
-
-
-def _reverse_only(public, fn, *args):
-    """``fn(*args)``; JAX's TypeError for forward mode through a custom_vjp function becomes one
-    naming ``public``. (Under ``jax.jvp`` of a ``jax.jit``-ed function the custom_vjp is met when the
-    jitted program is differentiated, outside this frame: JAX's own message then.)"""
-    try:
-        return fn(*args)
-    except TypeError as e:
-        if _JVP_OF_CUSTOM_VJP not in str(e):
-            raise
-        raise TypeError(f"{_ad_support(public)} (it is a jax.custom_vjp function)") from e
-
-
 # ---- Which keys each query sees. ----
 
 
@@ -394,11 +353,13 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     else:
         row_a, row_b, row_form = _position_rows(B, T, S, causal, q_positions, kv_lengths)
     G = N // K
-    out = _reverse_only("jaxdet.attention", _attention5, q.reshape(B, T, K, G, D), k, v, row_a, row_b, scale, row_form)
+    out = autodiff.reverse_only(
+        "jaxdet.attention", _attention5, q.reshape(B, T, K, G, D), k, v, row_a, row_b, scale, row_form
+    )
     return out.reshape(B, T, N, D)
 
 
-_refuse_jvp(lambda params: "jaxdet.attention")
+autodiff.refuse_jvp(globals(), lambda params: "jaxdet.attention")
 
 # The public function carries its constants (jaxdet.attention.KV_SPLIT, ...).
 attention.KV_BLOCK, attention.KV_SPLIT = KV_BLOCK, KV_SPLIT

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import batching, ffi, tree, varying
+from jaxdet._src.core import autodiff, batching, ffi, tree, varying
 from jaxdet._src.core.checks import (
     check_philox_key,
     check_static_float,
@@ -274,7 +274,9 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
         ("drop_threshold", drop_threshold(rate)),
         ("scale", float(keep_scale(rate))),
     )
-    return _dropout(x, key, offsets, params, varying.varying_axes(x))
+    return autodiff.reverse_only(
+        "jaxdet.dropout", _dropout, x, key, offsets, params, varying.varying_axes(x), higher_order=True
+    )
 
 
 # `jaxdet.dropout` is the function (the package exports it), so the rule's constants are reachable

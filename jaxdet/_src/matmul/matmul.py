@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import batching, ffi, tree, varying
+from jaxdet._src.core import autodiff, batching, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, float_dtype_of
 
 __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
@@ -524,11 +524,18 @@ def matmul(a, b, *, preferred_element_type=None):
         return tree.match_varying(jnp.zeros(out_shape, out_dtype), varying.varying_union(a, b))
     if all(d == 1 for d in b_shape[:-2]):
         # Shared weights: every row of every batch element is one row of a single GEMM.
-        return _matmul_rows(jnp.broadcast_to(a, batch + (M, K)), b.reshape(K, N), out_dtype)
+        return autodiff.reverse_only(
+            "jaxdet.matmul",
+            _matmul_rows,
+            jnp.broadcast_to(a, batch + (M, K)),
+            b.reshape(K, N),
+            out_dtype,
+            higher_order=True,
+        )
     L = math.prod(batch)
     a3 = jnp.broadcast_to(a, batch + (M, K)).reshape(L, M, K)
     b3 = jnp.broadcast_to(b, batch + (K, N)).reshape(L, K, N)
-    return _matmul3(a3, b3, out_dtype).reshape(out_shape)
+    return autodiff.reverse_only("jaxdet.matmul", _matmul3, a3, b3, out_dtype, higher_order=True).reshape(out_shape)
 
 
 def matmul_weight_grad(a, dc, acc=None):

@@ -18,10 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
-from jax.interpreters import ad
 
-from jaxdet._src.core import batching, checks, ffi, tree, varying
+from jaxdet._src.core import autodiff, batching, checks, ffi, tree, varying
 
 __all__ = ["rms_norm", "layer_norm", "GRAD_BLOCK_TOKENS"]
 
@@ -320,45 +318,6 @@ def _norm_bwd(eps, center, has_bias, res, g):
 _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
-# ---- Differentiation: reverse mode once. The public functions are jax.custom_vjp functions whose
-# backward is one jaxdet kernel: forward mode, and differentiating the gradient again, name the
-# public function and what is supported instead of JAX's generic errors about internal primitives. ----
-
-_JVP_OF_CUSTOM_VJP = "forward-mode autodiff (jvp) to a custom_vjp function"
-
-
-def _ad_support(public):
-    return (
-        f"{public} supports reverse-mode differentiation once (jax.grad, jax.vjp, jax.value_and_grad); "
-        "forward mode (jax.jvp, jax.jacfwd, jax.linearize, jax.hessian) and differentiating its gradient "
-        "again are not supported yet"
-    )
-
-
-def _refuse_jvp(public_of):
-    """A JVP rule for every primitive of this module that raises NotImplementedError naming the
-    public function (``public_of(params)``) instead of JAX's 'Differentiation rule for
-    'jaxdet_...' not implemented'."""
-    for prim in [v for v in globals().values() if isinstance(v, jex_core.Primitive)]:
-
-        def rule(primals, tangents, _prim=prim, **params):
-            raise NotImplementedError(f"{_ad_support(public_of(params))} (the internal primitive {_prim.name})")
-
-        ad.primitive_jvps[prim] = rule
-
-
-def _reverse_only(public, fn, *args):
-    """``fn(*args)``; JAX's TypeError for forward mode through a custom_vjp function becomes one
-    naming ``public``. (Under ``jax.jvp`` of a ``jax.jit``-ed function the custom_vjp is met when the
-    jitted program is differentiated, outside this frame: JAX's own message then.)"""
-    try:
-        return fn(*args)
-    except TypeError as e:
-        if _JVP_OF_CUSTOM_VJP not in str(e):
-            raise
-        raise TypeError(f"{_ad_support(public)} (it is a jax.custom_vjp function)") from e
-
-
 def _check_param(p, name, n):
     p = checks.check_float_array(p, name)
     if p.shape != (n,):
@@ -381,7 +340,7 @@ def _apply(x, scale, bias, eps, center):
     w = jnp.ones((n,), _F32) if scale is None else scale.astype(_F32)
     b = jnp.zeros((n,), _F32) if bias is None else bias.astype(_F32)
     public = "jaxdet.layer_norm" if center else "jaxdet.rms_norm"
-    return _reverse_only(public, _norm, x, w, b, eps, center, bias is not None)
+    return autodiff.reverse_only(public, _norm, x, w, b, eps, center, bias is not None)
 
 
 def rms_norm(x, scale, eps: float = 1e-6):
@@ -421,7 +380,7 @@ def _norm_public(params):
     return "jaxdet.rms_norm (and jaxdet.layer_norm)"
 
 
-_refuse_jvp(_norm_public)
+autodiff.refuse_jvp(globals(), _norm_public)
 
 # The public functions carry their constants (jaxdet.rms_norm.GRAD_BLOCK_TOKENS, ...).
 rms_norm.GRAD_BLOCK_TOKENS = layer_norm.GRAD_BLOCK_TOKENS = GRAD_BLOCK_TOKENS

@@ -19,10 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
-from jax.interpreters import ad
 
-from jaxdet._src.core import batching, checks, ffi, tree, varying
+from jaxdet._src.core import autodiff, batching, checks, ffi, tree, varying
 
 __all__ = [
     "softmax",
@@ -365,50 +363,11 @@ def _rows_of(x, axis, name):
     return moved, axis
 
 
-# ---- Differentiation: reverse mode once. The public functions are jax.custom_vjp functions whose
-# backward is one jaxdet kernel: forward mode, and differentiating the gradient again, name the
-# public function and what is supported instead of JAX's generic errors about internal primitives. ----
-
-_JVP_OF_CUSTOM_VJP = "forward-mode autodiff (jvp) to a custom_vjp function"
-
-
-def _ad_support(public):
-    return (
-        f"{public} supports reverse-mode differentiation once (jax.grad, jax.vjp, jax.value_and_grad); "
-        "forward mode (jax.jvp, jax.jacfwd, jax.linearize, jax.hessian) and differentiating its gradient "
-        "again are not supported yet"
-    )
-
-
-def _refuse_jvp(public_of):
-    """A JVP rule for every primitive of this module that raises NotImplementedError naming the
-    public function (``public_of(params)``) instead of JAX's 'Differentiation rule for
-    'jaxdet_...' not implemented'."""
-    for prim in [v for v in globals().values() if isinstance(v, jex_core.Primitive)]:
-
-        def rule(primals, tangents, _prim=prim, **params):
-            raise NotImplementedError(f"{_ad_support(public_of(params))} (the internal primitive {_prim.name})")
-
-        ad.primitive_jvps[prim] = rule
-
-
-def _reverse_only(public, fn, *args):
-    """``fn(*args)``; JAX's TypeError for forward mode through a custom_vjp function becomes one
-    naming ``public``. (Under ``jax.jvp`` of a ``jax.jit``-ed function the custom_vjp is met when the
-    jitted program is differentiated, outside this frame: JAX's own message then.)"""
-    try:
-        return fn(*args)
-    except TypeError as e:
-        if _JVP_OF_CUSTOM_VJP not in str(e):
-            raise
-        raise TypeError(f"{_ad_support(public)} (it is a jax.custom_vjp function)") from e
-
-
 def _softmax_like(x, axis, mode):
     moved, axis = _rows_of(x, axis, "x")
     if moved.size == 0:
         return tree.match_varying(jnp.zeros(x.shape, x.dtype), varying.varying_axes(x))
-    y = _reverse_only(f"jaxdet.{mode}", _softmax_rows, moved, _MODES[mode])
+    y = autodiff.reverse_only(f"jaxdet.{mode}", _softmax_rows, moved, _MODES[mode])
     return jnp.moveaxis(y, -1, axis) if axis != x.ndim - 1 else y
 
 
@@ -458,7 +417,7 @@ def _xent(logits, labels, axis, log_prob):
     if moved.size == 0:
         return tree.match_varying(jnp.zeros(labels.shape, _F32), varying.varying_union(moved, labels))
     public = "jaxdet.label_log_probs" if log_prob else "jaxdet.softmax_cross_entropy"
-    return _reverse_only(public, _xent_rows, moved, labels, log_prob)
+    return autodiff.reverse_only(public, _xent_rows, moved, labels, log_prob)
 
 
 def softmax_cross_entropy_with_integer_labels(logits, labels, axis: int = -1):
@@ -500,7 +459,7 @@ def _softmax_public(params):
     return "jaxdet.softmax_cross_entropy"
 
 
-_refuse_jvp(_softmax_public)
+autodiff.refuse_jvp(globals(), _softmax_public)
 
 # The public functions carry their constants (jaxdet.softmax.SEGMENT, ...).
 for _fn in (softmax, log_softmax, softmax_cross_entropy, softmax_cross_entropy_with_integer_labels, label_log_probs):
