@@ -1,6 +1,6 @@
 """The ``jaxdet`` command line: ``jaxdet report`` measures this build's determinism contracts.
 
-``jaxdet report`` (also ``python -m jaxdet``) runs every check of ``jaxdet.contracts`` on the current
+``jaxdet report`` (also ``python -m jaxdet``) runs every primitive package's contract checks on the current
 default device, shows progress, prints one line per contract (PASS, FAIL, or SKIP when it cannot be
 measured here) and exits 1 if any contract is broken.
 """

@@ -238,7 +238,7 @@ def check_device_count_invariance(steps=2):
     # first on sys.path, and a source checkout's root would shadow the compiled package.
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxdet.__file__)))
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdet.contracts.parallel", str(steps)],
+        [sys.executable, "-m", "jaxdet._src.parallel.contracts", str(steps)],
         env=subprocess_env(),
         cwd=root,
         capture_output=True,
