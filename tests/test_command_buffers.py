@@ -283,33 +283,69 @@ def cuda_handlers():
     return handlers
 
 
-def cuda_target_names():
+def _strip_comments(text):
+    return re.sub(r"/\*.*?\*/|//[^\n]*", " ", text.replace("\\\n", " "), flags=re.DOTALL)
+
+
+def cuda_target_names(text=None):
     """{handler symbol: target name} as cuda/module.cc's cuda_targets() registers them: entries
-    `d["name"] = EncapsulateFfiHandler(symbol);` and X-macro lists expanded by an adder
-    `#define ADD(name) d["prefix" #name] = EncapsulateFfiHandler(pre##name##post);`."""
-    text = MODULE_CC.read_text()
+    `d["name"] = EncapsulateFfiHandler(symbol);`, and X-macro lists `#define LIST(X) X(a, ...) ...`
+    that the body expands with an adder `LIST(ADD)`,
+    `#define ADD(p, ...) d["prefix" #p] = EncapsulateFfiHandler(pre##q##post);`."""
+    text = _strip_comments(MODULE_CC.read_text() if text is None else text)
     start = text.index('m.def("cuda_targets"')
     body = text[start : text.index("});", start)]
     names = {sym: target for target, sym in re.findall(r'd\["(\w+)"\]\s*=\s*EncapsulateFfiHandler\((\w+)\)', body)}
-    lists = {
-        name: re.findall(r"\bX\((\w+)\)", items)
-        for name, items in re.findall(r"#define\s+(\w+)\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)
-    }
-    adders = {
-        name: (prefix, pre, post)
-        for name, prefix, pre, post in re.findall(
-            r'#define\s+(\w+)\(name\)\s+d\["(\w*)"\s*#name\]\s*=\s*EncapsulateFfiHandler\((\w*)##name##(\w*)\);', text
-        )
-    }
-    expanded = 0
-    for lst, add in re.findall(r"\b(\w+)\((\w+)\)", body):
+    lists = {}
+    for name, param, items in re.findall(r"#define\s+(\w+)\((\w+)\)([^\n]*)", text):
+        found = [[a.strip() for a in args.split(",")] for args in re.findall(rf"\b{param}\(([^()]*)\)", items)]
+        if found:
+            lists[name] = found
+    adders = {}
+    for name, params, prefix, key, symbol in re.findall(
+        r'#define\s+(\w+)\(([\w\s,]*)\)\s*d\["(\w*)"\s*#\s*(\w+)\]\s*=\s*EncapsulateFfiHandler\(([\w#\s]+)\);', text
+    ):
+        adders[name] = ([q.strip() for q in params.split(",")], prefix, key, [t.strip() for t in symbol.split("##")])
+    for lst, add in re.findall(r"\b(\w+)\(\s*(\w+)\s*\)", body):
         if lst in lists and add in adders:
-            prefix, pre, post = adders[add]
-            for item in lists[lst]:
-                names[pre + item + post] = prefix + item
-                expanded += 1
-    assert names and expanded, "cuda/module.cc: no CUDA targets found (parser out of date?)"
+            params, prefix, key, pieces = adders[add]
+            for args in lists[lst]:
+                value = dict(zip(params, args, strict=True))
+                names["".join(value.get(t, t) for t in pieces)] = prefix + value[key]
+    assert names, "cuda/module.cc: no CUDA targets found (parser out of date?)"
     return names
+
+
+def test_module_cc_parser_reads_both_registration_forms():
+    one = """
+#define ROWS(X) X(norm_fwd) X(det_math)
+m.def("cuda_targets", []() {
+    d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cuda);
+#define ADD_CUDA(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cuda);
+    ROWS(ADD_CUDA)
+  });"""
+    two = """
+#define TARGETS(X)                                                   \\
+  X(philox4x32_10, philox) X(dropout, dropout)       /* dropout */ \\
+      X(det_math, det_math)                          /* softmax */
+m.def("cpu_targets", []() {
+#define ADD_CPU(name, stem) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##stem##_cpu);
+    TARGETS(ADD_CPU)
+  });
+m.def("cuda_targets", []() {
+#define ADD_CUDA(name, stem) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##stem##_cuda);
+    TARGETS(ADD_CUDA)
+  });"""
+    assert cuda_target_names(one) == {
+        "jaxdet_philox_cuda": "jaxdet_philox4x32_10",
+        "jaxdet_norm_fwd_cuda": "jaxdet_norm_fwd",
+        "jaxdet_det_math_cuda": "jaxdet_det_math",
+    }
+    assert cuda_target_names(two) == {
+        "jaxdet_philox_cuda": "jaxdet_philox4x32_10",
+        "jaxdet_dropout_cuda": "jaxdet_dropout",
+        "jaxdet_det_math_cuda": "jaxdet_det_math",
+    }
 
 
 def test_every_cuda_handler_declares_command_buffer_compatibility_or_a_reason():
