@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -427,6 +428,8 @@ def main():
     ops = args.ops.split(",")
     use_api = not args.raw
     if args.chunk_tokens:
+        if not isinstance(matmul_impl, types.ModuleType):  # (a function of that name would take the setting)
+            raise SystemExit(f"--chunk-tokens: jaxdet._src.matmul.matmul is not the module ({matmul_impl!r})")
         # read when the dB function is traced, so set it before anything is jitted
         matmul_impl.WGRAD_CHUNK_TOKENS = args.chunk_tokens
     chunk_tokens = matmul_impl.WGRAD_CHUNK_TOKENS if use_api else 2048
