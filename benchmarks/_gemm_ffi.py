@@ -1,11 +1,10 @@
 """Raw calls of the jaxdet_gemm / jaxdet_gemm_wgrad FFI targets (the interface the Python API binds).
 
-Used by the kernel checks and, when `jaxdet.matmul` is not there, by the benchmark.
+Used by matmul_bench.py: `--raw` times them without jaxdet.matmul's wrapper, and `--sanitize` runs
+every kernel family through them under compute-sanitizer.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +41,11 @@ def wgrad(acc, a, dc, chunk_tokens=2048):
 
 def wgrad_init(a, dc, chunk_tokens, out_dtype):
     """The chunk sequence from nothing, result in out_dtype (f32, or a's dtype: cast once, RNE)."""
+    from jaxdet._src.matmul.matmul import _wgrad_init_shapes
+
     L, T, K = a.shape
-    # the result and workspace shapes the primitive declares (jaxdet/matmul.py)
-    out_shape, ws_shape = importlib.import_module("jaxdet.matmul")._wgrad_init_shapes(
-        L, T, K, dc.shape[2], chunk_tokens, out_dtype
-    )
+    # the result and workspace shapes the primitive declares (jaxdet/_src/matmul/matmul.py)
+    out_shape, ws_shape = _wgrad_init_shapes(L, T, K, dc.shape[2], chunk_tokens, out_dtype)
     out, _ = jax.ffi.ffi_call(
         "jaxdet_gemm_wgrad_init",
         (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct(ws_shape, jnp.float32)),

@@ -6,22 +6,21 @@ Nothing here imports jax at module level: `--cpu-devices` must set XLA_FLAGS bef
 
 from __future__ import annotations
 
-import datetime
 import os
 
 
 def parse_args(parser, reps, inner):
     """Adds --reps, --inner, --cpu-devices and --out to `parser` and parses; with --cpu-devices, JAX
     (not imported yet) will run on that many simulated CPU devices."""
-    parser.add_argument("--reps", type=int, default=reps)
-    parser.add_argument("--inner", type=int, default=inner)
+    parser.add_argument("--reps", type=int, default=reps, help="timings per cell (the median is reported)")
+    parser.add_argument("--inner", type=int, default=inner, help="back-to-back calls per timing")
     parser.add_argument(
         "--cpu-devices",
         type=int,
         default=0,
         help="simulate this many CPU devices (smoke test)",
     )
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", default="", help="also append the table to this file")
     args = parser.parse_args()
     if args.cpu_devices:
         os.environ["XLA_FLAGS"] = (
@@ -52,18 +51,31 @@ def devices_label(devices):
     return f"{len(devices)} x {getattr(devices[0], 'device_kind', devices[0].platform)}"
 
 
+def time_pair_or_each(fn_a, fn_b, argsets, reps, inner):
+    """(ms of fn_a, ms of fn_b) on argsets, alternating (matmul_bench.timeit_pair), or each alone
+    when the pair fails: a side that fails shows "OOM" or its exception's class (_timing.guard)."""
+    from _timing import pair_or_each
+    from matmul_bench import timeit, timeit_pair
+
+    return pair_or_each(
+        lambda a, b: timeit_pair(a, b, argsets, reps, inner),
+        lambda f: timeit(f, argsets, reps, inner),
+        fn_a,
+        fn_b,
+    )
+
+
 def emit(title, columns, rows, out):
-    """Prints the markdown table (a title line, then the header and a row per entry of `rows`, each
-    a list of cells) and appends it to the file `out` when given. The title gets the jax version,
-    the date and NCCL_NVLS_ENABLE appended."""
-    import jax
+    """Prints the markdown table (a title line, the header line of _timing.header with
+    NCCL_NVLS_ENABLE, then the table's header and a row per entry of `rows`, each a list of cells)
+    and appends it to the file `out` when given."""
+    from _timing import header
 
     cells = lambda values: "| " + " | ".join(str(v) for v in values) + " |"
     lines = [
-        (
-            f"{title}, jax {jax.__version__}, {datetime.date.today()}, "
-            f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}"
-        ),
+        title,
+        "",
+        header(f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}"),
         "",
         cells(columns),
         "|" + "---|" * len(columns),

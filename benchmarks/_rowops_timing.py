@@ -6,7 +6,9 @@ Forward: the jitted function. Backward: the jitted vjp function applied to the c
 forward's residuals passed in as arguments (`jax.vjp` outside the timed call), so each side is
 timed on the computation its backward really runs. Each sample is `calls` back-to-back calls with
 one `jax.block_until_ready` at the end; the median over `reps` samples is reported, and the two
-sides alternate (which goes first alternates too), so clock or power drift hits both alike.
+sides alternate (which goes first alternates too), so clock or power drift hits both alike. A side
+that fails (its forward, its vjp or its timing) shows "OOM" or the exception's class in its cell and
+the other side is timed alone (_timing.guard, _timing.pair_or_each).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from _timing import sample
+from _timing import Failed, failed, guard, header, pair_or_each, sample
 
 
 def time_pair(a, b, reps, calls):
@@ -32,6 +34,14 @@ def time_pair(a, b, reps, calls):
     return statistics.median(ta), statistics.median(tb)
 
 
+def time_one(a, reps, calls):
+    """Median seconds per call of a() (a (fn, args) pair), after two warm-up calls."""
+    fn, args = a
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    return statistics.median(sample(fn, args, calls) for _ in range(reps))
+
+
 def forward_and_backward(f, args, cotangent):
     """((fwd_fn, args), (bwd_fn, (vjp, cotangent))) for timing f's forward and its backward."""
     fwd = jax.jit(f)
@@ -42,6 +52,16 @@ def forward_and_backward(f, args, cotangent):
     return (fwd, args), (bwd, (vjp, cotangent.astype(out.dtype)))
 
 
+def timing_pairs(f, args, cotangent):
+    """forward_and_backward, or (Failed, Failed) when it fails (its forward runs: out of memory) or
+    when an input is a Failed already (the inputs did not fit)."""
+    for x in (*args, cotangent):
+        if failed(x):
+            return x, x
+    both = guard(forward_and_backward, f, args, cotangent)
+    return (both, both) if isinstance(both, Failed) else both
+
+
 def parse_args(parser):
     """Adds the arguments both benchmarks take and parses: (args, the device to run on). Exits when
     that device is the CPU and --allow-cpu is not given."""
@@ -49,7 +69,7 @@ def parse_args(parser):
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU when there is no GPU")
-    parser.add_argument("--sanitize", action="store_true")
+    parser.add_argument("--sanitize", action="store_true", help="every kernel path once, small (compute-sanitizer)")
     args = parser.parse_args()
     device = jax.devices()[0]
     if device.platform == "cpu" and not args.allow_cpu:
@@ -58,12 +78,22 @@ def parse_args(parser):
 
 
 def copy_bandwidth(device, small=False, reps=10):
-    """Bytes per second of `x * 1.5` on a float32 array (read + write) of 1 GiB (small: 16 MiB)."""
+    """Bytes per second of `x * 1.5` on a float32 array (read + write) of 1 GiB (small: 16 MiB); a
+    Failed if it does not run."""
     nbytes = (16 << 20) if small else (1 << 30)
-    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
-    f = jax.jit(lambda x: x * 1.5)
-    t = statistics.median(sample(f, (x,), 5) for _ in range(reps))
-    return 2 * nbytes / t
+
+    def measure():
+        x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+        f = jax.jit(lambda x: x * 1.5)
+        return statistics.median(sample(f, (x,), 5) for _ in range(reps))
+
+    return 2 * nbytes / guard(measure)
+
+
+def print_header(what):
+    """The benchmark's header line (_timing.header: device, jax and jaxdet versions, date), then a
+    blank line."""
+    print(header(what) + "\n", flush=True)
 
 
 def nbytes(*arrays_or_shapes_dtypes):
@@ -100,14 +130,19 @@ def print_table_header(keys, baseline):
 def print_timed_row(keys, baseline, jaxdet_pair, moved, bandwidth, args):
     """Times the baseline and jaxdet (time_pair) and prints their row: times, ratio, and `moved`
     bytes per second of jaxdet's time, absolute and as a fraction of `bandwidth`."""
-    tb, td = time_pair(baseline, jaxdet_pair, reps=args.reps, calls=args.calls)
+    tb, td = pair_or_each(
+        lambda a, b: time_pair(a, b, reps=args.reps, calls=args.calls),
+        lambda a: time_one(a, reps=args.reps, calls=args.calls),
+        baseline,
+        jaxdet_pair,
+    )
     print(
         row(
             keys
             + [
                 f"{tb * 1e3:.4f}",
                 f"{td * 1e3:.4f}",
-                f"{tb / td:.3f}",
+                "-" if failed(tb) or failed(td) else f"{tb / td:.3f}",
                 f"{moved / td / 1e9:.0f}",
                 f"{moved / td / bandwidth:.2f}",
             ]

@@ -1,6 +1,7 @@
 """jaxdet.attention vs jax.nn.dot_product_attention (cudnn and xla), side by side in one run.
 
     python benchmarks/attention_bench.py             # the issue's shapes on the GPU
+    python benchmarks/attention_bench.py --training-only --seqs 8192   # one training shape
     python benchmarks/attention_bench.py --tiny      # tiny shapes (runs on the CPU, proves the script)
     python benchmarks/attention_bench.py --sanitize  # every kernel once at small shapes (compute-sanitizer)
     python benchmarks/attention_bench.py --profile   # the training forward 3 times (ncu: gpu_session.sh ncu-attention)
@@ -14,7 +15,9 @@ Decode: one query per sequence at position S - 1 against a KV cache of S positio
 takes (bytes of K and V over time, over the device's peak bandwidth).
 
 Prints markdown tables: median ms per call and ratio = baseline time / jaxdet time (> 1: jaxdet
-is faster). The decode baseline is the fastest JAX implementation that runs.
+is faster). The decode baseline is the fastest JAX implementation that runs. A cell whose
+computation fails (XLA's score matrix out of memory at 8192 tokens, an implementation that does
+not support the shape) shows "OOM" or the exception's class, and the run goes on (_timing.guard).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import timed  # noqa: E402
+from _timing import failed, guard, header, timed  # noqa: E402
 
 import jaxdet  # noqa: E402
 
@@ -54,20 +57,18 @@ def reference(impl):
 
 
 def try_time(fn, *args, **kw):
-    try:
-        return timed(fn, *args, **kw)
-    except Exception as err:  # an implementation that does not support the shape on this device
-        return f"n/a ({type(err).__name__})"
+    """Median seconds per call, or a Failed (OOM, a shape the implementation does not support)."""
+    return guard(timed, fn, *args, **kw)
 
 
 def fmt(x):
-    if not isinstance(x, float):
-        return x
+    if x is None or failed(x):
+        return str(x if x is not None else "-")
     return f"{x * 1e3:.4f}" if x < 1e-4 else f"{x * 1e3:.3f}"  # below 0.1 ms: to 0.1 us
 
 
 def ratio(base, mine):
-    return f"{base / mine:.2f}" if isinstance(base, float) and isinstance(mine, float) else "-"
+    return "-" if base is None or mine is None or failed(base) or failed(mine) else f"{base / mine:.2f}"
 
 
 def training(shapes, dtype, on_gpu, reps):
@@ -77,9 +78,9 @@ def training(shapes, dtype, on_gpu, reps):
         + " | ".join(f"{i} ms | ratio {i}" for i in implementations(on_gpu))
         + " |"
     )
-    print("|---|---|---|---|---|---|---|" + "---|---|" * len(implementations(on_gpu)))
+    print("|---|---|---|---|---|---|---|" + "---|---|" * len(implementations(on_gpu)), flush=True)
     for B, T, N, K, D in shapes:
-        q, k, v = rand(0, (B, T, N, D), dtype), rand(1, (B, T, K, D), dtype), rand(2, (B, T, K, D), dtype)
+        qkv = guard(lambda: (rand(0, (B, T, N, D), dtype), rand(1, (B, T, K, D), dtype), rand(2, (B, T, K, D), dtype)))
         flops_fwd = 4 * B * N * T * T * D / 2  # causal: half the score matrix
 
         def fwd_bwd(f):
@@ -88,20 +89,23 @@ def training(shapes, dtype, on_gpu, reps):
 
             return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
-        mine = jax.jit(lambda q, k, v: jaxdet.attention(q, k, v))
-        t_f = timed(mine, q, k, v, reps=reps)
-        t_fb = timed(fwd_bwd(lambda q, k, v: jaxdet.attention(q, k, v)), q, k, v, reps=reps)
+        def time_on_inputs(fn, qkv=qkv):
+            return guard(lambda: timed(fn, *qkv, reps=reps)) if not failed(qkv) else qkv
+
+        t_f = time_on_inputs(jax.jit(lambda q, k, v: jaxdet.attention(q, k, v)))
+        t_fb = time_on_inputs(fwd_bwd(lambda q, k, v: jaxdet.attention(q, k, v)))
         base_f, base_b = [], []
         for impl in implementations(on_gpu):
-            bf = try_time(jax.jit(reference(impl)), q, k, v, reps=reps)
-            bfb = try_time(fwd_bwd(reference(impl)), q, k, v, reps=reps)
+            bf = time_on_inputs(jax.jit(reference(impl)))
+            bfb = time_on_inputs(fwd_bwd(reference(impl)))
             base_f.append(bf)
-            base_b.append(bfb - bf if isinstance(bf, float) and isinstance(bfb, float) else bfb)
-        t_b = t_fb - t_f
+            base_b.append(bfb if failed(bfb) else bfb - bf)  # a failed forward: its label
+        t_b = t_fb if failed(t_fb) else t_fb - t_f
         for name, mine_t, base in (("fwd", t_f, base_f), ("bwd", t_b, base_b)):
             cells = " | ".join(f"{fmt(b)} | {ratio(b, mine_t)}" for b in base)
-            tflops = (flops_fwd if name == "fwd" else 2.5 * flops_fwd) / mine_t / 1e12
-            print(f"| {B} | {T} | {N}/{K} | {D} | {name} | {fmt(mine_t)} | {tflops:.1f} | {cells} |")
+            flops = flops_fwd if name == "fwd" else 2.5 * flops_fwd
+            tflops = "-" if failed(mine_t) else f"{flops / mine_t / 1e12:.1f}"
+            print(f"| {B} | {T} | {N}/{K} | {D} | {name} | {fmt(mine_t)} | {tflops} | {cells} |", flush=True)
     print()
 
 
@@ -148,14 +152,18 @@ def in_a_loop(step, graphs=False):
 
 
 def best_of(candidates, args, reps, per_call):
-    best, best_impl = None, "-"
+    """(seconds per step, implementation) of the fastest candidate that runs; (None, each
+    candidate's failure) if none does."""
+    best, best_impl, failures = None, "-", []
     for impl, fn in candidates:
         t = try_time(fn, *args, reps=reps)
-        if isinstance(t, float):
-            t = t / per_call
-            if best is None or t < best:
-                best, best_impl = t, impl
-    return best, best_impl
+        if failed(t):
+            failures.append(f"{impl}: {t}")
+            continue
+        t = t / per_call
+        if best is None or t < best:
+            best, best_impl = t, impl
+    return best, best_impl if best is not None else ", ".join(failures) or "-"
 
 
 def decode(shapes, dtype, on_gpu, reps, peak):
@@ -171,12 +179,16 @@ def decode(shapes, dtype, on_gpu, reps, peak):
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, S, N, K, D in shapes:
-        q, kc, vc, pos, lens = decode_inputs(B, S, N, K, D, dtype)
-        t = timed(decode_step, q, kc, vc, pos, lens, reps=reps)
+        inputs = guard(decode_inputs, B, S, N, K, D, dtype)
+        if failed(inputs):
+            print(f"| {B} | {S} | {N}/{K} | {D} | inputs: {inputs} |" + " |" * 9, flush=True)
+            continue
+        q, kc, vc, pos, lens = inputs
+        t = try_time(decode_step, q, kc, vc, pos, lens, reps=reps)
         best, best_impl = best_of(
             [(impl, jax.jit(reference(impl))) for impl in implementations(on_gpu)], (q, kc, vc, lens), reps, 1
         )
-        t_loop = timed(in_a_loop(jaxdet_step), q, kc, vc, pos, lens, reps=reps) / LOOP_STEPS
+        t_loop = try_time(in_a_loop(jaxdet_step), q, kc, vc, pos, lens, reps=reps) / LOOP_STEPS
         best_loop, best_loop_impl = best_of(
             [(impl, in_a_loop(reference(impl))) for impl in implementations(on_gpu)],
             (q, kc, vc, lens),
@@ -184,7 +196,7 @@ def decode(shapes, dtype, on_gpu, reps, peak):
             LOOP_STEPS,
         )
         # (command buffers are a GPU compiler option: on the CPU the plain loop again)
-        t_graph = timed(in_a_loop(jaxdet_step, on_gpu), q, kc, vc, pos, lens, reps=reps) / LOOP_STEPS
+        t_graph = try_time(in_a_loop(jaxdet_step, on_gpu), q, kc, vc, pos, lens, reps=reps) / LOOP_STEPS
         best_graph, best_graph_impl = best_of(
             [(impl, in_a_loop(reference(impl), on_gpu)) for impl in implementations(on_gpu)],
             (q, kc, vc, lens),
@@ -192,15 +204,18 @@ def decode(shapes, dtype, on_gpu, reps, peak):
             LOOP_STEPS,
         )
         bytes_read = 2 * B * S * K * D * jnp.dtype(dtype).itemsize
-        frac = f"{bytes_read / min(t_loop, t_graph) / peak:.2f}" if peak else "-"
+        loops = [x for x in (t_loop, t_graph) if not failed(x)]
+        frac = f"{bytes_read / min(loops) / peak:.2f}" if peak and loops else "-"
         print(
-            f"| {B} | {S} | {N}/{K} | {D} | {fmt(t)} | {frac} | {fmt(best) if best else '-'} ({best_impl}) | "
-            f"{ratio(best, t) if best else '-'} | {fmt(t_loop)} | "
-            f"{fmt(best_loop) if best_loop else '-'} ({best_loop_impl}) | "
-            f"{ratio(best_loop, t_loop) if best_loop else '-'} | {fmt(t_graph)} | "
-            f"{fmt(best_graph) if best_graph else '-'} ({best_graph_impl}) | "
-            f"{ratio(best_graph, t_graph) if best_graph else '-'} |"
+            f"| {B} | {S} | {N}/{K} | {D} | {fmt(t)} | {frac} | {fmt(best)} ({best_impl}) | "
+            f"{ratio(best, t)} | {fmt(t_loop)} | "
+            f"{fmt(best_loop)} ({best_loop_impl}) | "
+            f"{ratio(best_loop, t_loop)} | {fmt(t_graph)} | "
+            f"{fmt(best_graph)} ({best_graph_impl}) | "
+            f"{ratio(best_graph, t_graph)} |",
+            flush=True,
         )
+        del q, kc, vc, pos, lens, inputs
     print()
 
 
@@ -227,10 +242,7 @@ def trace_decode(shapes, dtype, on_gpu, calls=5):
                     out = fn(*a)
                 return out
 
-            try:
-                summary = traced(repeated, fargs)
-            except Exception as err:  # an implementation that does not support the shape
-                summary = f"n/a ({type(err).__name__})"
+            summary = guard(traced, repeated, fargs)  # an implementation that does not support the shape
             print(f"\n#### trace: {name}, B {B}, cache {S}, {calls} calls\n\n{summary}")
 
 
@@ -281,11 +293,14 @@ def sanitize():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (runs on the CPU)")
     parser.add_argument("--sanitize", action="store_true", help="each kernel once at small shapes")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--head-dim", type=int, default=128, help="the training and decode shapes' head dimension")
+    parser.add_argument(
+        "--seqs", type=int, nargs="+", default=[2048, 8192], help="the training table's sequence lengths (batch 8)"
+    )
     parser.add_argument("--training-only", action="store_true", help="skip the decode table")
     parser.add_argument("--decode-only", action="store_true", help="skip the training table")
     parser.add_argument(
@@ -326,14 +341,14 @@ def main() -> None:
     dev = jax.devices()[0]
     on_gpu = dev.platform == "gpu"
     peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in dev.device_kind), None)
-    print(f"device: {dev.device_kind}, jax {jax.__version__}, bfloat16\n")
+    print(header("bfloat16") + "\n", flush=True)
     if args.tiny:
         training([(1, 128, 4, 2, 64)], jnp.bfloat16, on_gpu, reps=2)
         decode([(2, 256, 4, 2, 64)], jnp.bfloat16, on_gpu, reps=2, peak=peak)
         return
     D = args.head_dim
     if not args.decode_only:
-        training([(8, 2048, 32, 8, D), (8, 8192, 32, 8, D)], jnp.bfloat16, on_gpu, args.reps)
+        training([(8, T, 32, 8, D) for T in args.seqs], jnp.bfloat16, on_gpu, args.reps)
     if not args.training_only:
         shapes = [(b, s, 32, 8, D) for b in args.decode_batches for s in (4096, 32768)]
         decode(shapes, jnp.bfloat16, on_gpu, args.reps, peak)

@@ -2,7 +2,7 @@
 
     python benchmarks/clip_bench.py                 # GPU: markdown table for benchmarks/RESULTS.md
     python benchmarks/clip_bench.py --sanitize      # each kernel once on small trees (compute-sanitizer)
-    python benchmarks/clip_bench.py --allow-cpu     # smoke-test the script without a GPU
+    python benchmarks/clip_bench.py --allow-cpu --reps 3 --calls 2 --loop 2   # smoke test without a GPU
     python benchmarks/clip_bench.py --trace         # where the in-jit loop's time goes (profiler)
     python benchmarks/clip_bench.py --compile       # jit compile time against the leaf count
 
@@ -24,7 +24,8 @@ loop of 3n clips against a loop of n (n = `--loop`): the host's dispatch of the 
 which dominates per-call timings for 1000 leaves (several ms), is paid once per loop and cancels.
 max_norm is far below the norm, so every call really clips (3 passes). The floor is the 3-pass
 bandwidth bound: (read all + read all + write all) bytes at the copy bandwidth measured in this run
-with `x * 1.5` on a 1 GiB float32 array (GPU) (read + write bytes / time).
+with `x * 1.5` on a 1 GiB float32 array (GPU) (read + write bytes / time). A cell that fails (out of
+memory) shows "OOM" or the exception's class and the run goes on (_timing.guard).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import failed, guard, header  # noqa: E402
+
 import jaxdet  # noqa: E402
 
 GPT2_BLOCK = [
@@ -182,7 +185,7 @@ def bench(args):
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.allow_cpu:
         sys.exit("clip_bench.py needs a GPU (pass --allow-cpu for a smoke test)")
-    bw = copy_bandwidth(device, args.reps)
+    bw = guard(copy_bandwidth, device, args.reps)
     max_norm = 1e-3  # far below both trees' norms: every call clips
     jd = lambda t: jaxdet.clip_by_global_norm(t, max_norm)  # noqa: E731
     ox_tx = optax.clip_by_global_norm(max_norm)
@@ -194,43 +197,56 @@ def bench(args):
     }
     down = 1 if device.platform == "gpu" else 64  # --allow-cpu smoke test: smaller trees
     trees = {
-        "GPT-2-small (148 f32 leaves, 124.4M values)": gpt2_tree(device, down),
-        "1000 leaves, mixed sizes, f32/bf16/f16": mixed_tree(device, scale_down=down),
+        "GPT-2-small (148 f32 leaves, 124.4M values)": lambda: gpt2_tree(device, down),
+        "1000 leaves, mixed sizes, f32/bf16/f16": lambda: mixed_tree(device, scale_down=down),
     }
 
     rows = []
     refs = {}
-    for name, tree in trees.items():
+    for name, make_tree in trees.items():
+        tree = guard(make_tree)
+        if failed(tree):
+            for mode in ("in-jit loop", "donated", "kept"):
+                rows.append((name, "-", "-", tree, mode, tree, tree, tree, tree, tree))
+            refs[name] = tree
+            continue
         nbytes = tree_bytes(tree)
         floor_ms = 3 * nbytes / bw * 1e3
         n_values = sum(x.size for x in tree)
-        # Sanity: same clipped values as optax (to rounding) on this tree.
-        c_jd, norm = fns["jaxdet"]["kept"](tree)
-        c_ox = fns["optax"]["kept"](tree)
-        err = float(max_abs_diff(c_jd, c_ox))
-        t_jd = time_per_clip(loop_clips["jaxdet"], lambda: copy_of(tree), args.loop, max(3, args.reps // 3))
-        t_ox = time_per_clip(loop_clips["optax"], lambda: copy_of(tree), args.loop, max(3, args.reps // 3))
-        rows.append((name, len(tree), n_values, nbytes, "in-jit loop", t_jd, t_ox, floor_ms, float(norm), err))
+
+        def agreement(tree=tree):
+            """Sanity: the same clipped values as optax (to rounding) on this tree, and the norm."""
+            c_jd, norm = fns["jaxdet"]["kept"](tree)
+            c_ox = fns["optax"]["kept"](tree)
+            return float(norm), float(max_abs_diff(c_jd, c_ox))
+
+        checked = guard(agreement)
+        norm, err = (checked, checked) if failed(checked) else checked
+        copies = lambda tree=tree: copy_of(tree)
+        loop_reps = max(3, args.reps // 3)
+        t_jd = guard(time_per_clip, loop_clips["jaxdet"], copies, args.loop, loop_reps)
+        t_ox = guard(time_per_clip, loop_clips["optax"], copies, args.loop, loop_reps)
+        rows.append((name, len(tree), n_values, nbytes, "in-jit loop", t_jd, t_ox, floor_ms, norm, err))
         progress(rows[-1])
         # What any jitted per-call function of this tree pays: the host's dispatch of its leaves
         # plus one read and one write of each (2/3 of the clip floor's traffic).
         scale = jax.jit(lambda t: jax.tree.map(lambda x: x * 1.5, t), donate_argnums=0)
-        refs[name] = time_calls(scale, lambda: copy_of(tree), args.calls, args.reps)
+        refs[name] = guard(time_calls, scale, copies, args.calls, args.reps)
         print(
             f"[{time.strftime('%H:%M:%S')}] {name}, per-call reference x * 1.5: {refs[name]:.3f} ms",
             file=sys.stderr,
             flush=True,
         )
         for mode in ("donated", "kept"):
-            make = (lambda: copy_of(tree)) if mode == "donated" else (lambda: tree)
-            t_jd = time_calls(lambda t: fns["jaxdet"][mode](t), make, args.calls, args.reps)
-            t_ox = time_calls(lambda t: fns["optax"][mode](t), make, args.calls, args.reps)
-            rows.append((name, len(tree), n_values, nbytes, mode, t_jd, t_ox, floor_ms, float(norm), err))
+            make = copies if mode == "donated" else (lambda tree=tree: tree)
+            t_jd = guard(time_calls, lambda t, mode=mode: fns["jaxdet"][mode](t), make, args.calls, args.reps)
+            t_ox = guard(time_calls, lambda t, mode=mode: fns["optax"][mode](t), make, args.calls, args.reps)
+            rows.append((name, len(tree), n_values, nbytes, mode, t_jd, t_ox, floor_ms, norm, err))
             progress(rows[-1])
+        del tree
 
-    dev = f"{device.device_kind} ({device.platform})"
     bw_mib = 1024 if device.platform == "gpu" else 64
-    print(f"\n### Global-norm clipping: jaxdet vs optax, {dev}, jax {jax.__version__}, optax {optax.__version__}\n")
+    print(f"\n### Global-norm clipping: jaxdet vs optax\n\n{header(f'optax {optax.__version__}')}\n")
     print(
         f"Copy bandwidth (`x * 1.5`, {bw_mib} MiB f32, read + write): {bw / 1e12:.2f} TB/s. "
         f"Median of {args.reps} runs of {args.calls} back-to-back jitted calls; max_norm={max_norm} (always clips).\n"
@@ -238,9 +254,11 @@ def bench(args):
     print("| tree | leaves | MB | inputs | jaxdet ms | optax ms | optax / jaxdet | 3-pass floor ms | jaxdet / floor |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, leaves, _n_values, nbytes, mode, t_jd, t_ox, floor_ms, _norm, _err in rows:
+        vs_optax = "-" if failed(t_jd) or failed(t_ox) else f"{t_ox / t_jd:.2f}x"
+        vs_floor = "-" if failed(t_jd) or failed(floor_ms) else f"{t_jd / floor_ms:.2f}x"
         print(
-            f"| {name} | {leaves} | {nbytes / 1e6:.0f} | {mode} | {t_jd:.3f} | {t_ox:.3f} | {t_ox / t_jd:.2f}x | "
-            f"{floor_ms:.3f} | {t_jd / floor_ms:.2f}x |"
+            f"| {name} | {leaves} | {nbytes / 1e6:.0f} | {mode} | {t_jd:.3f} | {t_ox:.3f} | {vs_optax} | "
+            f"{floor_ms:.3f} | {vs_floor} |"
         )
     print()
     for name, *_, norm, err in rows[::3]:
@@ -323,7 +341,7 @@ def compile_times(args):
     """Compile time of jit(clip_by_global_norm) against the leaf count, next to a jit of the same tree
     that only doubles each leaf (what any jit with that many outputs costs). Gradients donated."""
     device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}\n")
+    print(header() + "\n")
     print("| leaves | clip compile (s) | x * 2 compile (s) | clip first call (ms) |")
     print("|---:|---:|---:|---:|")
     for n in args.compile_leaves:
@@ -345,8 +363,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sanitize", action="store_true", help="run each kernel once on small inputs and exit")
     p.add_argument("--allow-cpu", action="store_true", help="allow running without a GPU (smoke test)")
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--reps", type=int, default=30, help="runs per cell (the median is reported)")
+    p.add_argument("--calls", type=int, default=10, help="back-to-back calls per run")
     p.add_argument("--loop", type=int, default=20, help="clips per dispatch in the in-jit loop mode")
     p.add_argument("--trace", action="store_true", help="profile the in-jit loops (jax.profiler) and exit")
     p.add_argument("--compile", action="store_true", help="jit compile time against the leaf count and exit")

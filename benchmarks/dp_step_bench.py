@@ -6,7 +6,8 @@
     python benchmarks/dp_step_bench.py --cpu-devices 8 --features 64 --hidden 128 --outputs 32 \\
         --tokens-per-device 64 --dtype float32                               # smoke test
 
-The step is jaxdet.contracts.parallel.make_step (the model of the device-count tests, scaled up):
+The step is make_step of jaxdet/_src/parallel/contracts.py (the model of the device-count tests,
+scaled up):
 x -> jaxdet.matmul -> tanh -> jaxdet.dropout (by global element index) -> jaxdet.matmul -> squared
 error; then jaxdet.clip_by_global_norm and optax.adamw, all in one jit over a 1-D mesh of all local
 devices. The psum step computes each device's gradient over its whole shard at once and sums the
@@ -14,7 +15,8 @@ float32 gradients with lax.psum; the jaxdet step splits the shard into `leaves-p
 (one gradient each, combined by the canonical tree) and all-reduces with tree_psum. With one leaf per
 device both run the same GEMMs, so the ratio is the cost of the deterministic all-reduce; with more,
 it adds the cost of smaller GEMMs in a loop. Timing: warm-up, median of `--reps` timings of
-`--inner` steps, alternating (matmul_bench.timeit_pair). On GPUs set NCCL_NVLS_ENABLE=0.
+`--inner` steps, alternating (matmul_bench.timeit_pair). On GPUs set NCCL_NVLS_ENABLE=0. A cell
+that fails (out of memory) shows "OOM" or the exception's class and the run goes on (_timing.guard).
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _parallel_bench import devices_label, emit, mesh_of_all_devices, parse_args  # noqa: E402
+from _parallel_bench import devices_label, emit, mesh_of_all_devices, parse_args, time_pair_or_each  # noqa: E402
 
 
 def parse():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=16384)
     p.add_argument("--outputs", type=int, default=4096)
     p.add_argument("--tokens-per-device", type=int, default=16384)
-    p.add_argument("--leaves-per-device", default="1,2")
+    p.add_argument("--leaves-per-device", default="1,2", help="gradient leaves per device (comma-separated)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     return parse_args(p, reps=10, inner=3)
 
@@ -43,12 +45,12 @@ def main():
     import jax
     import ml_dtypes
     import numpy as np
+    from _timing import failed
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from matmul_bench import timeit_pair
 
     import jaxdet
-    from jaxdet.contracts import parallel as fp
+    import jaxdet._src.parallel.contracts as fp
 
     dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32
     devices, mesh = mesh_of_all_devices()
@@ -67,12 +69,8 @@ def main():
         # Steps are timed without donation, so both sides read the same params every call.
         tree_step = fp.make_step(mesh, leaves=d * per)
         psum_step = fp.make_step(mesh, control=True)
-        t_psum, t_tree = timeit_pair(
-            psum_step,
-            tree_step,
-            [(params, opt_state, batch, key)],
-            args.reps,
-            args.inner,
+        t_psum, t_tree = time_pair_or_each(
+            psum_step, tree_step, [(params, opt_state, batch, key)], args.reps, args.inner
         )
         rows.append((per, t_psum, t_tree))
     emit(
@@ -81,7 +79,7 @@ def main():
             f"({args.features}->{args.hidden}->{args.outputs}), {args.tokens_per_device} tokens per device"
         ),
         ["leaves per device", "psum step ms", "jaxdet.parallel step ms", "ratio"],
-        [[per, f"{tp:.3f}", f"{tt:.3f}", f"{tt / tp:.3f}x"] for per, tp, tt in rows],
+        [[per, f"{tp:.3f}", f"{tt:.3f}", "-" if failed(tt / tp) else f"{tt / tp:.3f}x"] for per, tp, tt in rows],
         args.out,
     )
 

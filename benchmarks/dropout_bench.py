@@ -1,10 +1,12 @@
 """Dropout forward and backward vs a jax.random dropout and a copy-like op, in one run.
 
-    python benchmarks/dropout_bench.py            # 256Mi bfloat16 elements (64 x 4096 x 1024)
-    python benchmarks/dropout_bench.py --sanitize # small shapes, each kernel once (compute-sanitizer)
+    python benchmarks/dropout_bench.py                  # 256Mi bfloat16 elements (64 x 4096 x 1024)
+    python benchmarks/dropout_bench.py --shape 4x64x64 --reps 2   # tiny (runs on the CPU)
+    python benchmarks/dropout_bench.py --sanitize       # small shapes, each kernel once (compute-sanitizer)
 
 Prints a markdown table: median time, effective bandwidth (bytes read + written), and the
-fraction of the copy-like op's bandwidth.
+fraction of the copy-like op's bandwidth. A row that fails (out of memory) shows "OOM" or the
+exception's class and the others still run (_timing.guard).
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import timed  # noqa: E402
+from _timing import failed, guard, header, timed  # noqa: E402
 
 import jaxdet  # noqa: E402
 
 RATE = 0.1
-REPS, INNER = 20, 10
 
 
 def jax_random_dropout(x, key):
@@ -32,8 +33,10 @@ def jax_random_dropout(x, key):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sanitize", action="store_true", help="small shapes, run each kernel once")
+    parser.add_argument("--reps", type=int, default=20, help="samples (the median is reported)")
+    parser.add_argument("--inner", type=int, default=10, help="back-to-back calls per sample")
     parser.add_argument(
         "--shape",
         type=lambda s: tuple(int(v) for v in s.split("x")),
@@ -74,8 +77,16 @@ def main() -> None:
             print(f"ran {name}")
         return
 
+    print(
+        header(
+            f"{'x'.join(map(str, shape))} = {x.size / 2**20:.4g}Mi {np.dtype(dtype).name} elements, rate {RATE}; "
+            f"median of {args.reps} x {args.inner} calls"
+        )
+        + "\n",
+        flush=True,
+    )
     nbytes = 2 * x.size * x.dtype.itemsize  # read x (or g) once, write the output once
-    bench = lambda fn, *a: timed(fn, *a, reps=REPS, inner=INNER)
+    bench = lambda fn, *a: guard(timed, fn, *a, reps=args.reps, inner=args.inner)
     rows = [
         ("copy-like `x * 1.5` (ceiling)", bench(copy_like, x)),
         ("jaxdet.dropout forward", bench(fwd, x, key)),
@@ -84,17 +95,15 @@ def main() -> None:
         ("jax.random.bernoulli + where, backward (vjp)", bench(ref_bwd, x, jkey, g)),
     ]
     ceiling = nbytes / rows[0][1]
-    device = jax.devices()[0]
-    print(
-        f"device: {device.device_kind} | jax {jax.__version__} | {x.size / 2**20:.0f}Mi {np.dtype(dtype).name} "
-        f"elements, rate {RATE} | median of {REPS} x {INNER} calls"
-    )
-    print()
     print("| op | time (ms) | GB/s (read + write) | % of copy-like bandwidth |")
     print("|---|---:|---:|---:|")
     for name, seconds in rows:
+        if failed(seconds):
+            print(f"| {name} | {seconds} | - | - |")
+            continue
         bw = nbytes / seconds
-        print(f"| {name} | {seconds * 1e3:.3f} | {bw / 1e9:.0f} | {100 * bw / ceiling:.0f}% |")
+        share = "-" if failed(ceiling) else f"{100 * bw / ceiling:.0f}%"
+        print(f"| {name} | {seconds * 1e3:.3f} | {bw / 1e9:.0f} | {share} |")
 
 
 if __name__ == "__main__":

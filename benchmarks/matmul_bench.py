@@ -5,17 +5,27 @@
                                       [--chunk-tokens 8192]
     python benchmarks/matmul_bench.py --tile-sweep all [--ms ...] [--ops fwd,dA]
     python benchmarks/matmul_bench.py --trace --ops dB --shapes 4096x4096 --ms 8
+    python benchmarks/matmul_bench.py --sanitize          # every kernel family once, small (compute-sanitizer)
+    python benchmarks/matmul_bench.py --shapes 256x256 --ms 1,8 --reps 2   # tiny (runs on the CPU)
 
 --tile-sweep times jaxdet's forward and dA with every tile of the M-bucketed kernel sets forced
 (JAXDET_TESTING=gemm_tile=..., one process per tile, one more for jnp.dot and the rule's own
 choice): the data behind the bucket rule (docs/matmul_cuda.md). Other JAXDET_TESTING items in the
 environment (gemm=sm80) are kept.
 
-Uses `jaxdet.matmul` (forward and its VJP) when it exists (and --raw is not given), else the raw
-FFI targets: fwd = jaxdet_gemm(A, B); dA = jaxdet_gemm(dC, B, transpose_b=True);
+Uses `jaxdet.matmul` (forward and its VJP), or with --raw the raw FFI targets (_gemm_ffi.py):
+fwd = jaxdet_gemm(A, B); dA = jaxdet_gemm(dC, B, transpose_b=True);
 dB = jaxdet_gemm_wgrad(acc=0 f32, A, dC, chunk_tokens=2048) (f32 result). The jnp baselines are
 jnp.dot(A, B), jnp.dot(dC, B.T) and jnp.dot(A.T, dC) (bfloat16 out, what jax's gradient of jnp.dot
 computes), or the VJP of jnp.dot when jaxdet.matmul is used.
+
+--sanitize (for `compute-sanitizer --tool memcheck|racecheck`, tools/gpu_session.sh matmul): small
+calls of every GEMM kernel family through the raw targets: edge tiles in every dimension (M, N, K
+not multiples of the tiles), M <= 64 (one tile whose second consumer warpgroup holds no row),
+batches, b broadcast, the chunked weight gradient (accumulating, and from nothing in every result
+dtype), and every tile of the M-bucketed kernel sets (a row count for which the bucket rule picks
+it, with partial edge tiles). Prints the worst relative error; the sanitizer reports memory errors.
+Run it again with JAXDET_TESTING=gemm=sm80 for the sm_80 kernels.
 
 Timing: one jitted program runs `--calls` products in sequence (each on its own copy of the
 small operand, B rotating among copies when it is small enough that a repeated B would run from
@@ -24,6 +34,8 @@ once per program, not per product: a product at M <= 16 takes 20-60 us on the GP
 dispatch. The time per product is the median over `--reps` timings of `--inner` back-to-back
 programs (block_until_ready at the end) divided by the calls per program, the jnp and jaxdet
 repetitions alternating (so that a clock or power drift during a long cell hits both sides alike).
+A cell that fails (out of memory, a compile error) shows "OOM" or the exception's class and the
+run goes on (_timing.guard); when the pair fails, each side is timed alone.
 `--calls 1` times one product per dispatch, as a user's eager call would run. The "tile" column is the
 output tile the bucket rule picked (forward and dA); "HBM" the fraction of the device's peak memory
 bandwidth (--hbm-tbs, H100 SXM: 3.35 TB/s) that jaxdet reached moving the fewest bytes the product
@@ -36,38 +48,41 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_ffi import gemm, wgrad  # noqa: E402
+from _gemm_ffi import gemm, wgrad, wgrad_init  # noqa: E402
+from _timing import failed, guard, header, pair_or_each  # noqa: E402
 
 import jaxdet  # noqa: E402
-from jaxdet._switches import TESTING_ENV, parse_testing_overrides  # noqa: E402
+import jaxdet._src.matmul.matmul as matmul_impl  # noqa: E402  (WGRAD_CHUNK_TOKENS, read when dB is traced)
+from jaxdet._src.core.switches import TESTING_ENV, parse_testing_overrides  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]
 
 
 def parse():
-    p = argparse.ArgumentParser()
-    p.add_argument("--ms", default=",".join(map(str, MS)))
-    p.add_argument("--shapes", default="all")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="row counts M (comma-separated)")
+    p.add_argument("--shapes", default="all", help="'all' or KxN,... (the weight's shape)")
     p.add_argument("--ops", default="fwd,dA,dB")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--inner", type=int, default=5)
     p.add_argument("--calls", type=int, default=16, help="products per jitted program (at most)")
-    p.add_argument("--raw", action="store_true")
-    p.add_argument("--out", default="")
+    p.add_argument("--raw", action="store_true", help="time the raw FFI targets instead of jaxdet.matmul")
+    p.add_argument("--out", default="", help="also write the tables to this file")
+    p.add_argument("--sanitize", action="store_true", help="every GEMM kernel family once, small, and exit")
     p.add_argument(
         "--chunk-tokens",
         type=int,
@@ -203,11 +218,21 @@ def _program(fn):
 
 def time_products(fns, argsets, reps, inner):
     """Median ms per product of each function of fns (one, or a pair timed in alternating
-    repetitions) on every tuple of argsets, the tuples run by one jitted program per function."""
+    repetitions) on every tuple of argsets, the tuples run by one jitted program per function. A
+    side that fails gives a Failed (_timing.guard); when the pair fails, each is timed alone."""
     programs = [_program(fn) for fn in fns]
     one = [(argsets,)]
-    ms = timeit_pair(*programs, one, reps, inner) if len(programs) == 2 else (timeit(programs[0], one, reps, inner),)
-    return tuple(t / len(argsets) for t in ms)
+    n = len(argsets)
+
+    def time_one(program):
+        return timeit(program, one, reps, inner) / n
+
+    def time_pair(p_ref, p_det):
+        return tuple(t / n for t in timeit_pair(p_ref, p_det, one, reps, inner))
+
+    if len(programs) == 1:
+        return (guard(time_one, programs[0]),)
+    return pair_or_each(time_pair, time_one, *programs)
 
 
 def sweep_child(args):
@@ -241,7 +266,8 @@ def sweep_child(args):
                 argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
                 (t,) = time_products([fns[op][side]], argsets, args.reps, args.inner)
                 tile = "jnp" if side == 0 else _tile_of(op, K, N, M)
-                print(json.dumps({"op": op, "K": K, "N": N, "M": M, "ms": t, "tile": tile}), flush=True)
+                cell = {"error": str(t)} if failed(t) else {"ms": t}
+                print(json.dumps({"op": op, "K": K, "N": N, "M": M, "tile": tile, **cell}), flush=True)
             del sets
         del bs, a_all, dc_all
 
@@ -280,7 +306,8 @@ def tile_sweep(args):
     results = {}
     for name, forced in [("jnp", None), ("rule", None)] + [(t, t) for t in tiles]:
         for d in child("jnp" if name == "jnp" else "rule", forced):
-            results.setdefault((d["op"], d["K"], d["N"], d["M"]), {})[name] = d
+            if "ms" in d:  # (a cell that failed in the child has "error" instead, and shows "-")
+                results.setdefault((d["op"], d["K"], d["N"], d["M"]), {})[name] = d
         print(f"sweep {name}: done", flush=True)
     cols = ["jnp"] + tiles
     lines = [
@@ -312,8 +339,86 @@ def tile_sweep(args):
             f.write(text)
 
 
+def _f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _relerr(out, ref):
+    return np.linalg.norm(_f64(out) - ref) / np.linalg.norm(ref)
+
+
+def _sanitize_wgrad(dt, kdim, seed):
+    """The chunked weight gradient into an accumulator, and from nothing in every result dtype (one
+    chunk, and several: the last chunk's epilogue reads the float32 workspace and writes the half
+    result). dB has kdim rows. Returns the worst relative error against float64."""
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    acc = jax.random.normal(k1, (2, kdim, 264), jnp.float32)
+    a = jax.random.normal(k2, (2, 300, kdim)).astype(dt)
+    dc = jax.random.normal(k3, (2, 300, 264)).astype(dt)
+    worst = _relerr(wgrad(acc, a, dc, 128), _f64(acc) + np.einsum("ltk,ltn->lkn", _f64(a), _f64(dc)))
+    for out_dt in (dt, jnp.float32) if dt != jnp.float32 else (dt,):
+        for T in (100, 300):
+            r = wgrad_init(a[:, :T], dc[:, :T], 128, out_dt)
+            worst = max(worst, _relerr(r, np.einsum("ltk,ltn->lkn", _f64(a[:, :T]), _f64(dc[:, :T]))))
+    return worst
+
+
+def _bucket_cases(native, dname, tb, n):
+    """For every tile of the bucketed set: a row count (not a multiple of the tile's rows where the
+    rule allows) for which the bucket rule picks that tile for n output columns."""
+    tiles = [tuple(t) for t in native.gemm_cuda_tiles(dname, False, tb, False)]
+    picked = {}
+    for m in range(1, 4097):
+        t = tuple(native.gemm_cuda_tile(dname, False, tb, False, m, n, 1))
+        if t not in picked or picked[t] % t[0] == 0:
+            picked[t] = m
+    return [(t, picked[t]) for t in tiles if t in picked]
+
+
+def sanitize():
+    """Small calls of every GEMM kernel family through the raw targets (the module docstring's
+    --sanitize), for compute-sanitizer."""
+    from jaxdet import _native
+
+    key = jax.random.PRNGKey(0)
+    worst = 0.0
+    for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+        # every layout with M = 136 (two M tiles, the second partial), and M = 24 for the Hopper layouts
+        # (b is shared, so the batch of 2 runs as one GEMM of 48 rows: one tile of <= 64 rows)
+        cases = [(ta, tb, 136) for ta in (False, True) for tb in (False, True)]
+        cases += [(False, False, 24), (False, True, 24)]
+        for ta, tb, M in cases:
+            for out in (dt, jnp.float32) if dt != jnp.float32 else (dt,):
+                L, Lb, K, N = 2, 1, 200, 264
+                key, k1, k2 = jax.random.split(key, 3)
+                a = jax.random.normal(k1, (L, K, M) if ta else (L, M, K)).astype(dt)
+                b = jax.random.normal(k2, (Lb, N, K) if tb else (Lb, K, N)).astype(dt)
+                A = np.swapaxes(_f64(a), 1, 2) if ta else _f64(a)
+                B = np.swapaxes(_f64(b), 1, 2) if tb else _f64(b)
+                worst = max(worst, _relerr(gemm(a, b, ta, tb, out), A @ B))
+        for kdim in (136, 40):  # dB's rows: two tiles, the second partial; and one tile of <= 64 rows
+            worst = max(worst, _sanitize_wgrad(dt, kdim, seed=kdim))
+    if hasattr(_native, "gemm_cuda_tiles"):
+        covered = set()
+        for dname, dt in (("bfloat16", jnp.bfloat16), ("float16", jnp.float16)):
+            for tb, N in ((False, 4104), (True, 4104), (False, 14344), (True, 14344)):
+                K = 200  # N = 4096 / 14336 + 8: a partial last column of every tile width
+                for tile, M in _bucket_cases(_native, dname, tb, N):
+                    key, k1, k2 = jax.random.split(key, 3)
+                    a = jax.random.normal(k1, (1, M, K)).astype(dt)
+                    b = jax.random.normal(k2, (1, N, K) if tb else (1, K, N)).astype(dt)
+                    ref = _f64(a) @ (np.swapaxes(_f64(b), 1, 2) if tb else _f64(b))
+                    for out in (dt, jnp.float32):  # (the float32-output sets lack 128x128: their own pick)
+                        worst = max(worst, _relerr(gemm(a, b, False, tb, out), ref))
+                    covered.add(f"{tile[0]}x{tile[1]}@M={M}")
+        print("bucket tiles covered:", " ".join(sorted(covered)), flush=True)
+    print(f"memcheck run done; worst relerr {worst:.2e}", flush=True)
+
+
 def main():
     args = parse()
+    if args.sanitize:
+        return sanitize()
     if args.sweep_child:
         return sweep_child(args)
     if args.tile_sweep:
@@ -321,20 +426,24 @@ def main():
     ms = [int(x) for x in args.ms.split(",")]
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ops = args.ops.split(",")
-    use_api = hasattr(jaxdet, "matmul") and not args.raw
+    use_api = not args.raw
     if args.chunk_tokens:
+        if not isinstance(matmul_impl, types.ModuleType):  # (a function of that name would take the setting)
+            raise SystemExit(f"--chunk-tokens: jaxdet._src.matmul.matmul is not the module ({matmul_impl!r})")
         # read when the dB function is traced, so set it before anything is jitted
-        importlib.import_module("jaxdet.matmul").WGRAD_CHUNK_TOKENS = args.chunk_tokens
-    chunk_tokens = importlib.import_module("jaxdet.matmul").WGRAD_CHUNK_TOKENS if use_api else 2048
+        matmul_impl.WGRAD_CHUNK_TOKENS = args.chunk_tokens
+    chunk_tokens = matmul_impl.WGRAD_CHUNK_TOKENS if use_api else 2048
     dt = jnp.bfloat16
-    dev = jax.devices()[0]
     head = (
-        f"# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\ndevice: {dev.device_kind}; jax {jax.__version__}; "
-        f"{datetime.date.today()}; jaxdet via {'jaxdet.matmul' if use_api else 'raw FFI targets'}; "
-        f"dB chunk_tokens {chunk_tokens}; JAXDET_TESTING {os.environ.get('JAXDET_TESTING') or '-'}; "
-        f"median of {args.reps} x {args.inner} back-to-back programs of up to {args.calls} products each, "
-        "jnp and jaxdet repetitions alternating; "
-        f"HBM fraction of {args.hbm_tbs} TB/s\n"
+        "# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\n"
+        + header(
+            f"jaxdet via {'jaxdet.matmul' if use_api else 'raw FFI targets'}; "
+            f"dB chunk_tokens {chunk_tokens}; JAXDET_TESTING {os.environ.get('JAXDET_TESTING') or '-'}; "
+            f"median of {args.reps} x {args.inner} back-to-back programs of up to {args.calls} products each, "
+            "jnp and jaxdet repetitions alternating; "
+            f"HBM fraction of {args.hbm_tbs} TB/s"
+        )
+        + "\n"
     )
     print(head, flush=True)
     rows = []
@@ -358,19 +467,44 @@ def main():
         return
 
     for K, N in shapes:
-        key, bs, a_all, dc_all = _inputs(key, K, N, ms, dt)
+        inputs = guard(_inputs, key, K, N, ms, dt)
+        if failed(inputs):
+            print(f"K={K} N={N}: inputs {inputs}", flush=True)
+            rows += [(op, K, N, M, inputs, inputs, inputs, inputs, inputs, "-", None) for M in ms for op in ops]
+            continue
+        key, bs, a_all, dc_all = inputs
+        del inputs
         b = bs[0]
-        row0 = {"fwd": [u(f(a_all[:1], b)[0]) for f in fns["fwd"]]}
-        if use_api:
-            row0["dA"] = [u(f(a_all[:1], b, dc_all[:1])[0]) for f in fns["dA"]]
+
+        def first_rows(b=b, a_all=a_all, dc_all=dc_all):
+            refs = {"fwd": [u(f(a_all[:1], b)[0]) for f in fns["fwd"]]}
+            if use_api:
+                refs["dA"] = [u(f(a_all[:1], b, dc_all[:1])[0]) for f in fns["dA"]]
+            return refs
+
+        row0 = guard(first_rows)
+        if failed(row0):
+            print(f"K={K} N={N}: row 0 at M=1: {row0} (no row bits for this shape)", flush=True)
+            row0 = {}
         for M in ms:
-            sets = _sets(bs, a_all, dc_all, M, args.calls)
+            sets = guard(_sets, bs, a_all, dc_all, M, args.calls)
+            if failed(sets):
+                print(f"K={K} N={N} M={M}: inputs {sets}", flush=True)
+                rows += [(op, K, N, M, sets, sets, sets, sets, sets, "-", None) for op in ops]
+                continue
             a, dc = sets[0][0], sets[0][2]
             for op, ref in row0.items():
                 if op in ops:
-                    outs = [fns[op][i](a, b) if op == "fwd" else fns[op][i](a, b, dc) for i in (0, 1)]
-                    bits.setdefault((op, K, N), {})[M] = tuple(int(np.sum(u(o[0]) != r)) for o, r in zip(outs, ref))
-                    del outs
+
+                    def differing(op=op, ref=ref, a=a, b=b, dc=dc):
+                        outs = [fns[op][i](a, b) if op == "fwd" else fns[op][i](a, b, dc) for i in (0, 1)]
+                        return tuple(int(np.sum(u(o[0]) != r)) for o, r in zip(outs, ref))
+
+                    diff = guard(differing)
+                    if failed(diff):
+                        print(f"{op} K={K} N={N} M={M}: row bits {diff}", flush=True)
+                    else:
+                        bits.setdefault((op, K, N), {})[M] = diff
             for op in ops:
                 flops = 2.0 * M * K * N
                 fn_ref, fn_det = fns[op]
@@ -378,9 +512,10 @@ def main():
                     argsets = [(s[0], s[1]) for s in sets] if op == "fwd" else sets
                     t_ref, t_det = time_products([fn_ref, fn_det], argsets, args.reps, args.inner)
                 else:
-                    t_ref = timeit(fn_ref, sets, args.reps, args.inner)
+                    t_ref = guard(timeit, fn_ref, sets, args.reps, args.inner)
                     acc = jnp.zeros((K, N), jnp.float32)
-                    t_det = timeit(fn_det, [(acc, s[0], s[2]) for s in sets], args.reps, args.inner, chain=True)
+                    chained = [(acc, s[0], s[2]) for s in sets]
+                    t_det = guard(timeit, fn_det, chained, args.reps, args.inner, chain=True)
                 hbm = _min_bytes(op, K, N, M) / (t_det * 1e-3) / (args.hbm_tbs * 1e12) if M <= 16 else None
                 r = (
                     op,

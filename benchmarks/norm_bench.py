@@ -9,7 +9,8 @@ Shapes (tokens, d): (1, 4096), (64, 4096), (16384, 4096) (--small: (1, 256), (64
 The jnp versions are the usual float32-statistics formulations (flax's RMSNorm / LayerNorm):
 x widened to float32, mean / var reductions, the output cast back. Forward: y from (x, scale[, bias]).
 Backward: dx, dscale[, dbias] from the cotangent and the forward's residuals (_rowops_timing.py).
-ratio = jnp time / jaxdet time (>= 0.9 is the target). Bandwidth: the minimal bytes (forward: read x,
+ratio = jnp time / jaxdet time (>= 0.9 is the target); a cell that fails shows "OOM" or the
+exception's class. Bandwidth: the minimal bytes (forward: read x,
 write y; backward: read x and g, write dx; parameters and statistics ignored) per second, and its
 fraction of the copy bandwidth measured in the same run (`x * 1.5`, float32, 1 GiB).
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _rowops_timing as rt  # noqa: E402
+from _timing import failed, guard  # noqa: E402
 
 import jaxdet  # noqa: E402
 
@@ -73,7 +75,7 @@ def sanitize(device):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args, device = rt.parse_args(p)
     if args.sanitize:
@@ -83,16 +85,17 @@ def main():
     d = 256 if args.small else 4096
     shapes = [(1, d), (64, d), (512 if args.small else 16384, d)]
     bw = rt.copy_bandwidth(device, args.small)
-    print(
-        f"{device.device_kind}, jax {jax.__version__}, {dtype.name}, copy bandwidth {bw / 1e9:.0f} GB/s, "
-        f"median of {args.reps} x {args.calls} back-to-back calls, jnp and jaxdet alternating\n"
+    rt.print_header(
+        f"{dtype.name}, copy bandwidth {bw / 1e9:.0f} GB/s, "
+        f"median of {args.reps} x {args.calls} back-to-back calls, jnp and jaxdet alternating"
     )
     rt.print_table_header(["op", "pass", "tokens", "d"], "jnp")
     for kind, (jnp_f, det_f) in IMPLS.items():
         for tokens, d in shapes:
-            xs, g = inputs(tokens, d, dtype, device)
-            jnp_fwd, jnp_bwd = rt.forward_and_backward(jnp_f, xs, g)
-            det_fwd, det_bwd = rt.forward_and_backward(det_f, xs, g)
+            got = guard(inputs, tokens, d, dtype, device)
+            xs, g = ((got,), got) if failed(got) else got
+            jnp_fwd, jnp_bwd = rt.timing_pairs(jnp_f, xs, g)
+            det_fwd, det_bwd = rt.timing_pairs(det_f, xs, g)
             act = ((tokens, d), dtype)
             for name, base, det, moved in (
                 ("fwd", jnp_fwd, det_fwd, rt.nbytes(act, act)),

@@ -8,10 +8,11 @@
 Rows of vocab 128256 (--small: 3000), tokens 1, 64, 4096 by default. Baselines: jax.nn.softmax,
 jax.nn.log_softmax, optax.softmax_cross_entropy_with_integer_labels (in the logits' dtype, as
 users call them). Forward and backward timed separately (_rowops_timing.py); ratio = baseline
-time / jaxdet time (>= 0.9 is the target). Bandwidth: the minimal bytes (forward: read x, write y
-(softmax, log_softmax) or only read the logits (cross-entropy); backward: read x and g, write dx,
-or read the logits and write their gradient (cross-entropy)) per second, and its fraction of the
-copy bandwidth measured in the same run.
+time / jaxdet time (>= 0.9 is the target); a cell that fails shows "OOM" or the exception's
+class. Bandwidth: the minimal bytes (forward: read x, write y (softmax, log_softmax) or only read
+the logits (cross-entropy); backward: read x and g, write dx, or read the logits and write their
+gradient (cross-entropy)) per second, and its fraction of the copy bandwidth measured in the same
+run.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _rowops_timing as rt  # noqa: E402
+from _timing import failed, guard  # noqa: E402
 
 import jaxdet  # noqa: E402
 
@@ -52,15 +54,16 @@ def inputs(tokens, vocab, dtype, device):
     return x, g, labels, gl
 
 
-def cases(mode, fns, x, g, labels, gl):
-    """((fwd, args), (bwd, args)) for the baseline and for jaxdet."""
+def cases(mode, fns, x, g, labels, gl, pairs=rt.forward_and_backward):
+    """((fwd, args), (bwd, args)) for the baseline and for jaxdet (pairs: rt.timing_pairs gives
+    (Failed, Failed) for a side that fails)."""
     out = []
     for f in fns:
         if mode == "cross_entropy":
             # labels are an argument (not a constant) and receive no cotangent.
-            out.append(rt.forward_and_backward(lambda x, f=f: f(x, labels), (x,), gl))
+            out.append(pairs(lambda x, f=f: f(x, labels), (x,), gl))
         else:
-            out.append(rt.forward_and_backward(f, (x,), g))
+            out.append(pairs(f, (x,), g))
     return out
 
 
@@ -77,7 +80,7 @@ def sanitize(device):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,64,4096)")
     p.add_argument("--vocab", type=int, default=None)
@@ -89,15 +92,16 @@ def main():
     vocab = args.vocab or (3000 if args.small else 128256)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1, 8, 64] if args.small else [1, 64, 4096])
     bw = rt.copy_bandwidth(device, args.small)
-    print(
-        f"{device.device_kind}, jax {jax.__version__}, {dtype.name} logits, vocab {vocab}, copy bandwidth "
-        f"{bw / 1e9:.0f} GB/s, median of {args.reps} x {args.calls} back-to-back calls, alternating\n"
+    rt.print_header(
+        f"{dtype.name} logits, vocab {vocab}, copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s, median of {args.reps} x {args.calls} back-to-back calls, alternating"
     )
     rt.print_table_header(["op", "pass", "tokens", "vocab"], "baseline")
     for mode, fns in baselines().items():
         for t in tokens:
-            x, g, labels, gl = inputs(t, vocab, dtype, device)
-            (bf, bb), (jf, jb) = cases(mode, fns, x, g, labels, gl)
+            got = guard(inputs, t, vocab, dtype, device)
+            x, g, labels, gl = (got,) * 4 if failed(got) else got
+            (bf, bb), (jf, jb) = cases(mode, fns, x, g, labels, gl, pairs=rt.timing_pairs)
             act = ((t, vocab), dtype)
             fwd_bytes = rt.nbytes(act) if mode == "cross_entropy" else rt.nbytes(act, act)
             bwd_bytes = rt.nbytes(act, act) if mode == "cross_entropy" else rt.nbytes(act, act, act)

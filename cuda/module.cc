@@ -17,40 +17,24 @@
 
 namespace nb = nanobind;
 
-// CPU handlers (cuda/<primitive>/*_cpu.cc).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_partials_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_finalize_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cpu);
-#define JAXDET_ROWOPS_HANDLERS(X) \
-  X(norm_fwd) X(norm_bwd) X(norm_param_grad) X(softmax_fwd) X(softmax_bwd) X(xent_fwd) X(xent_bwd) X(det_math)
-#define JAXDET_DECLARE_CPU(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##name##_cpu);
-JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CPU)
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_fwd_cpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_bwd_cpu);
+// Every FFI target, one line per primitive: X(target name, handler symbol stem), the target
+// jaxdet_<name> served by jaxdet_<stem>_cpu (cuda/<primitive>/*_cpu.cc) and, in a CUDA build,
+// jaxdet_<stem>_cuda (cuda/<primitive>/*_cuda.cu). A new primitive adds its line here.
+#define JAXDET_FFI_TARGETS(X)                                                                                \
+  X(philox4x32_10, philox) X(dropout, dropout)                                                 /* dropout */ \
+  X(gemm, gemm) X(gemm_wgrad, gemm_wgrad) X(gemm_wgrad_init, gemm_wgrad_init)                     /* gemm */ \
+  X(global_norm, global_norm) X(clip_global_norm, clip_global_norm) X(clip_partials, clip_partials)          \
+      X(clip_finalize, clip_finalize) X(clip_apply, clip_apply)                                   /* clip */ \
+  X(norm_fwd, norm_fwd) X(norm_bwd, norm_bwd) X(norm_param_grad, norm_param_grad)                 /* norm */ \
+  X(softmax_fwd, softmax_fwd) X(softmax_bwd, softmax_bwd) X(xent_fwd, xent_fwd) X(xent_bwd, xent_bwd)        \
+      X(det_math, det_math)                                                                    /* softmax */ \
+  X(attention_fwd, attention_fwd) X(attention_bwd, attention_bwd)                            /* attention */
 
+#define JAXDET_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##stem##_cpu);
+JAXDET_FFI_TARGETS(JAXDET_DECLARE_CPU)
 #if defined(JAXDET_WITH_CUDA)
-// CUDA handlers (cuda/<primitive>/*_cuda.cu).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_philox_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_dropout_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_global_norm_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_partials_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_finalize_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_init_cuda);
-#define JAXDET_DECLARE_CUDA(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##name##_cuda);
-JAXDET_ROWOPS_HANDLERS(JAXDET_DECLARE_CUDA)
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_fwd_cuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_attention_bwd_cuda);
+#define JAXDET_DECLARE_CUDA(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##stem##_cuda);
+JAXDET_FFI_TARGETS(JAXDET_DECLARE_CUDA)
 #endif
 
 namespace {
@@ -74,20 +58,8 @@ NB_MODULE(_native, m) {
 #endif
   m.def("cpu_targets", []() {
     nb::dict d;
-    d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cpu);
-    d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cpu);
-    d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cpu);
-    d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cpu);
-    d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cpu);
-    d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cpu);
-    d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cpu);
-    d["jaxdet_clip_partials"] = EncapsulateFfiHandler(jaxdet_clip_partials_cpu);
-    d["jaxdet_clip_finalize"] = EncapsulateFfiHandler(jaxdet_clip_finalize_cpu);
-    d["jaxdet_clip_apply"] = EncapsulateFfiHandler(jaxdet_clip_apply_cpu);
-#define JAXDET_ADD_CPU(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cpu);
-    JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CPU)
-    d["jaxdet_attention_fwd"] = EncapsulateFfiHandler(jaxdet_attention_fwd_cpu);
-    d["jaxdet_attention_bwd"] = EncapsulateFfiHandler(jaxdet_attention_bwd_cpu);
+#define JAXDET_ADD_CPU(name, stem) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##stem##_cpu);
+    JAXDET_FFI_TARGETS(JAXDET_ADD_CPU)
     return d;
   });
   m.def("cpu_gemm_isa", &jaxdet::cpu_gemm_isa,
@@ -135,20 +107,8 @@ NB_MODULE(_native, m) {
   m.def("cuda_targets", []() {
     nb::dict d;
 #if defined(JAXDET_WITH_CUDA)
-    d["jaxdet_philox4x32_10"] = EncapsulateFfiHandler(jaxdet_philox_cuda);
-    d["jaxdet_dropout"] = EncapsulateFfiHandler(jaxdet_dropout_cuda);
-    d["jaxdet_global_norm"] = EncapsulateFfiHandler(jaxdet_global_norm_cuda);
-    d["jaxdet_clip_global_norm"] = EncapsulateFfiHandler(jaxdet_clip_global_norm_cuda);
-    d["jaxdet_clip_partials"] = EncapsulateFfiHandler(jaxdet_clip_partials_cuda);
-    d["jaxdet_clip_finalize"] = EncapsulateFfiHandler(jaxdet_clip_finalize_cuda);
-    d["jaxdet_clip_apply"] = EncapsulateFfiHandler(jaxdet_clip_apply_cuda);
-    d["jaxdet_gemm"] = EncapsulateFfiHandler(jaxdet_gemm_cuda);
-    d["jaxdet_gemm_wgrad"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_cuda);
-    d["jaxdet_gemm_wgrad_init"] = EncapsulateFfiHandler(jaxdet_gemm_wgrad_init_cuda);
-#define JAXDET_ADD_CUDA(name) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##name##_cuda);
-    JAXDET_ROWOPS_HANDLERS(JAXDET_ADD_CUDA)
-    d["jaxdet_attention_fwd"] = EncapsulateFfiHandler(jaxdet_attention_fwd_cuda);
-    d["jaxdet_attention_bwd"] = EncapsulateFfiHandler(jaxdet_attention_bwd_cuda);
+#define JAXDET_ADD_CUDA(name, stem) d["jaxdet_" #name] = EncapsulateFfiHandler(jaxdet_##stem##_cuda);
+    JAXDET_FFI_TARGETS(JAXDET_ADD_CUDA)
 #endif
     return d;
   });

@@ -9,25 +9,28 @@
 #   GPU_DEFAULT_PASS=0 skips the second test pass (all tests with the GPU as the default device);
 #   MATMUL_BENCH=0 stops the matmul part after the sanitizers (MATMUL_BENCH_ARGS: options for the
 #   benchmark); SANITIZE=0 skips the sanitizers; BENCH=0 skips every benchmark.
-#   and, not part of all: clip-trace (profiler view of the clip loops), db-chunks (dB at each
+#   and, not part of all: decoder (the reference decoder's training step against plain JAX with
+#   XLA and with cuDNN attention: benchmarks/decoder_step_bench.py; DECODER_BENCH_ARGS, default
+#   '--layers 8 --batch 4'), clip-trace (profiler view of the clip loops), db-chunks (dB at each
 #   WGRAD_CHUNK_TOKENS in $DB_CHUNKS, default "2048 8192"), gemm-bits (result hashes of the GEMM,
-#   to diff between two builds: benchmarks/gemm_schedule_bits.py), attention-bits (the same for
-#   attention: benchmarks/attention_schedule_bits.py), ncu-attention (Nsight Compute sections of the
+#   to diff between two builds: tools/gemm_schedule_bits.py), attention-bits (the same for
+#   attention: tools/attention_schedule_bits.py), ncu-attention (Nsight Compute sections of the
 #   attention forward's first kernel; NCU_ATTENTION_ARGS='--head-dim 64'), ncu-decode (the same for
-#   batch-1 decode steps' kernels), mma-latency (clocks per dependent k16 step
-#   of wgmma and mma.sync: benchmarks/mma_chain_latency.cu), mma-zero-step (a k16 step of zero
-#   products on every kind of float32 accumulator: benchmarks/mma_zero_step.cu), narrow-stages (the
-#   forward's 16x32 GEMM tile by pipeline depth: benchmarks/gemm_narrow_stages.cu), decode-read (a
-#   batch-1 decode step's KV cache read in the split kernels' pattern and in contiguous pieces:
-#   benchmarks/decode_read_pattern.cu), cluster-sweep
-#   (Hopper GEMM tiles and thread block clusters side by side, bits compared:
-#   benchmarks/gemm_cluster_sweep.cu; SWEEP_ROUNDS, SWEEP_ONLY=dA, dB or rows), buckets (the M-bucket
-#   tests, tests/test_gemm_buckets.py; BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile
-#   of the bucketed kernel sets timed against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also
-#   sweeps the sm_80 kernels), matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80;
-#   SM80_BENCH_ARGS), sanitize-sm80 (memcheck and racecheck of the sm_80 kernels, forced), multi-gpu
-#   (two or more GPUs: the device-count and multi-process GPU tests, the all-reduce, sharded-matmul
-#   and data-parallel step benchmarks; NVLink multicast off).
+#   batch-1 decode steps' kernels), buckets (the M-bucket tests, tests/test_gemm_buckets.py;
+#   BUCKET_TESTS=-k ... selects), tile-sweep (every forced tile of the bucketed kernel sets timed
+#   against jnp.dot; SWEEP_ARGS adds options, SWEEP_SM80=1 also sweeps the sm_80 kernels),
+#   matmul-sm80 (the matmul benchmark with JAXDET_TESTING=gemm=sm80; SM80_BENCH_ARGS),
+#   sanitize-sm80 (memcheck and racecheck of the sm_80 kernels, forced), multi-gpu (two or more
+#   GPUs: the device-count and multi-process GPU tests, the all-reduce, sharded-matmul and
+#   data-parallel step benchmarks; NVLink multicast off).
+#   One-off CUDA probes (tools/experiments/; each compiles its own file, no package build):
+#   mma-latency (clocks per dependent k16 step of wgmma and mma.sync: mma_chain_latency.cu),
+#   mma-zero-step (a k16 step of zero products on every kind of float32 accumulator:
+#   mma_zero_step.cu), narrow-stages (the forward's 16x32 GEMM tile by pipeline depth:
+#   gemm_narrow_stages.cu), decode-read (a batch-1 decode step's KV cache read in the split
+#   kernels' pattern and in contiguous pieces: decode_read_pattern.cu), cluster-sweep (Hopper GEMM
+#   tiles and thread block clusters side by side, bits compared: gemm_cluster_sweep.cu;
+#   SWEEP_ROUNDS, SWEEP_ONLY=dA, dB or rows).
 #   PYTEST_ARGS: options for the tests mode, as shell words (PYTEST_ARGS='-k "not every_tile"').
 #   Build cache: the build runs in /tmp/jaxdet-build from a copy of the tree in /tmp/jaxdet-src and
 #   leaves its objects and the sources' SHA-1s in $OUT/gpu-cache.txz.part-* (xz, 15 MiB pieces).
@@ -60,14 +63,14 @@ start=$(date +%s)
 src=/tmp/jaxdet-src; bdir=/tmp/jaxdet-build; old=@946684800  # 2000-01-01
 # A machine kept warm between calls still has the last build: reuse it when the sources match.
 stamp=$(source_stamp)
-# The standalone CUDA benchmarks compile their own file and need no package build.
+# The CUDA probes of tools/experiments/ compile their own file and need no package build.
 standalone_only() {
   for w in "${what[@]}"; do
     case "$w" in narrow-stages | cluster-sweep | mma-zero-step | decode-read | mma-latency) ;; *) return 1 ;; esac
   done
 }
 if standalone_only; then
-  echo "build: skipped (standalone CUDA benchmarks only)"
+  echo "build: skipped (standalone CUDA probes only)"
 elif [ -f /tmp/jaxdet-site/.jaxdet-stamp ] && [ "$(cat /tmp/jaxdet-site/.jaxdet-stamp)" = "$stamp" ]; then
   echo "build: reused (same sources)"
 elif [ -f .prebuilt/jaxdet-site.txz ] && rm -rf /tmp/prebuilt && mkdir /tmp/prebuilt \
@@ -97,11 +100,10 @@ else
   echo "build: $(( $(date +%s) - start )) s; cache $(cat "$OUT"/gpu-cache.txz.part-* | wc -c) bytes in $(ls "$OUT"/gpu-cache.txz.part-* | wc -l) pieces"
 fi
 export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
-# The tests (and the benchmarks some import) run from /tmp; a session beside it may be running
-# them, so only the modes that run tests copy.
+# The tests run from /tmp; a session beside it may be running them, so only the modes that run
+# tests copy. (No test imports or runs anything of benchmarks/.)
 if has tests || asked buckets || asked multi-gpu; then
-  rm -rf /tmp/jaxdet-tests /tmp/benchmarks && cp -r tests /tmp/jaxdet-tests && cp -r benchmarks /tmp/benchmarks \
-    && cp pyproject.toml README.md /tmp/
+  rm -rf /tmp/jaxdet-tests && cp -r tests /tmp/jaxdet-tests && cp pyproject.toml README.md /tmp/
 fi
 # From /tmp so that the installed package (not the source folder) is imported.
 run_pytest() { (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
@@ -207,10 +209,17 @@ if has attention; then
     echo "rc=$?"; grep -E "^\||^[A-Za-z#]" "$LOGS/bench_attention.md" | head -60
   fi
 fi
+if asked decoder; then  # the reference decoder's step: jaxdet vs plain JAX (XLA and cuDNN attention)
+  if benching decoder; then
+    timeout ${DECODER_BENCH_TIMEOUT:-500} python3 benchmarks/decoder_step_bench.py ${DECODER_BENCH_ARGS:---layers 8 --batch 4} \
+      > "$LOGS/bench_decoder.md" 2>&1
+    echo "rc=$?"; grep -E "^\||^[A-Za-z\[]" "$LOGS/bench_decoder.md" | head -30
+  fi
+fi
 if has matmul; then
-  # (The raw-kernel checks, default and sm_80-forced, run as tests/test_gemm_cuda_kernels.py.)
-  sanitize matmul 'cutlass|Gemm|gemm|Sgemm' memcheck python3 benchmarks/gemm_memcheck.py
-  sanitize matmul 'cutlass|Gemm|gemm|Sgemm' racecheck python3 benchmarks/gemm_memcheck.py
+  # (The raw-kernel checks, default and sm_80-forced, are tests/test_gemm_cuda_kernels.py.)
+  sanitize matmul 'cutlass|Gemm|gemm|Sgemm' memcheck python3 benchmarks/matmul_bench.py --sanitize
+  sanitize matmul 'cutlass|Gemm|gemm|Sgemm' racecheck python3 benchmarks/matmul_bench.py --sanitize
   if [ "${MATMUL_BENCH:-1}" = 1 ] && benching matmul; then
     timeout ${MATMUL_BENCH_TIMEOUT:-300} python3 benchmarks/matmul_bench.py ${MATMUL_BENCH_ARGS:-} --out "$LOGS/bench_matmul.md" > "$LOGS/bench_matmul.log" 2>&1
     echo "rc=$?"; grep -E "^\|" "$LOGS/bench_matmul.log" | head -90; sed -n '/Row 0 bits/,$p' "$LOGS/bench_matmul.log"
@@ -248,8 +257,8 @@ if asked tile-sweep; then
   fi
 fi
 if asked sanitize-sm80; then
-  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' memcheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
-  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' racecheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/gemm_memcheck.py
+  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' memcheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/matmul_bench.py --sanitize
+  sanitize matmul_sm80 'cutlass|Gemm|gemm|Sgemm' racecheck env JAXDET_TESTING=gemm=sm80 python3 benchmarks/matmul_bench.py --sanitize
 fi
 if asked matmul-sm80; then
   echo "== matmul benchmark, sm_80 kernels"
@@ -258,32 +267,32 @@ if asked matmul-sm80; then
   grep -E "^\|" "$LOGS/bench_matmul_sm80.log" | head -120
 fi
 if asked attention-bits; then
-  python3 benchmarks/attention_schedule_bits.py > "$LOGS/attention_bits.txt" 2>&1; echo "rc=$?"
+  python3 tools/attention_schedule_bits.py > "$LOGS/attention_bits.txt" 2>&1; echo "rc=$?"
   cat "$LOGS/attention_bits.txt"
 fi
 if asked narrow-stages; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I /tmp/site/cutlass_library/source/include \
-    benchmarks/gemm_narrow_stages.cu -o /tmp/gemm_narrow_stages && /tmp/gemm_narrow_stages | tee "$LOGS/narrow_stages.md"
+    tools/experiments/gemm_narrow_stages.cu -o /tmp/gemm_narrow_stages && /tmp/gemm_narrow_stages | tee "$LOGS/narrow_stages.md"
 fi
 if asked cluster-sweep; then  # GEMM tiles and thread block clusters side by side (SWEEP_ROUNDS rounds)
   for p in 0 1 2 3 4 main; do
     def=$([ $p = main ] || echo -DSWEEP_PART=$p)
     nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -I cuda \
-      -I /tmp/site/cutlass_library/source/include $def -c benchmarks/gemm_cluster_sweep.cu -o /tmp/sweep_$p.o &
+      -I /tmp/site/cutlass_library/source/include $def -c tools/experiments/gemm_cluster_sweep.cu -o /tmp/sweep_$p.o &
   done
   wait
   nvcc /tmp/sweep_*.o -o /tmp/gemm_cluster_sweep && /tmp/gemm_cluster_sweep ${SWEEP_ROUNDS:-5} ${SWEEP_ONLY:-} | tee "$LOGS/cluster_sweep.md"
 fi
 if asked mma-zero-step; then  # does a k16 step of zero products leave the accumulators unchanged?
-  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda benchmarks/mma_zero_step.cu -o /tmp/mma_zero_step \
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda tools/experiments/mma_zero_step.cu -o /tmp/mma_zero_step \
     && /tmp/mma_zero_step | tee "$LOGS/mma_zero_step.txt"
 fi
 if asked decode-read; then  # a batch-1 decode step's KV cache read in the split kernels' pattern and contiguously
-  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda benchmarks/decode_read_pattern.cu -o /tmp/decode_read_pattern \
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda tools/experiments/decode_read_pattern.cu -o /tmp/decode_read_pattern \
     && /tmp/decode_read_pattern | tee "$LOGS/decode_read_pattern.txt"
 fi
 if asked mma-latency; then
-  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/mma_chain_latency.cu -o /tmp/mma_chain_latency \
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a tools/experiments/mma_chain_latency.cu -o /tmp/mma_chain_latency \
     && /tmp/mma_chain_latency | tee "$LOGS/mma_chain_latency.txt"
 fi
 if asked multi-gpu; then  # nvidia-h200-x2 and larger: Step 5's device-count tests and benchmarks
@@ -300,6 +309,6 @@ if asked multi-gpu; then  # nvidia-h200-x2 and larger: Step 5's device-count tes
   fi
 fi
 if asked gemm-bits; then
-  python3 benchmarks/gemm_schedule_bits.py > "$LOGS/gemm_bits.txt" 2>&1; echo "rc=$?"
+  python3 tools/gemm_schedule_bits.py > "$LOGS/gemm_bits.txt" 2>&1; echo "rc=$?"
   cat "$LOGS/gemm_bits.txt"
 fi

@@ -461,12 +461,15 @@ ffi::Error ApplyCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> ctrl, ffi::Remai
 
 }  // namespace
 
+// Kernels and device-to-device copies on XLA's stream only (the scratch is a result, the clip
+// decision stays in device memory), so XLA may record every handler into its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_global_norm_cuda, GlobalNormCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda, ClipCuda,
                               ffi::Ffi::Bind()
@@ -475,14 +478,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda, ClipCuda,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets()
-                                  .Attr<int32_t>("nonfinite"));
+                                  .Attr<int32_t>("nonfinite"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_partials_cuda, PartialsCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets());
+                                  .RemainingRets(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_finalize_cuda, FinalizeCuda,
                               ffi::Ffi::Bind()
@@ -491,13 +496,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_finalize_cuda, FinalizeCuda,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int32_t>("nonfinite"));
+                                  .Attr<int32_t>("nonfinite"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda, ApplyCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

@@ -196,12 +196,15 @@ ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U
 
 }  // namespace
 
+// Both handlers only launch kernels on XLA's stream (no sync, allocation or host read of device
+// data), so XLA may record them into its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_philox_cuda, PhiloxCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>());
+                                  .Ret<ffi::Buffer<ffi::U32>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cuda, DropoutCuda,
                               ffi::Ffi::Bind()
@@ -212,6 +215,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cuda, DropoutCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<uint32_t>("drop_threshold")
                                   .Attr<float>("scale")
-                                  .Attr<ffi::Span<const int64_t>>("mask_strides"));
+                                  .Attr<ffi::Span<const int64_t>>("mask_strides"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

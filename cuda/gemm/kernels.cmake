@@ -1,13 +1,17 @@
 # The CUTLASS launchers of the batch-invariant GEMM, generated from one list (included by
-# CMakeLists.txt when CUDA is built). For each entry and each of its tiles CMake writes one
-# translation unit (so that they compile in parallel) from gemm_kernel.cu.in, and one header,
-# generated/gemm_launchers.h, declares every launcher and, per entry, its kernel set (the tiles,
-# largest first) for the dispatcher (matmul_cuda.cu).
+# CMakeLists.txt when CUDA is built). For each entry CMake writes one translation unit holding the
+# launchers of all its tiles (the entries compile in parallel) from gemm_kernel.cu.in, and one
+# header, generated/gemm_launchers.h, declares every launcher and, per entry, its kernel set (the
+# tiles, largest first) for the dispatcher (matmul_cuda.cu).
 #
 # Entry: "name family dtype layout C D tile..."
-#   family  sm90: CUTLASS 3.x TMA warp-specialized kernel (gemm_sm90.cuh), sm_90a only;
+#   family  sm90: CUTLASS 3.x TMA warp-specialized kernel (gemm_sm90.cuh), sm_90a only; built only
+#           when the architectures include 90a, else each launcher is a stub that returns an error
+#           (the dispatcher picks them on an sm_90 GPU alone, which such a build does not serve);
 #           sm80: CUTLASS 2.x kernel (gemm_sm80.cuh): tensor-op mma.sync for bf16/f16, SIMT FFMA for
-#           f32; sm_80 and sm_90 machine code plus sm_80 PTX for newer GPUs.
+#           f32; sm_80 machine code plus sm_80 PTX (newer GPUs) when the architectures include 80,
+#           sm_90 machine code when they include 90a (Hopper runs these sets for a transposed A,
+#           float32 and JAXDET_TESTING=gemm=sm80).
 #   dtype   A and B: bf16, f16 or f32.
 #   layout  A then B: n = row-major as stored ([M,K] / [K,N]); t = read transposed in place
 #           (column-major: A stored [K,M], B stored [N,K]). D is always row-major [M,N].
@@ -87,12 +91,14 @@ set(_jaxdet_layout_t "cutlass::layout::ColumnMajor")
 
 # Writes the units and the header under ${CMAKE_CURRENT_BINARY_DIR}/generated (the build folder
 # goes on the include path: #include "generated/gemm_launchers.h"); sets JAXDET_GEMM_SM90_SOURCES
-# and JAXDET_GEMM_SM80_SOURCES.
-function(jaxdet_generate_gemm_kernels)
+# and JAXDET_GEMM_SM80_SOURCES. with_sm90: build the sm90 family's kernels (else stubs, in
+# JAXDET_GEMM_STUB_SOURCES, which need no CUTLASS and no architecture).
+function(jaxdet_generate_gemm_kernels with_sm90)
   set(dir "${CMAKE_CURRENT_BINARY_DIR}/generated")
   set(template "${CMAKE_CURRENT_SOURCE_DIR}/cuda/gemm/gemm_kernel.cu.in")
   set(sm90_sources "")
   set(sm80_sources "")
+  set(stub_launchers "")
   set(declarations "")
   set(sets "")
   set(names "")
@@ -104,7 +110,7 @@ function(jaxdet_generate_gemm_kernels)
       message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}' must have 6 fields and at least one tile")
     endif()
     list(GET fields 0 set_name)
-    list(GET fields 1 JAXDET_KERNEL_FAMILY)
+    list(GET fields 1 family)
     list(GET fields 2 dtype)
     list(GET fields 3 layout)
     list(GET fields 4 c)
@@ -126,46 +132,90 @@ function(jaxdet_generate_gemm_kernels)
         message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': unknown ${var} '${${var}}'")
       endif()
     endforeach()
-    if(NOT JAXDET_KERNEL_FAMILY MATCHES "^(sm90|sm80)$")
-      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': unknown family '${JAXDET_KERNEL_FAMILY}'")
+    if(NOT family MATCHES "^(sm90|sm80)$")
+      message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': unknown family '${family}'")
     endif()
-    set(JAXDET_KERNEL_ELEMENT "${_jaxdet_type_${dtype}}")
-    set(JAXDET_KERNEL_LAYOUT_A "${_jaxdet_layout_${la}}")
-    set(JAXDET_KERNEL_LAYOUT_B "${_jaxdet_layout_${lb}}")
-    set(JAXDET_KERNEL_ELEMENT_C "${_jaxdet_type_${c}}")
-    set(JAXDET_KERNEL_ELEMENT_D "${_jaxdet_type_${d}}")
+    set(stub OFF)
+    if(family STREQUAL "sm90" AND NOT with_sm90)
+      set(stub ON)
+    endif()
+    set(template_args "${_jaxdet_type_${dtype}}, ${_jaxdet_layout_${la}}, ${_jaxdet_layout_${lb}}, ${_jaxdet_type_${c}}, ${_jaxdet_type_${d}}")
     set(rows "")
     set(last_area "")
+    set(impls "")
+    set(JAXDET_KERNEL_LAUNCHERS "")
     foreach(tile IN LISTS tiles)
       if(NOT tile MATCHES "^([0-9]+)x([0-9]+)(:(narrow))?$")
         message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': tile '${tile}' is not ROWSxCOLS[:narrow]")
       endif()
-      set(JAXDET_KERNEL_TILE_M "${CMAKE_MATCH_1}")
-      set(JAXDET_KERNEL_TILE_N "${CMAKE_MATCH_2}")
+      set(tile_m "${CMAKE_MATCH_1}")
+      set(tile_n "${CMAKE_MATCH_2}")
       if(CMAKE_MATCH_4)
-        set(JAXDET_KERNEL_IMPL "${CMAKE_MATCH_4}")
+        set(impl "${CMAKE_MATCH_4}")
       else()
-        set(JAXDET_KERNEL_IMPL "${JAXDET_KERNEL_FAMILY}")
+        set(impl "${family}")
       endif()
-      set(tile "${JAXDET_KERNEL_TILE_M}x${JAXDET_KERNEL_TILE_N}")
-      math(EXPR area "${JAXDET_KERNEL_TILE_M} * ${JAXDET_KERNEL_TILE_N}")
+      list(APPEND impls "${impl}")
+      set(tile "${tile_m}x${tile_n}")
+      math(EXPR area "${tile_m} * ${tile_n}")
       if(NOT last_area STREQUAL "" AND area GREATER last_area)
         message(FATAL_ERROR "jaxdet: JAXDET_GEMM_KERNELS entry '${entry}': tiles must come largest first")
       endif()
       set(last_area "${area}")
-      set(JAXDET_KERNEL_NAME "${set_name}_${tile}")
-      set(source "${dir}/gemm/${JAXDET_KERNEL_NAME}.cu")
-      configure_file("${template}" "${source}" @ONLY)
-      list(APPEND ${JAXDET_KERNEL_FAMILY}_sources "${source}")
+      set(kernel "${set_name}_${tile}")
+      string(APPEND JAXDET_KERNEL_LAUNCHERS "
+JAXDET_GEMM_LAUNCHER(${kernel}) {
+  return ${impl}::launch<${template_args}, ${tile_m}, ${tile_n}>(args, stream);
+}
+")
+      if(stub)
+        string(APPEND stub_launchers "JAXDET_GEMM_SM90_STUB(${kernel})\n")
+      endif()
       string(APPEND declarations
-             "JAXDET_GEMM_LAUNCHER(${JAXDET_KERNEL_NAME});  // ${JAXDET_KERNEL_FAMILY} ${dtype} ${layout} C=${c} D=${d} tile ${tile}\n")
-      string(APPEND rows "    {${JAXDET_KERNEL_TILE_M}, ${JAXDET_KERNEL_TILE_N}, ${JAXDET_KERNEL_NAME}},\n")
+             "JAXDET_GEMM_LAUNCHER(${kernel});  // ${family} ${dtype} ${layout} C=${c} D=${d} tile ${tile}\n")
+      string(APPEND rows "    {${tile_m}, ${tile_n}, ${kernel}},\n")
     endforeach()
+    if(NOT stub)
+      list(REMOVE_DUPLICATES impls)
+      set(JAXDET_KERNEL_INCLUDES "")
+      foreach(impl IN LISTS impls)
+        string(APPEND JAXDET_KERNEL_INCLUDES "#include \"gemm/gemm_${impl}.cuh\"\n")
+      endforeach()
+      set(JAXDET_KERNEL_SET "${set_name}")
+      set(source "${dir}/gemm/${set_name}.cu")
+      configure_file("${template}" "${source}" @ONLY)
+      list(APPEND ${family}_sources "${source}")
+    endif()
     list(LENGTH tiles count)
     string(APPEND sets
            "inline constexpr TileKernel ${set_name}_tiles[] = {\n${rows}};\n"
            "inline constexpr KernelSet ${set_name}{${set_name}_tiles, ${count}};\n")
   endforeach()
+  set(stub_sources "")
+  if(NOT with_sm90)
+    # A build without sm_90a code: the Hopper launchers exist (the dispatcher names them) and fail.
+    file(CONFIGURE OUTPUT "${dir}/gemm/sm90_stubs.cc" @ONLY CONTENT
+"// Generated by cuda/gemm/kernels.cmake for a build without the 90a architecture: the launchers of
+// the sm90 family return an error (the dispatcher picks them on an sm_90 GPU only).
+#include \"gemm/gemm_args.h\"
+
+#define JAXDET_GEMM_SM90_STUB(name)                                                                  \\
+  JAXDET_GEMM_LAUNCHER(name) {                                                                       \\
+    (void)args;                                                                                      \\
+    (void)stream;                                                                                    \\
+    return \"this build of jaxdet has no sm_90a kernels (built for CUDA architectures \"             \\
+           \"${JAXDET_CUDA_ARCHS}); rebuild with JAXDET_CUDA_ARCHS including 90a (docs/BUILDING.md)\"; \\
+  }
+
+namespace jaxdet {
+namespace gemm {
+
+${stub_launchers}
+}  // namespace gemm
+}  // namespace jaxdet
+")
+    list(APPEND stub_sources "${dir}/gemm/sm90_stubs.cc")
+  endif()
   file(CONFIGURE OUTPUT "${dir}/gemm_launchers.h" @ONLY CONTENT
 "// Generated by cuda/gemm/kernels.cmake from JAXDET_GEMM_KERNELS: every CUTLASS launcher of the GEMM,
 // declared once (family, dtype, layout of A and B, epilogue C and D, tile), and every kernel set
@@ -184,4 +234,5 @@ ${sets}
 ")
   set(JAXDET_GEMM_SM90_SOURCES "${sm90_sources}" PARENT_SCOPE)
   set(JAXDET_GEMM_SM80_SOURCES "${sm80_sources}" PARENT_SCOPE)
+  set(JAXDET_GEMM_STUB_SOURCES "${stub_sources}" PARENT_SCOPE)
 endfunction()

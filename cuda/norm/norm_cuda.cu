@@ -521,6 +521,8 @@ ffi::Error NormParamGradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
 
 }  // namespace
 
+// Kernels and cudaMemsetAsync on XLA's stream only (the workspaces are results), so XLA may
+// record every handler into its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_fwd_cuda, NormFwdCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -530,7 +532,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_fwd_cuda, NormFwdCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")
-                                  .Attr<bool>("center"));
+                                  .Attr<bool>("center"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_bwd_cuda, NormBwdCuda,
                               ffi::Ffi::Bind()
@@ -540,7 +543,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_bwd_cuda, NormBwdCuda,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("center"));
+                                  .Attr<bool>("center"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_param_grad_cuda, NormParamGradCuda,
                               ffi::Ffi::Bind()
@@ -551,6 +555,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_param_grad_cuda, NormParamGradCuda,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

@@ -1058,6 +1058,8 @@ ffi::Error DetMathCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Result
 
 }  // namespace
 
+// Kernels on XLA's stream only (the workspaces are results; the cluster attributes and occupancy
+// are host-only queries, once per device), so XLA may record every handler into its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_fwd_cuda, SoftmaxFwdCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -1065,7 +1067,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_fwd_cuda, SoftmaxFwdCuda,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"));
+                                  .Attr<int32_t>("mode"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_bwd_cuda, SoftmaxBwdCuda,
                               ffi::Ffi::Bind()
@@ -1075,7 +1078,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_bwd_cuda, SoftmaxBwdCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"));
+                                  .Attr<int32_t>("mode"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_fwd_cuda, XentFwdCuda,
                               ffi::Ffi::Bind()
@@ -1085,7 +1089,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_fwd_cuda, XentFwdCuda,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("log_prob"));
+                                  .Attr<bool>("log_prob"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_bwd_cuda, XentBwdCuda,
                               ffi::Ffi::Bind()
@@ -1094,13 +1099,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_bwd_cuda, XentBwdCuda,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_det_math_cuda, DetMathCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("op"));
+                                  .Attr<int32_t>("op"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

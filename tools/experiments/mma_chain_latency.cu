@@ -3,10 +3,10 @@
 // mainloop issues a K tile's steps) and mma.sync m16n8k16 (one warp), each step adding into the
 // previous one's float32 accumulator. Operands are zeros in shared memory / registers: only the
 // timing matters. Used to bound what a GEMM at small M could gain from a different instruction
-// (docs/matmul_cuda.md, "M buckets"); the GEMM itself is measured by matmul_bench.py.
+// (docs/matmul_cuda.md, "M buckets"); the GEMM itself is measured by benchmarks/matmul_bench.py.
 //
 // Build and run on a Hopper GPU (tools/gpu_session.sh mma-latency):
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/mma_chain_latency.cu -o cl
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a tools/experiments/mma_chain_latency.cu -o cl
 //   ./cl
 #include <cuda_runtime.h>
 

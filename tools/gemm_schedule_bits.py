@@ -1,7 +1,7 @@
 """Hashes of GEMM results, to show that a change of the kernels' schedule or build leaves every bit.
 
-    python benchmarks/gemm_schedule_bits.py > before.txt     # with the old build
-    python benchmarks/gemm_schedule_bits.py > after.txt      # with the new one
+    python tools/gemm_schedule_bits.py > before.txt     # with the old build
+    python tools/gemm_schedule_bits.py > after.txt      # with the new one
     diff before.txt after.txt                                # empty: the same bits
 
 Runs the forward, dA and dB of `jaxdet.matmul` (bfloat16) on fixed random inputs whose tile grids
@@ -12,6 +12,7 @@ them), and with few rows and a long reduction, and prints one SHA-256 per result
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 
 import jax
@@ -29,6 +30,7 @@ def sha(x):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     key = jax.random.PRNGKey(7)
     for K, N, M in SHAPES:
         key, ka, kb, kc = jax.random.split(key, 4)

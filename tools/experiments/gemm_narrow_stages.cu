@@ -2,11 +2,11 @@
 // problems with 8, 12, 16, 24 and 32 stages of cp.async, side by side in one process, and the
 // bits of every depth against the launcher's (a depth decides how many K tiles are in flight,
 // never what a K step computes). The tile is bound by the bytes it keeps in flight at M <= 16;
-// this picks the depth (docs/matmul_cuda.md). The GEMM against jnp.dot: matmul_bench.py.
+// this picks the depth (docs/matmul_cuda.md). The GEMM against jnp.dot: benchmarks/matmul_bench.py.
 //
 // Build and run on a Hopper GPU (tools/gpu_session.sh narrow-stages):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I <cutlass>/include \
-//     benchmarks/gemm_narrow_stages.cu -o ns && ./ns
+//     tools/experiments/gemm_narrow_stages.cu -o ns && ./ns
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -1,7 +1,7 @@
 """Hashes of attention results, to show that a change of the kernels' schedule leaves every bit.
 
-    python benchmarks/attention_schedule_bits.py > before.txt     # with the old build
-    python benchmarks/attention_schedule_bits.py > after.txt      # with the new one
+    python tools/attention_schedule_bits.py > before.txt     # with the old build
+    python tools/attention_schedule_bits.py > after.txt      # with the new one
     diff before.txt after.txt                                     # empty: the same bits
 
 Runs `jaxdet.attention` forward and backward (output, dQ, dK, dV) in bfloat16 and float16 at head
@@ -13,21 +13,22 @@ configuration. On a GPU it is `tools/gpu_session.sh attention-bits`.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_bench import rand  # noqa: E402
-
-import jaxdet  # noqa: E402
+import jaxdet
 
 # (B, T, query heads, KV heads); head dimension 256 only at the small shapes
 SHAPES = [(2, 70, 4, 2), (1, 300, 8, 2), (2, 1030, 4, 4)]
+
+
+def rand(key, shape, dtype):
+    """The inputs of benchmarks/attention_bench.py (the same bits for the same key)."""
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
 
 
 def sha(*xs):
@@ -44,6 +45,7 @@ def with_grads(q, k, v, do, **kw):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for dtype in (jnp.bfloat16, jnp.float16):
         name = jnp.dtype(dtype).name
         for D in (64, 128, 256):

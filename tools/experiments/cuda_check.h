@@ -1,5 +1,5 @@
 // CHECK(call): a failed CUDA runtime call prints where and why and exits (the standalone CUDA
-// benchmarks).
+// probes in tools/experiments/).
 #pragma once
 
 #include <cuda_runtime.h>

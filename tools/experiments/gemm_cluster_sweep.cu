@@ -8,13 +8,13 @@
 //     cooperative tile (the output, not the math, bounds it there);
 //   ("rows: ...") the forward and dA of 4096-wide outputs at three and four rows of 64-row tiles
 //     (M = 160 ... 256): the sets' tiles against a 128x128 cooperative one.
-// The set's choice against jnp.dot: matmul_bench.py.
+// The set's choice against jnp.dot: benchmarks/matmul_bench.py.
 //
 // Build (five units, so they compile in parallel) and run on a Hopper GPU
 // (tools/gpu_session.sh cluster-sweep; arguments: rounds, and a prefix of the problems to run):
 //   for p in 0 1 2 3 4; do nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-//     -I cuda -I <cutlass>/include -DSWEEP_PART=$p -c benchmarks/gemm_cluster_sweep.cu -o sweep$p.o & done; wait
-//   nvcc -std=c++17 -O3 ... -c benchmarks/gemm_cluster_sweep.cu -o sweep_main.o && nvcc sweep*.o -o sweep && ./sweep
+//     -I cuda -I <cutlass>/include -DSWEEP_PART=$p -c tools/experiments/gemm_cluster_sweep.cu -o sweep$p.o & done; wait
+//   nvcc -std=c++17 -O3 ... -c tools/experiments/gemm_cluster_sweep.cu -o sweep_main.o && nvcc sweep*.o -o sweep && ./sweep
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // How fast the GPU reads a batch-1 decode step's KV cache in the pattern attention's split-mode
 // kernels read it, against the same bytes read in contiguous pieces, so that a change to the
 // decode kernels can tell a bound of the access pattern from one of the kernel (Step 8; the
-// decode kernels themselves are timed by attention_bench.py).
+// decode kernels themselves are timed by benchmarks/attention_bench.py).
 //
 // The cache is K and V of [S = 4096 positions, H = 8 KV heads, D = 128] bfloat16 (8 MiB each), as
 // `jaxdet.attention` receives it. A "split" CTA owns positions [z R, (z + 1) R) of one head: its
@@ -12,7 +12,7 @@
 // of the cache are rotated so that every launch reads from HBM (L2 holds 50 MB).
 //
 // Build and run on a GPU (tools/gpu_session.sh decode-read):
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda benchmarks/decode_read_pattern.cu -o drp
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda tools/experiments/decode_read_pattern.cu -o drp
 //   ./drp
 #include <cuda_runtime.h>
 

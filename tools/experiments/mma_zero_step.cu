@@ -6,7 +6,7 @@
 // whether a kernel may skip the steps wholly past K that the Hopper tiles run (docs/matmul_cuda.md).
 //
 // Build and run on the GPU:
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda benchmarks/mma_zero_step.cu -o z && ./z
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda tools/experiments/mma_zero_step.cu -o z && ./z
 #include <cuda_runtime.h>
 
 #include <cstdint>
