@@ -1,5 +1,5 @@
 """Benchmark: one training step of the reference decoder (jaxdet ops only) vs the same model in
-plain JAX, side by side (Step 8's full-model ratio; docs/reference_decoder.md).
+plain JAX, side by side (docs/reference_decoder.md).
 
     python benchmarks/decoder_step_bench.py                    # GPU: d=2048, 16 layers, seq 2048, batch 8, bf16
     python benchmarks/decoder_step_bench.py --layers 8 --batch 4   # the issue's size (d 2048, seq 2048, bf16)
@@ -16,7 +16,7 @@ implementation of --plain: ``xla`` (what the default, ``implementation=None``, r
 (cuDNN's fused attention, JAX's fastest path on an H100; GPU only). A step is the mean token loss,
 its gradient with respect to every parameter, and an SGD update (donated).
 
-ratio = jaxdet step time / the fastest plain JAX step that ran (the Step 8 goal is <= 1.15); the
+ratio = jaxdet step time / the fastest plain JAX step that ran (goal: <= 1.15); the
 table also gives jaxdet's time over each plain step. A model whose step fails (out of memory, an
 attention implementation this device lacks) shows "OOM" or the exception's class in its row and
 the others still run (_timing.guard).

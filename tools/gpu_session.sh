@@ -295,7 +295,7 @@ if asked mma-latency; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a tools/experiments/mma_chain_latency.cu -o /tmp/mma_chain_latency \
     && /tmp/mma_chain_latency | tee "$LOGS/mma_chain_latency.txt"
 fi
-if asked multi-gpu; then  # nvidia-h200-x2 and larger: Step 5's device-count tests and benchmarks
+if asked multi-gpu; then  # nvidia-h200-x2 and larger: the device-count tests and the multi-GPU benchmarks
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md: no multicast
   nvidia-smi topo -m | tee "$LOGS/topology.txt"
   echo "== multi-GPU tests"
