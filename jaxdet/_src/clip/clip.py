@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdet._src.clip import primitives, sharding
+from jaxdet._src.core import tree
 from jaxdet._src.core.checks import (
     FLOAT_DTYPES,
     is_traced,  # noqa: F401 (re-exported for jaxdet.optax)
@@ -107,7 +108,7 @@ def _check_policy(nonfinite) -> int:
 
 
 def _check_axis_name(axis_name):
-    return None if axis_name is None else sharding.axis_names(axis_name)
+    return None if axis_name is None else tree.axis_names(axis_name)
 
 
 def _any_varying(values) -> bool:

@@ -67,14 +67,14 @@ def _clip_abstract_eval(max_norm, *leaves, nonfinite):
 
 
 def _global_norm_batch(args, dims):
-    leaves = to_leading(args, dims)
+    leaves = batching.to_front(args, dims)[1]
     norm = staged_norm(leaves, batch_dims=1)
     scratch = jnp.zeros(norm.shape + (num_chunks([x.shape[1:] for x in leaves]) + 2,), jnp.float32)
     return (norm, scratch), (0, 0)
 
 
 def _clip_batch(args, dims, *, nonfinite):
-    max_norm, *leaves = to_leading(args, dims)
+    max_norm, *leaves = batching.to_front(args, dims)[1]
     norm, clipped = staged_clip(leaves, max_norm, nonfinite, batch_dims=1)
     scratch = jnp.zeros(norm.shape + (num_chunks([x.shape[1:] for x in leaves]) + 2,), jnp.float32)
     return (norm, scratch, *clipped), (0,) * (len(clipped) + 2)
@@ -138,11 +138,11 @@ def _apply_abstract_eval(ctrl, *leaves):
 
 
 def _partials_batch(args, dims, *, batch_dims):
-    return partials_p.bind(*to_leading(args, dims), batch_dims=batch_dims + 1), 0
+    return partials_p.bind(*batching.to_front(args, dims)[1], batch_dims=batch_dims + 1), 0
 
 
 def _partials_through_batch(args, dims, *, batch_dims):
-    out = partials_through_p.bind(*to_leading(args, dims), batch_dims=batch_dims + 1)
+    out = partials_through_p.bind(*batching.to_front(args, dims)[1], batch_dims=batch_dims + 1)
     return out, (0,) * len(out)
 
 
@@ -157,7 +157,7 @@ def _finalize_batch(args, dims, *, nonfinite):
 
 
 def _apply_batch(args, dims):
-    ctrl, *leaves = to_leading(args, dims)
+    ctrl, *leaves = batching.to_front(args, dims)[1]
     return apply_leaves(ctrl, leaves), (0,) * len(leaves)
 
 
@@ -217,11 +217,6 @@ apply_p = ffi.define_primitive(
 
 
 # ---- Batching helpers ---------------------------------------------------------------------------
-
-
-def to_leading(args, dims):
-    """Every operand with its batch dim first (broadcast to the batch if it has none)."""
-    return batching.to_front(args, dims)[1]
 
 
 # ---- One-device compositions --------------------------------------------------------------------

@@ -29,16 +29,9 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdet._src.clip import primitives
-from jaxdet._src.core import ffi
+from jaxdet._src.core import batching, ffi
+from jaxdet._src.core.tree import axis_names
 from jaxdet._src.core.varying import varying_axes
-
-
-def axis_names(axis_name) -> tuple:
-    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    if not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}")
-    return names
-
 
 # ---- The plan: which device holds which chunk -----------------------------------------------------
 
@@ -258,11 +251,11 @@ _partitioned_clip.def_partition(_clip_partition, infer_sharding_from_operands=_c
 
 
 def _norm_tree_batch(args, dims):
-    return [primitives.staged_norm(primitives.to_leading(args, dims), batch_dims=1)], [0]
+    return [primitives.staged_norm(batching.to_front(args, dims)[1], batch_dims=1)], [0]
 
 
 def _clip_tree_batch(args, dims, *, nonfinite):
-    max_norm, *leaves = primitives.to_leading(args, dims)
+    max_norm, *leaves = batching.to_front(args, dims)[1]
     norm, clipped = primitives.staged_clip(leaves, max_norm, nonfinite, batch_dims=1)
     return [norm, *clipped], [0] * (len(clipped) + 1)
 

@@ -55,7 +55,8 @@ def _tree_rows(p):
 
 
 def axis_names(axis_name, what="axis_name"):
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    """`axis_name` (a mesh axis name, or a tuple or list of them) as a tuple, or a TypeError naming `what`."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(f"{what} must be a mesh axis name (str) or a non-empty tuple of them, got {axis_name!r}")
     return names
