@@ -82,13 +82,39 @@ void scores(const float* q, const float* kt, const Dims& d, int64_t first, int64
 
 // ---- Forward ----
 
-struct ForwardArgs {
+// The operands both passes read.
+struct Inputs {
   Dims d;
   const void *q, *k, *v;
   RowDesc rows;
+  float c;  // scale * log2(e)
+};
+
+ffi::Error decode_inputs(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                         const ffi::Buffer<ffi::S32>& row_a, const ffi::Buffer<ffi::S32>& row_b, int32_t row_form,
+                         float scale_log2, Inputs& in) {
+  if (auto err = check_dims(op, q, k, v, row_a, row_b, row_form, &in.d); !err.success()) return err;
+  in.q = q.untyped_data();
+  in.k = k.untyped_data();
+  in.v = v.untyped_data();
+  in.rows = row_desc(row_a, row_b, row_form);
+  in.c = scale_log2;
+  return ffi::Error::Success();
+}
+
+// Runs unit(b * H + h) for every batch element b and KV head h on the pool. A unit writes only its
+// own outputs, each in a fixed order, so how the units are spread over the workers never changes a
+// bit.
+template <typename Unit>
+void parallel_units(ffi::ThreadPool& pool, const Dims& d, Unit unit) {
+  const int64_t units = d.B * d.H;
+  const int64_t workers = std::min<int64_t>(pool.num_threads(), units);
+  parallel_for(pool, units, workers, unit);
+}
+
+struct ForwardArgs : Inputs {
   void* o;
   float* lse2;
-  float c;  // scale * log2(e)
 };
 
 template <typename Storage>
@@ -150,9 +176,7 @@ void forward_unit(const ForwardArgs& a, int64_t unit) {
 
 template <typename Storage>
 void forward(ffi::ThreadPool& pool, const ForwardArgs& a) {
-  const int64_t units = a.d.B * a.d.H;
-  const int64_t workers = std::min<int64_t>(pool.num_threads(), units);
-  parallel_for(pool, units, workers, [&](int64_t unit) { forward_unit<Storage>(a, unit); });
+  parallel_units(pool, a.d, [&](int64_t unit) { forward_unit<Storage>(a, unit); });
 }
 
 ffi::Error AttentionFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -160,14 +184,9 @@ ffi::Error AttentionFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
                            ffi::Result<ffi::Buffer<ffi::F32>> lse2, float scale_log2, int32_t row_form) {
   const char* op = "jaxdet_attention_fwd";
   ForwardArgs a;
-  if (auto err = check_dims(op, q, k, v, row_a, row_b, row_form, &a.d); !err.success()) return err;
-  a.q = q.untyped_data();
-  a.k = k.untyped_data();
-  a.v = v.untyped_data();
-  a.rows = row_desc(row_a, row_b, row_form);
+  if (auto err = decode_inputs(op, q, k, v, row_a, row_b, row_form, scale_log2, a); !err.success()) return err;
   a.o = o->untyped_data();
   a.lse2 = lse2->typed_data();
-  a.c = scale_log2;
   IeeeSubnormalsScope ieee;
   JAXDET_DISPATCH_FLOAT(q.element_type(), op, "dtype", forward<S>(pool, a));
   return ffi::Error::Success();
@@ -175,13 +194,10 @@ ffi::Error AttentionFwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
 
 // ---- Backward ----
 
-struct BackwardArgs {
-  Dims d;
-  const void *q, *k, *v, *o, *dout;
+struct BackwardArgs : Inputs {
+  const void *o, *dout;
   const float* lse2;
-  RowDesc rows;
   void *dq, *dk, *dv;
-  float c;      // scale * log2(e)
   float scale;  // applied once to dq and dk at the end
 };
 
@@ -246,9 +262,7 @@ void backward_unit(const BackwardArgs& a, int64_t unit) {
 
 template <typename Storage>
 void backward(ffi::ThreadPool& pool, const BackwardArgs& a) {
-  const int64_t units = a.d.B * a.d.H;
-  const int64_t workers = std::min<int64_t>(pool.num_threads(), units);
-  parallel_for(pool, units, workers, [&](int64_t unit) { backward_unit<Storage>(a, unit); });
+  parallel_units(pool, a.d, [&](int64_t unit) { backward_unit<Storage>(a, unit); });
 }
 
 ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -258,19 +272,14 @@ ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
                            ffi::Result<ffi::AnyBuffer> dv, float scale_log2, float scale, int32_t row_form) {
   const char* op = "jaxdet_attention_bwd";
   BackwardArgs a;
-  if (auto err = check_dims(op, q, k, v, row_a, row_b, row_form, &a.d); !err.success()) return err;
+  if (auto err = decode_inputs(op, q, k, v, row_a, row_b, row_form, scale_log2, a); !err.success()) return err;
   if (auto err = check_backward_operands(op, q, o, dout, lse2, a.d); !err.success()) return err;
-  a.q = q.untyped_data();
-  a.k = k.untyped_data();
-  a.v = v.untyped_data();
   a.o = o.untyped_data();
   a.dout = dout.untyped_data();
   a.lse2 = lse2.typed_data();
-  a.rows = row_desc(row_a, row_b, row_form);
   a.dq = dq->untyped_data();
   a.dk = dk->untyped_data();
   a.dv = dv->untyped_data();
-  a.c = scale_log2;
   a.scale = scale;
   IeeeSubnormalsScope ieee;
   JAXDET_DISPATCH_FLOAT(q.element_type(), op, "dtype", backward<S>(pool, a));
@@ -280,35 +289,12 @@ ffi::Error AttentionBwdCpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
 }  // namespace
 }  // namespace attn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_fwd_cpu, attn::AttentionFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale_log2")
-                                  .Attr<int32_t>("row_form"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_attention_fwd_cpu, attn::AttentionFwdCpu,
+    attn::bind_fwd_attrs(attn::bind_fwd_buffers(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cpu, attn::AttentionBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale_log2")
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("row_form"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_attention_bwd_cpu, attn::AttentionBwdCpu,
+    attn::bind_bwd_attrs(attn::bind_bwd_buffers(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 }  // namespace jaxdet

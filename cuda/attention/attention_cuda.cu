@@ -305,39 +305,16 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 
 // Both handlers take their workspace from XLA (attention_workspace.h), so XLA may record them into
 // its command buffers.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_fwd_cuda, attn::AttentionFwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<float>("scale_log2")
-                                  .Attr<int32_t>("row_form"),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_attention_fwd_cuda, attn::AttentionFwdCuda,
+    attn::bind_fwd_attrs(attn::bind_fwd_buffers(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                             .Ret<ffi::Buffer<ffi::U8>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_attention_bwd_cuda, attn::AttentionBwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<float>("scale_log2")
-                                  .Attr<float>("scale")
-                                  .Attr<int32_t>("row_form"),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_attention_bwd_cuda, attn::AttentionBwdCuda,
+    attn::bind_bwd_attrs(attn::bind_bwd_buffers(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                             .Ret<ffi::Buffer<ffi::U8>>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

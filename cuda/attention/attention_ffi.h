@@ -1,4 +1,4 @@
-// Shapes and row descriptions shared by the CPU and CUDA handlers of jaxdet.attention.
+// Shapes, row descriptions and FFI signatures shared by the CPU and CUDA handlers of jaxdet.attention.
 //
 // q, o, dq [B, T, H, G, D] (query head h*G + g uses KV head h); k, v, dk, dv [B, S, H, D];
 // Query (b, t) sees the keys at memory rows kv_start .. kv_start + limit - 1 of batch element b,
@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/ffi_common.h"
 #include "common/philox.h"  // JAXDET_HD
@@ -109,6 +110,54 @@ JAXDET_HD RowKeys row_keys(const RowDesc& rows, int64_t T, int64_t S, int64_t b,
   if (rows.form == kLengths) return RowKeys{0, length};
   const int64_t seen = clamp_i64(rows.a[b * T + t], -1, S - 1) + 1;
   return RowKeys{0, seen < length ? seen : length};
+}
+
+// The FFI signatures, shared by the CPU and CUDA handlers so that both take the one call that
+// jaxdet/attention.py makes: the buffers follow the platform's context (the thread pool on the
+// CPU, the stream on CUDA), and CUDA binds its workspace result (attention_workspace.h) between
+// the buffers and the attributes.
+
+// jaxdet_attention_fwd: (q, k, v, row_a, row_b) -> (o, lse2).
+template <typename Binding>
+auto bind_fwd_buffers(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+template <typename Binding>
+auto bind_fwd_attrs(Binding&& binding) {
+  return std::forward<Binding>(binding).template Attr<float>("scale_log2").template Attr<int32_t>("row_form");
+}
+
+// jaxdet_attention_bwd: (q, k, v, o, lse2, do, row_a, row_b) -> (dq, dk, dv).
+template <typename Binding>
+auto bind_bwd_buffers(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+template <typename Binding>
+auto bind_bwd_attrs(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Attr<float>("scale_log2")
+      .template Attr<float>("scale")
+      .template Attr<int32_t>("row_form");
 }
 
 }  // namespace attn

@@ -11,13 +11,8 @@
 #include "common/ffi_common.h"
 
 namespace jaxdet {
+namespace clip {
 namespace {
-
-using clip::kChunk;
-using clip::kFinalLanes;
-using clip::kLanes;
-using clip::kSteps;
-using clip::kVec;
 
 // Steps 2 and 3 for one chunk of `n` (<= kChunk) elements.
 template <typename Storage>
@@ -180,14 +175,10 @@ ffi::Error FinalizeCpu(ffi::Buffer<ffi::F32> slots, ffi::Buffer<ffi::F32> max_no
                        int32_t nonfinite) {
   constexpr const char* kOp = "jaxdet_clip_finalize";
   IeeeSubnormalsScope ieee;
-  const int64_t batch = static_cast<int64_t>(norm->element_count());
-  int64_t chunks = 0;
-  if (auto err = clip::check_finalize_call(static_cast<int64_t>(slots.element_count()),
-                                           static_cast<int64_t>(max_norm.element_count()), batch,
-                                           static_cast<int64_t>(ctrl->element_count()), nonfinite, chunks, kOp);
-      !err.success()) {
+  int64_t batch = 0, chunks = 0;
+  if (auto err = clip::check_finalize_call(slots, max_norm, *norm, *ctrl, nonfinite, batch, chunks, kOp);
+      !err.success())
     return err;
-  }
   const bool per_example = max_norm.element_count() != 1;
   for (int64_t b = 0; b < batch; ++b) {
     const float n = NormFromSlots(slots.typed_data() + b * chunks, chunks);
@@ -214,31 +205,18 @@ ffi::Error ApplyCpu(ffi::Buffer<ffi::U32> ctrl, ffi::RemainingArgs args, ffi::Re
 }
 
 }  // namespace
+}  // namespace clip
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxdet_global_norm_cpu, GlobalNormCpu,
-    ffi::Ffi::Bind().RemainingArgs().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_global_norm_cpu, clip::GlobalNormCpu,
+                              clip::bind_global_norm(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu, ClipCpu,
-                              ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<int32_t>("nonfinite"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cpu, clip::ClipCpu,
+                              clip::bind_clip_global_norm(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_partials_cpu, PartialsCpu,
-                              ffi::Ffi::Bind().RemainingArgs().Ret<ffi::Buffer<ffi::F32>>().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_partials_cpu, clip::PartialsCpu, clip::bind_partials(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_finalize_cpu, FinalizeCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int32_t>("nonfinite"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_finalize_cpu, clip::FinalizeCpu, clip::bind_finalize(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_apply_cpu, ApplyCpu,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U32>>().RemainingArgs().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_apply_cpu, clip::ApplyCpu, clip::bind_apply(ffi::Ffi::Bind()));
 
 }  // namespace jaxdet

@@ -31,18 +31,8 @@
 #include "common/cuda_common.h"
 
 namespace jaxdet {
+namespace clip {
 namespace {
-
-using clip::kChunk;
-using clip::kFinalLanes;
-using clip::kLanes;
-using clip::kSteps;
-using clip::kVec;
-
-using clip::kBF16;
-using clip::kF16;
-using clip::kF32;
-using clip::Leaf;
 
 template <int K>
 struct LeafTable {
@@ -91,6 +81,22 @@ struct alignas(kVec * sizeof(Bits)) Vec {
   Bits e[kVec];
 };
 
+// Calls visit(e) for each element e < n of this thread's lane of a chunk, in the lane's canonical
+// order (steps ascending, then its kVec consecutive elements): the element-wise path of a short or
+// unaligned chunk, which must visit the elements in the order of the vector path.
+template <typename Visit>
+__device__ __forceinline__ void ForEachLaneElement(int64_t n, Visit visit) {
+  const int lane = threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t e = int64_t{k} * (kLanes * kVec) + lane * kVec + j;
+      if (e < n) visit(e);
+    }
+  }
+}
+
 // Step 2 for this thread's lane of one chunk of n elements (n <= kChunk).
 template <typename Storage>
 __device__ __forceinline__ float LaneSum(const typename Storage::Bits* __restrict__ x, int64_t n) {
@@ -109,14 +115,7 @@ __device__ __forceinline__ float LaneSum(const typename Storage::Bits* __restric
       for (int j = 0; j < kVec; ++j) acc = clip::accumulate_square(acc, Storage::load(v[k].e[j]));
     }
   } else {
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const int64_t e = int64_t{k} * (kLanes * kVec) + lane * kVec + j;
-        if (e < n) acc = clip::accumulate_square(acc, Storage::load(x[e]));
-      }
-    }
+    ForEachLaneElement(n, [&](int64_t e) { acc = clip::accumulate_square(acc, Storage::load(x[e])); });
   }
   return acc;
 }
@@ -225,14 +224,7 @@ __device__ __forceinline__ void ApplyChunk(const typename Storage::Bits* x, type
       reinterpret_cast<Vec<Bits>*>(y + k * (kLanes * kVec))[lane] = v[k];
     }
   } else {
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const int64_t e = int64_t{k} * (kLanes * kVec) + lane * kVec + j;
-        if (e < n) y[e] = ApplyOne<Storage>(x[e], mode, scale);
-      }
-    }
+    ForEachLaneElement(n, [&](int64_t e) { y[e] = ApplyOne<Storage>(x[e], mode, scale); });
   }
 }
 
@@ -431,14 +423,10 @@ ffi::Error FinalizeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> slots, ffi::B
                         ffi::Result<ffi::Buffer<ffi::F32>> norm, ffi::Result<ffi::Buffer<ffi::U32>> ctrl,
                         int32_t nonfinite) {
   constexpr const char* kOp = "jaxdet_clip_finalize";
-  const int64_t batch = static_cast<int64_t>(norm->element_count());
-  int64_t chunks = 0;
-  if (auto err = clip::check_finalize_call(static_cast<int64_t>(slots.element_count()),
-                                           static_cast<int64_t>(max_norm.element_count()), batch,
-                                           static_cast<int64_t>(ctrl->element_count()), nonfinite, chunks, kOp);
-      !err.success()) {
+  int64_t batch = 0, chunks = 0;
+  if (auto err = clip::check_finalize_call(slots, max_norm, *norm, *ctrl, nonfinite, batch, chunks, kOp);
+      !err.success())
     return err;
-  }
   if (batch == 0) return ffi::Error::Success();
   if (batch > int64_t{INT32_MAX})
     return ffi::Error::InvalidArgument(std::string(kOp) + ": more than 2^31 examples");
@@ -460,51 +448,29 @@ ffi::Error ApplyCuda(cudaStream_t stream, ffi::Buffer<ffi::U32> ctrl, ffi::Remai
 }
 
 }  // namespace
+}  // namespace clip
 
 // Kernels and device-to-device copies on XLA's stream only (the scratch is a result, the clip
 // decision stays in device memory), so XLA may record every handler into its command buffers.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_global_norm_cuda, GlobalNormCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_global_norm_cuda, clip::GlobalNormCuda,
+                              clip::bind_global_norm(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_global_norm_cuda, ClipCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<int32_t>("nonfinite"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_clip_global_norm_cuda, clip::ClipCuda,
+    clip::bind_clip_global_norm(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_partials_cuda, clip::PartialsCuda,
+                              clip::bind_partials(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_partials_cuda, PartialsCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_finalize_cuda, clip::FinalizeCuda,
+                              clip::bind_finalize(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_finalize_cuda, FinalizeCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int32_t>("nonfinite"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda, ApplyCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_clip_apply_cuda, clip::ApplyCuda,
+                              clip::bind_apply(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

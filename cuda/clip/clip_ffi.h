@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "clip_math.h"
@@ -109,12 +110,16 @@ inline ffi::Error check_policy(int32_t nonfinite, const char* op) {
   return ffi::Error::Success();
 }
 
-// The finalize call: `batch` examples of `chunks` slots each, one max_norm or one per example.
-inline ffi::Error check_finalize_call(int64_t slot_count, int64_t max_norm_count, int64_t norm_count,
-                                      int64_t ctrl_count, int32_t nonfinite, int64_t& chunks, const char* op) {
+// The finalize call: `batch` (norm's size) examples of `chunks` slots each, one max_norm or one per
+// example.
+inline ffi::Error check_finalize_call(const ffi::Buffer<ffi::F32>& slots, const ffi::Buffer<ffi::F32>& max_norm,
+                                      const ffi::Buffer<ffi::F32>& norm, const ffi::Buffer<ffi::U32>& ctrl,
+                                      int32_t nonfinite, int64_t& batch, int64_t& chunks, const char* op) {
   if (auto err = check_policy(nonfinite, op); !err.success()) return err;
-  const int64_t batch = norm_count;
-  if (ctrl_count != 2 * batch)
+  batch = static_cast<int64_t>(norm.element_count());
+  const int64_t slot_count = static_cast<int64_t>(slots.element_count());
+  const int64_t max_norm_count = static_cast<int64_t>(max_norm.element_count());
+  if (static_cast<int64_t>(ctrl.element_count()) != 2 * batch)
     return ffi::Error::InvalidArgument(std::string(op) + ": ctrl must be uint32[batch, 2]");
   if (max_norm_count != 1 && max_norm_count != batch) {
     return ffi::Error::InvalidArgument(std::string(op) + ": max_norm must be a scalar or one value per example");
@@ -142,6 +147,43 @@ inline ffi::Error decode_clip_call(const ffi::RemainingArgs& args, const ffi::Re
   if (auto err = check_policy(nonfinite, op); !err.success()) return err;
   if (auto err = collect_leaves(args, 1, leaves, op); !err.success()) return err;
   return attach_results(rets, 0, leaves, 1, op);
+}
+
+// The FFI signatures, shared by the CPU and CUDA handlers: each binds the operands, results and
+// attributes that follow the platform's context (none on the CPU, the stream on CUDA), so both
+// backends take the one call that jaxdet/clip.py makes (the calls are listed at the top).
+
+template <typename Binding>
+auto bind_global_norm(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .RemainingArgs()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+template <typename Binding>
+auto bind_clip_global_norm(Binding&& binding) {
+  return bind_global_norm(std::forward<Binding>(binding)).RemainingRets().template Attr<int32_t>("nonfinite");
+}
+
+template <typename Binding>
+auto bind_partials(Binding&& binding) {
+  return std::forward<Binding>(binding).RemainingArgs().template Ret<ffi::Buffer<ffi::F32>>().RemainingRets();
+}
+
+template <typename Binding>
+auto bind_finalize(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::U32>>()
+      .template Attr<int32_t>("nonfinite");
+}
+
+template <typename Binding>
+auto bind_apply(Binding&& binding) {
+  return std::forward<Binding>(binding).template Arg<ffi::Buffer<ffi::U32>>().RemainingArgs().RemainingRets();
 }
 
 }  // namespace clip

@@ -126,17 +126,16 @@ void DropoutAll(const DropoutArgs& a, ffi::ThreadPool& pool) {
 ffi::Error DropoutCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
                       ffi::Buffer<ffi::U32> offsets, ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold,
                       float scale, ffi::Span<const int64_t> mask_strides) {
-  int64_t n, groups;
-  MaskLayout layout;
-  if (auto err = check_dropout_args(x, keys, offsets, mask_strides, n, groups, layout); !err.success()) return err;
-  if (n == 0) return ffi::Error::Success();
+  DropoutShape shape;
+  if (auto err = check_dropout_args(x, keys, offsets, mask_strides, shape); !err.success()) return err;
+  if (shape.n == 0) return ffi::Error::Success();
   const DropoutArgs args{x.untyped_data(),
                          y->untyped_data(),
-                         groups,
-                         n / groups,
+                         shape.groups,
+                         shape.per_group,
                          keys.typed_data(),
                          offsets.typed_data(),
-                         mask_strides.size() == 0 ? nullptr : &layout,
+                         mask_strides.size() == 0 ? nullptr : &shape.layout,
                          drop_threshold,
                          scale};
   IeeeSubnormalsScope ieee;  // parallel_for gives its tasks the caller's floating-point mode
@@ -146,19 +145,9 @@ ffi::Error DropoutCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxdet_philox_cpu, PhiloxCpu,
-    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U32>>().Arg<ffi::Buffer<ffi::U32>>().Ret<ffi::Buffer<ffi::U32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_philox_cpu, PhiloxCpu, bind_philox(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cpu, DropoutCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<uint32_t>("drop_threshold")
-                                  .Attr<float>("scale")
-                                  .Attr<ffi::Span<const int64_t>>("mask_strides"));
+                              bind_dropout(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 }  // namespace jaxdet

@@ -182,15 +182,13 @@ void LaunchDropout(cudaStream_t stream, const void* x, void* y, int64_t per_grou
 ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> keys,
                        ffi::Buffer<ffi::U32> offsets, ffi::Result<ffi::AnyBuffer> y, uint32_t drop_threshold,
                        float scale, ffi::Span<const int64_t> mask_strides) {
-  int64_t n, groups;
-  MaskLayout layout;
-  if (auto err = check_dropout_args(x, keys, offsets, mask_strides, n, groups, layout); !err.success()) return err;
-  if (n == 0) return ffi::Error::Success();
-  const int64_t per_group = n / groups;
-  const uint32_t* off = offsets.typed_data();
-  JAXDET_DISPATCH_FLOAT(x.element_type(), "jaxdet_dropout", "x",
-                        LaunchDropout<S>(stream, x.untyped_data(), y->untyped_data(), per_group, groups,
-                                         keys.typed_data(), off, layout, drop_threshold, scale));
+  DropoutShape shape;
+  if (auto err = check_dropout_args(x, keys, offsets, mask_strides, shape); !err.success()) return err;
+  if (shape.n == 0) return ffi::Error::Success();
+  JAXDET_DISPATCH_FLOAT(
+      x.element_type(), "jaxdet_dropout", "x",
+      LaunchDropout<S>(stream, x.untyped_data(), y->untyped_data(), shape.per_group, shape.groups,
+                       keys.typed_data(), offsets.typed_data(), shape.layout, drop_threshold, scale));
   return last_launch_error("jaxdet_dropout");
 }
 
@@ -199,23 +197,11 @@ ffi::Error DropoutCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U
 // Both handlers only launch kernels on XLA's stream (no sync, allocation or host read of device
 // data), so XLA may record them into its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_philox_cuda, PhiloxCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>(),
+                              bind_philox(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_dropout_cuda, DropoutCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<uint32_t>("drop_threshold")
-                                  .Attr<float>("scale")
-                                  .Attr<ffi::Span<const int64_t>>("mask_strides"),
+                              bind_dropout(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

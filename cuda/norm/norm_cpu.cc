@@ -13,6 +13,7 @@
 
 #include "common/det_math.h"
 #include "common/ffi_common.h"
+#include "norm/norm_ffi.h"
 #include "norm/norm_math.h"
 
 namespace jaxdet {
@@ -242,33 +243,11 @@ ffi::Error NormParamGradCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_fwd_cpu, NormFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("eps")
-                                  .Attr<bool>("center"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_fwd_cpu, NormFwdCpu, norm::bind_fwd(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_bwd_cpu, NormBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("center"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_bwd_cpu, NormBwdCpu, norm::bind_bwd(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_norm_param_grad_cpu, NormParamGradCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              norm::bind_param_grad(ffi::Ffi::Bind()));
 
 }  // namespace jaxdet

@@ -129,11 +129,8 @@ ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> stats, ffi::Any
                          int32_t mode) {
   constexpr const char* kOp = "jaxdet_softmax_bwd";
   int64_t rows, n;
-  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
-  if (g.element_type() != x.element_type())
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (auto err = sm::check_bwd_call(x, stats, g, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
-  if (auto err = sm::stats_fit(stats, rows, sm::stat_width(n), kOp); !err.success()) return err;
   IeeeSubnormalsScope ieee;
   JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
                         SoftmaxBwdRows<S>(x.untyped_data(), stats.typed_data(), g.untyped_data(),
@@ -163,12 +160,8 @@ ffi::Error XentFwdCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> labels, ffi::Resul
                       bool log_prob) {
   constexpr const char* kOp = "jaxdet_xent_fwd";
   int64_t rows, n;
-  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
-  if (static_cast<int64_t>(labels.element_count()) != rows) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": labels must be int32[R]");
-  }
+  if (auto err = sm::check_xent_fwd_call(x, labels, rows, n, kOp); !err.success()) return err;
   if (rows == 0) return ffi::Error::Success();
-  if (n == 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": logits must have at least one class");
   IeeeSubnormalsScope ieee;
   JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
                         XentRows<S>(x.untyped_data(), labels.typed_data(), out->typed_data(), stats->typed_data(),
@@ -226,42 +219,14 @@ ffi::Error DetMathCpu(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_fwd_cpu, SoftmaxFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_fwd_cpu, SoftmaxFwdCpu, sm::bind_softmax_fwd(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_bwd_cpu, SoftmaxBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_bwd_cpu, SoftmaxBwdCpu, sm::bind_softmax_bwd(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_fwd_cpu, XentFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("log_prob"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_fwd_cpu, XentFwdCpu, sm::bind_xent_fwd(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_bwd_cpu, XentBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_bwd_cpu, XentBwdCpu, sm::bind_xent_bwd(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    jaxdet_det_math_cpu, DetMathCpu,
-    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_det_math_cpu, DetMathCpu, sm::bind_det_math(ffi::Ffi::Bind()));
 
 }  // namespace jaxdet

@@ -198,23 +198,31 @@ __device__ __forceinline__ float row_sum_from(const float* __restrict__ ws, int6
   return *shared;
 }
 
-// Softmax or log_softmax of the span held in v. Softmax: v holds the numerators e^(x - m) (the
-// terms of the segment's sum) and the outputs are e * w (sm::prob's bits); log_softmax: v holds x.
-template <typename S, int kSteps>
-__device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], typename S::Bits* __restrict__ y,
-                                              int64_t len, bool vec, int32_t mode, float M, float Ssum, float w) {
-  const float log_s = mode == sm::kLogSoftmax ? dm::log(Ssum) : 0.0f;
+// Stores this thread's elements of a span held in registers: element(k, j) is element j of its kVec
+// elements of step k; a step that starts past the row's end is not stored.
+template <typename S, int kSteps, typename Element>
+__device__ __forceinline__ void store_held(typename S::Bits* __restrict__ dst, int64_t len, bool vec,
+                                           Element element) {
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int64_t base = k * kStep + threadIdx.x * kVec;
     if (base >= len) continue;
     float out[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      out[j] = mode == sm::kSoftmax ? dm::mul(v[k][j], w) : sm::log_prob(v[k][j], M, log_s);
-    }
-    dm::store_lane<S>(y, base, len, vec, out);
+    for (int j = 0; j < kVec; ++j) out[j] = element(k, j);
+    dm::store_lane<S>(dst, base, len, vec, out);
   }
+}
+
+// Softmax or log_softmax of the span held in v. Softmax: v holds the numerators e^(x - m) (the
+// terms of the segment's sum) and the outputs are e * w (sm::prob's bits); log_softmax: v holds x.
+template <typename S, int kSteps>
+__device__ __forceinline__ void write_outputs(const float (&v)[kSteps][kVec], typename S::Bits* __restrict__ y,
+                                              int64_t len, bool vec, int32_t mode, float M, float Ssum, float w) {
+  const float log_s = mode == sm::kLogSoftmax ? dm::log(Ssum) : 0.0f;
+  store_held<S, kSteps>(y, len, vec, [&](int k, int j) {
+    return mode == sm::kSoftmax ? dm::mul(v[k][j], w) : sm::log_prob(v[k][j], M, log_s);
+  });
 }
 
 // ---- Forward, rows of one segment: stats and outputs in one kernel. ----
@@ -607,15 +615,8 @@ __device__ __forceinline__ void write_bwd(const float (&p)[kSteps][kVec],
                                           const dm::Vec<typename S::Bits> (&gv)[kSteps],
                                           typename S::Bits* __restrict__ dx, int64_t len, bool vec, float total,
                                           int32_t mode) {
-#pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-    const int64_t base = k * kStep + threadIdx.x * kVec;
-    if (base >= len) continue;
-    float out[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = sm::bwd(S::load(gv[k].e[j]), p[k][j], total, mode);
-    dm::store_lane<S>(dx, base, len, vec, out);
-  }
+  store_held<S, kSteps>(dx, len, vec,
+                        [&](int k, int j) { return sm::bwd(S::load(gv[k].e[j]), p[k][j], total, mode); });
 }
 
 template <typename S, int kSteps>
@@ -1004,12 +1005,9 @@ ffi::Error SoftmaxBwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> ws, int32_t mode) {
   constexpr const char* kOp = "jaxdet_softmax_bwd";
   int64_t rows, n;
-  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
-  if (g.element_type() != x.element_type())
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": g must have x's dtype");
+  if (auto err = sm::check_bwd_call(x, stats, g, rows, n, kOp); !err.success()) return err;
   if (rows == 0 || n == 0) return ffi::Error::Success();
   if (auto err = CheckWorkspace(*ws, rows, n, 1, kOp); !err.success()) return err;
-  if (auto err = sm::stats_fit(stats, rows, sm::stat_width(n), kOp); !err.success()) return err;
   JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
                         LaunchSoftmaxBwd<S>(stream, x.untyped_data(), stats.typed_data(), g.untyped_data(),
                                             dx->untyped_data(), ws->typed_data(), rows, n, mode));
@@ -1021,12 +1019,8 @@ ffi::Error XentFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
                        ffi::Result<ffi::Buffer<ffi::F32>> ws, bool log_prob) {
   constexpr const char* kOp = "jaxdet_xent_fwd";
   int64_t rows, n;
-  if (auto err = sm::rows_of(x, rows, n, kOp); !err.success()) return err;
-  if (static_cast<int64_t>(labels.element_count()) != rows) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": labels must be int32[R]");
-  }
+  if (auto err = sm::check_xent_fwd_call(x, labels, rows, n, kOp); !err.success()) return err;
   if (rows == 0) return ffi::Error::Success();
-  if (n == 0) return ffi::Error::InvalidArgument(std::string(kOp) + ": logits must have at least one class");
   if (auto err = CheckWorkspace(*ws, rows, n, 2, kOp); !err.success()) return err;
   JAXDET_DISPATCH_FLOAT(x.element_type(), kOp, "x",
                         LaunchXentFwd<S>(stream, x.untyped_data(), labels.typed_data(), out->typed_data(),
@@ -1061,53 +1055,23 @@ ffi::Error DetMathCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Result
 // Kernels on XLA's stream only (the workspaces are results; the cluster attributes and occupancy
 // are host-only queries, once per device), so XLA may record every handler into its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_fwd_cuda, SoftmaxFwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"),
+                              sm::bind_softmax_fwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_softmax_bwd_cuda, SoftmaxBwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"),
+                              sm::bind_softmax_bwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_fwd_cuda, XentFwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("log_prob"),
+                              sm::bind_xent_fwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_xent_bwd_cuda, XentBwdCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>(),
+                              sm::bind_xent_bwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_det_math_cuda, DetMathCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("op"),
+                              sm::bind_det_math(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet
