@@ -40,11 +40,11 @@ constexpr int kTileK = 64;  // the Hopper sets' K tile (sm90::kTileK in gemm_sm9
 constexpr int kWarps = 4;   // warp w: columns 16 * (w & 1), rows 8 * (w >> 1) of the tile
 constexpr int kThreads = kWarps * 32;
 // The pipeline depth: 12 stages of 6 KB (two or three CTAs per SM fit). Deeper was slower
-// (benchmarks/gemm_narrow_stages.cu on an H200: 16-32 stages 10-18% slower than 8-12, and about 80%
+// (tools/experiments/gemm_narrow_stages.cu on an H200: 16-32 stages 10-18% slower than 8-12, and about 80%
 // slower once the CTAs no longer fit twice per SM). (dA's B, stored [N, K], would be read 128 bytes
 // of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even 32 stages
 // deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
-constexpr int kStages = 12;  // the launcher's; benchmarks/gemm_narrow_stages.cu times others
+constexpr int kStages = 12;  // the launcher's; tools/experiments/gemm_narrow_stages.cu times others
 constexpr int kChunk = 16;                       // bytes per cp.async
 constexpr int kATileBytes = kTileM * kTileK * 2;  // [16 m][64 k], 8 chunks per row
 constexpr int kBTileBytes = kTileN * kTileK * 2;  // [64 k][32 n], 4 chunks per row

@@ -61,7 +61,7 @@ struct Config {
                                               cutlass::epilogue::TmaWarpSpecialized>;
   using LayoutD = LayoutD_;
   // Raster order of the persistent scheduler (which CTA takes which tile, never what a tile
-  // computes: identical result hashes for every order, benchmarks/gemm_schedule_bits.py). The
+  // computes: identical result hashes for every order, tools/gemm_schedule_bits.py). The
   // cooperative (128-row) forward and dA kernels raster along N, its weight gradient takes CUTLASS's heuristic
   // (the faster orders on an H100, benchmarks/RESULTS.md). The narrow tiles serve few rows: along
   // M, the CTAs of one column of tiles run together and read that slice of B from memory once.
