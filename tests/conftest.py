@@ -1,10 +1,17 @@
 """Shared test fixtures. Tests marked `gpu` run only where JAX sees a GPU and jaxdet has CUDA kernels
 (`pytest -m gpu` on a GPU machine); everything else runs on the CPU backend."""
 
+import os
+
 import jax
 import pytest
 
 import jaxdet
+
+# pytest-xdist workers sharing one GPU (`pytest -m gpu -n 6`): each takes GPU memory as it needs it,
+# instead of preallocating most of the card (read when JAX first starts its GPU backend).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def gpu_available() -> bool:
