@@ -13,7 +13,7 @@
 choice): the data behind the bucket rule (docs/matmul_cuda.md). Other JAXDET_TESTING items in the
 environment (gemm=sm80) are kept.
 
-Uses `jaxdet.matmul` (forward and its VJP), or with --raw the raw FFI targets (_gemm_ffi.py):
+Uses `jaxdet.matmul` (forward and its VJP), or with --raw the raw FFI targets (jaxdet/_src/matmul/raw.py):
 fwd = jaxdet_gemm(A, B); dA = jaxdet_gemm(dC, B, transpose_b=True);
 dB = jaxdet_gemm_wgrad(acc=0 f32, A, dC, chunk_tokens=2048) (f32 result). The jnp baselines are
 jnp.dot(A, B), jnp.dot(dC, B.T) and jnp.dot(A.T, dC) (bfloat16 out, what jax's gradient of jnp.dot
@@ -61,12 +61,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_ffi import gemm, wgrad, wgrad_init  # noqa: E402
 from _timing import failed, guard, header, pair_or_each  # noqa: E402
 
 import jaxdet  # noqa: E402
 import jaxdet._src.matmul.matmul as matmul_impl  # noqa: E402  (WGRAD_CHUNK_TOKENS, read when dB is traced)
 from jaxdet._src.core.switches import TESTING_ENV, parse_testing_overrides  # noqa: E402
+from jaxdet._src.matmul.raw import gemm, wgrad, wgrad_init  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]

@@ -30,44 +30,9 @@ import jaxdet  # noqa: F401  (registers the FFI targets)
 SM80 = "gemm=sm80"
 
 
-# ---- The raw FFI targets (the interface the Python API binds) ----
+# ---- The raw FFI targets (the interface the Python API binds): jaxdet/_src/matmul/raw.py ----
 
-
-def gemm(a, b, transpose_a=False, transpose_b=False, out_dtype=None):
-    """out[L,M,N] = op(a) @ op(b); a [L,M,K] or [L,K,M]; b [Lb,K,N] or [Lb,N,K], Lb in {1, L}."""
-    squeeze = a.ndim == 2
-    if squeeze:
-        a = a[None]
-    if b.ndim == 2:
-        b = b[None]
-    L = a.shape[0]
-    M = a.shape[2] if transpose_a else a.shape[1]
-    N = b.shape[1] if transpose_b else b.shape[2]
-    out = jax.ShapeDtypeStruct((L, M, N), out_dtype or a.dtype)
-    r = jax.ffi.ffi_call("jaxdet_gemm", out)(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
-    return r[0] if squeeze else r
-
-
-def wgrad(acc, a, dc, chunk_tokens=2048):
-    """acc[L,K,N] + sum over token chunks, in order, of a[chunk]^T dc[chunk] (f32; result aliases acc)."""
-    r = jax.ffi.ffi_call(
-        "jaxdet_gemm_wgrad", jax.ShapeDtypeStruct(acc.shape, jnp.float32), input_output_aliases={0: 0}
-    )(acc, a, dc, chunk_tokens=np.int64(chunk_tokens))
-    return r
-
-
-def wgrad_init(a, dc, chunk_tokens, out_dtype):
-    """The chunk sequence from nothing, result in out_dtype (f32, or a's dtype: cast once, RNE)."""
-    from jaxdet._src.matmul.matmul import _wgrad_init_shapes  # the shapes the primitive declares
-
-    L, T, K = a.shape
-    out_shape, ws_shape = _wgrad_init_shapes(L, T, K, dc.shape[2], chunk_tokens, out_dtype)
-    out, _ = jax.ffi.ffi_call(
-        "jaxdet_gemm_wgrad_init",
-        (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct(ws_shape, jnp.float32)),
-    )(a, dc, chunk_tokens=np.int64(chunk_tokens))
-    return out
-
+from jaxdet._src.matmul.raw import gemm, wgrad, wgrad_init  # noqa: E402
 
 # ---- Helpers ----
 

@@ -151,14 +151,14 @@ wgrad_p = ffi.define_primitive(
 # afterwards. The workspace is [L, K, N] only when a half dB spans several chunks, else [L, 0, 0]. ----
 
 
-def _wgrad_init_shapes(L, T, K, N, chunk_tokens, out_dtype):
+def wgrad_init_shapes(L, T, K, N, chunk_tokens, out_dtype):
     needs_workspace = np.dtype(out_dtype) != _F32 and T > chunk_tokens
     return (L, K, N), (L, K, N) if needs_workspace else (L, 0, 0)
 
 
 def _wgrad_init_abstract_eval(a, dc, *, chunk_tokens, out_dtype):
     L, T, K = a.shape
-    out_shape, ws_shape = _wgrad_init_shapes(L, T, K, dc.shape[2], chunk_tokens, out_dtype)
+    out_shape, ws_shape = wgrad_init_shapes(L, T, K, dc.shape[2], chunk_tokens, out_dtype)
     return (jax.core.ShapedArray(out_shape, out_dtype), jax.core.ShapedArray(ws_shape, jnp.float32))
 
 

@@ -1,8 +1,6 @@
-"""Raw calls of the jaxdet_gemm / jaxdet_gemm_wgrad FFI targets (the interface the Python API binds).
-
-Used by matmul_bench.py: `--raw` times them without jaxdet.matmul's wrapper, and `--sanitize` runs
-every kernel family through them under compute-sanitizer.
-"""
+"""Raw calls of the jaxdet_gemm / jaxdet_gemm_wgrad FFI targets (the interface the primitives bind),
+for the kernel tests (tests/test_gemm_cuda_kernels.py) and benchmarks/matmul_bench.py (`--raw`
+times them without jaxdet.matmul's wrapper; `--sanitize` runs every kernel family through them)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxdet  # noqa: F401  (registers the FFI targets)
+from jaxdet._src.core import ffi  # noqa: F401  (registers the FFI targets)
+from jaxdet._src.matmul.matmul import wgrad_init_shapes
 
 
 def gemm(a, b, transpose_a=False, transpose_b=False, out_dtype=None):
@@ -41,11 +40,9 @@ def wgrad(acc, a, dc, chunk_tokens=2048):
 
 def wgrad_init(a, dc, chunk_tokens, out_dtype):
     """The chunk sequence from nothing, result in out_dtype (f32, or a's dtype: cast once, RNE)."""
-    from jaxdet._src.matmul.matmul import _wgrad_init_shapes
-
     L, T, K = a.shape
     # the result and workspace shapes the primitive declares (jaxdet/_src/matmul/matmul.py)
-    out_shape, ws_shape = _wgrad_init_shapes(L, T, K, dc.shape[2], chunk_tokens, out_dtype)
+    out_shape, ws_shape = wgrad_init_shapes(L, T, K, dc.shape[2], chunk_tokens, out_dtype)
     out, _ = jax.ffi.ffi_call(
         "jaxdet_gemm_wgrad_init",
         (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct(ws_shape, jnp.float32)),
