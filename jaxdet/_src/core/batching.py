@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax.interpreters import batching
 
@@ -28,10 +27,6 @@ def to_front(args, dims):
     """(size, operands): every operand with its vmapped axis first, an unmapped one broadcast."""
     size = batch_size(args, dims)
     return size, [moved_to_front(x, d, size) for x, d in zip(args, dims)]
-
-
-def shaped(shape, dtype):
-    return jax.core.ShapedArray(tuple(shape), dtype)
 
 
 def not_mapped(dim) -> bool:

@@ -236,6 +236,11 @@ def _register_partitioned_lowering(prim, local, part: Partitioning, multiple_res
 # ---- Defining primitives. ----
 
 
+def shaped(shape, dtype):
+    """The abstract value of a result: a ShapedArray of `shape` and `dtype`."""
+    return jax.core.ShapedArray(tuple(shape), dtype)
+
+
 def _new_primitive(name, abstract_eval, multiple_results, partitioning=None, result_varying=None):
     prim = jex_core.Primitive(name)
     prim.multiple_results = multiple_results

@@ -35,7 +35,7 @@ _F32 = np.dtype(jnp.float32)
 
 
 def _fwd_abstract_eval(x, w, b, *, eps, center):
-    return (batching.shaped(x.shape, x.dtype), batching.shaped(x.shape[:2] + (2,), _F32))
+    return (ffi.shaped(x.shape, x.dtype), ffi.shaped(x.shape[:2] + (2,), _F32))
 
 
 def _fold_groups(args, dims, row_args):
@@ -74,7 +74,7 @@ norm_fwd_p = ffi.define_primitive(
 
 
 def _bwd_abstract_eval(x, w, stats, g, *, center):
-    return batching.shaped(x.shape, x.dtype)
+    return ffi.shaped(x.shape, x.dtype)
 
 
 def _bwd_batch(args, dims, *, center):
@@ -109,10 +109,10 @@ def _pg_abstract_eval(x, stats, g, *, has_bias):
     G, T, n = x.shape
     ws = _grad_workspace_rows(T)
     return (
-        batching.shaped((G, n), _F32),
-        batching.shaped((G, n if has_bias else 0), _F32),
-        batching.shaped((G, ws, n), _F32),
-        batching.shaped((G, ws if has_bias else 0, n), _F32),
+        ffi.shaped((G, n), _F32),
+        ffi.shaped((G, n if has_bias else 0), _F32),
+        ffi.shaped((G, ws, n), _F32),
+        ffi.shaped((G, ws if has_bias else 0, n), _F32),
     )
 
 
@@ -146,7 +146,7 @@ def _as_groups(x):
 
 
 def _rows_fwd_abstract_eval(x, w, b, *, eps, center, has_bias):
-    return (batching.shaped(x.shape, x.dtype), batching.shaped(x.shape[:-1] + (2,), _F32))
+    return (ffi.shaped(x.shape, x.dtype), ffi.shaped(x.shape[:-1] + (2,), _F32))
 
 
 def _rows_fwd_local(params, axes, shapes):
@@ -191,7 +191,7 @@ norm_rows_fwd_p = ffi.define_composite(
 
 
 def _rows_bwd_abstract_eval(x, w, stats, g, *, center):
-    return batching.shaped(x.shape, x.dtype)
+    return ffi.shaped(x.shape, x.dtype)
 
 
 def _rows_bwd_local(params, axes, shapes):
@@ -237,7 +237,7 @@ norm_rows_bwd_p = ffi.define_composite(
 
 
 def _grads_abstract_eval(x, stats, g, *, has_bias):
-    return [batching.shaped(x.shape[-1:], _F32)] * (2 if has_bias else 1)
+    return [ffi.shaped(x.shape[-1:], _F32)] * (2 if has_bias else 1)
 
 
 def _grads_of(x3, stats3, g3, has_bias):

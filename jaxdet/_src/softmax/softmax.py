@@ -88,9 +88,9 @@ def _batch_rows(primitive):
 def _sfwd_abstract_eval(x, *, mode):
     R, n = x.shape
     return (
-        batching.shaped(x.shape, x.dtype),
-        batching.shaped((R, _stat_width(n)), _F32),
-        batching.shaped((R, _workspace_segments(n), 2), _F32),
+        ffi.shaped(x.shape, x.dtype),
+        ffi.shaped((R, _stat_width(n)), _F32),
+        ffi.shaped((R, _workspace_segments(n), 2), _F32),
     )
 
 
@@ -108,7 +108,7 @@ softmax_fwd_p = ffi.define_primitive(
 
 def _sbwd_abstract_eval(x, stats, g, *, mode):
     R, n = x.shape
-    return (batching.shaped(x.shape, x.dtype), batching.shaped((R, _workspace_segments(n)), _F32))
+    return (ffi.shaped(x.shape, x.dtype), ffi.shaped((R, _workspace_segments(n)), _F32))
 
 
 softmax_bwd_p = ffi.define_primitive(
@@ -126,9 +126,9 @@ softmax_bwd_p = ffi.define_primitive(
 def _xfwd_abstract_eval(x, labels, *, log_prob):
     R, n = x.shape
     return (
-        batching.shaped((R,), _F32),
-        batching.shaped((R, _stat_width(n)), _F32),
-        batching.shaped((R, _workspace_segments(n), 2), _F32),
+        ffi.shaped((R,), _F32),
+        ffi.shaped((R, _stat_width(n)), _F32),
+        ffi.shaped((R, _workspace_segments(n), 2), _F32),
     )
 
 
@@ -145,7 +145,7 @@ xent_fwd_p = ffi.define_primitive(
 
 
 def _xbwd_abstract_eval(x, labels, stats, g):
-    return batching.shaped(x.shape, x.dtype)
+    return ffi.shaped(x.shape, x.dtype)
 
 
 xent_bwd_p = ffi.define_primitive(
@@ -159,7 +159,7 @@ _MATH_OPS = {"exp": 0, "log": 1, "rsqrt": 2, "exp_nonpositive": 3}
 
 det_math_p = ffi.define_primitive(
     "jaxdet_det_math",
-    lambda x, *, op: batching.shaped(x.shape, _F32),
+    lambda x, *, op: ffi.shaped(x.shape, _F32),
     attributes=lambda op: dict(op=np.int32(op)),
     batching_rule=lambda args, dims, *, op: (det_math_p.bind(args[0], op=op), dims[0]),
 )
@@ -224,8 +224,8 @@ def _sm_local(params, axes, shapes):
 softmax_rows_p = _composite(
     "jaxdet_softmax_rows",
     lambda x, *, mode: [
-        batching.shaped(x.shape, x.dtype),
-        batching.shaped(x.shape[:-1] + (_stat_width(x.shape[-1]),), _F32),
+        ffi.shaped(x.shape, x.dtype),
+        ffi.shaped(x.shape[:-1] + (_stat_width(x.shape[-1]),), _F32),
     ],
     lambda params, shapes: (
         [_row_factors(shapes[0], 1) + ("n",)],
@@ -246,7 +246,7 @@ def _sm_bwd_local(params, axes, shapes):
 
 softmax_rows_bwd_p = _composite(
     "jaxdet_softmax_rows_bwd",
-    lambda x, stats, g, *, mode: batching.shaped(x.shape, x.dtype),
+    lambda x, stats, g, *, mode: ffi.shaped(x.shape, x.dtype),
     lambda params, shapes: (
         [
             _row_factors(shapes[0], 1) + ("n",),
@@ -271,8 +271,8 @@ def _xent_local(params, axes, shapes):
 xent_rows_p = _composite(
     "jaxdet_xent_rows",
     lambda x, labels, *, log_prob: [
-        batching.shaped(labels.shape, _F32),
-        batching.shaped(labels.shape + (_stat_width(x.shape[-1]),), _F32),
+        ffi.shaped(labels.shape, _F32),
+        ffi.shaped(labels.shape + (_stat_width(x.shape[-1]),), _F32),
     ],
     lambda params, shapes: (
         [_row_factors(shapes[0], 1) + ("n",), _row_factors(shapes[0], 1)],
@@ -293,7 +293,7 @@ def _xent_bwd_local(params, axes, shapes):
 
 xent_rows_bwd_p = _composite(
     "jaxdet_xent_rows_bwd",
-    lambda x, labels, stats, g: batching.shaped(x.shape, x.dtype),
+    lambda x, labels, stats, g: ffi.shaped(x.shape, x.dtype),
     lambda params, shapes: (
         [
             _row_factors(shapes[0], 1) + ("n",),
