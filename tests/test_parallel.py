@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +233,7 @@ def test_value_and_grad_places_the_batch_on_an_explicit_mesh():
     proc = subprocess.run(
         [sys.executable, "-c", EXPLICIT_MESH_SCRIPT],
         env=subprocess_env(8),
+        cwd=tempfile.gettempdir(),  # not the checkout's root, whose source folder would shadow the install
         capture_output=True,
         text=True,
         timeout=900,
