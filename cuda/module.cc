@@ -20,6 +20,7 @@ namespace nb = nanobind;
 // Every FFI target, one line per primitive: X(target name, handler symbol stem), the target
 // jaxdet_<name> served by jaxdet_<stem>_cpu (cuda/<primitive>/*_cpu.cc) and, in a CUDA build,
 // jaxdet_<stem>_cuda (cuda/<primitive>/*_cuda.cu). A new primitive adds its line here.
+// clang-format off: one line per primitive, its name last
 #define JAXDET_FFI_TARGETS(X)                                                                                \
   X(philox4x32_10, philox) X(dropout, dropout)                                                 /* dropout */ \
   X(gemm, gemm) X(gemm_wgrad, gemm_wgrad) X(gemm_wgrad_init, gemm_wgrad_init)                     /* gemm */ \
@@ -29,6 +30,7 @@ namespace nb = nanobind;
   X(softmax_fwd, softmax_fwd) X(softmax_bwd, softmax_bwd) X(xent_fwd, xent_fwd) X(xent_bwd, xent_bwd)        \
       X(det_math, det_math)                                                                    /* softmax */ \
   X(attention_fwd, attention_fwd) X(attention_bwd, attention_bwd)                            /* attention */
+// clang-format on
 
 #define JAXDET_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##stem##_cpu);
 JAXDET_FFI_TARGETS(JAXDET_DECLARE_CPU)
