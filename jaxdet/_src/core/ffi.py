@@ -2,7 +2,7 @@
 
 Every jaxdet primitive is a `jax.extend.core.Primitive` whose abstract evaluation, per-platform
 lowering, batching rule and partitioning rule are declared next to each other in the primitive's
-own module. The lowering names one FFI target; on CUDA, a build without CUDA kernels raises instead
+package (jaxdet/_src/<op>/). The lowering names one FFI target; on CUDA, a build without CUDA kernels raises instead
 of quietly running something else.
 
 Many devices (docs/sharding.md):
