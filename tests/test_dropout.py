@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from bitwise import bits
 from jax.test_util import check_grads
-from philox_reference import keep_mask
 
 import jaxdet
 from jaxdet import random as jr
 from jaxdet._src.dropout import contracts
 from jaxdet._src.dropout.dropout import drop_threshold, keep_scale
+from jaxdet._src.dropout.reference import keep_mask
 
 BITS = {np.dtype(np.float32): np.uint32, np.dtype(ml_dtypes.bfloat16): np.uint16, np.dtype(np.float16): np.uint16}
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from philox_reference import philox4x32_10 as np_philox
 
 import jaxdet
 from jaxdet import random as jr
 from jaxdet._src.dropout import contracts
+from jaxdet._src.dropout.reference import philox4x32_10 as np_philox
 
 
 def test_known_answer_vectors_cpu(cpu):

@@ -1,5 +1,6 @@
 """An independent NumPy implementation of Philox4x32-10 and of the documented dropout mapping,
-used by the tests to prove that the native kernels implement exactly what docs/dropout.md says."""
+used by the tests to prove that the native kernels implement exactly what docs/dropout.md says
+(written from the docs, independently of cuda/common/philox.h)."""
 
 import numpy as np
 
