@@ -27,8 +27,8 @@ from jaxdet._src.audit.rules import (
     eqn_axes,
     opaque,
     same_structure,
-    sub_jaxprs,
 )
+from jaxdet._src.core.jaxprs import sub_jaxprs
 
 __all__ = ["audit", "AuditReport", "Finding", "BATCH", "RUN", "DEVICES"]
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxdet._src.core.jaxprs import sub_jaxprs
+
 # What a finding can break (its `breaks`).
 BATCH = "batch"  # a row's bits depend on the batch it is in (its size, its position, the other rows)
 RUN = "run-to-run"  # the same program on the same inputs can give other bits (atomics, autotuning)
@@ -54,18 +56,6 @@ def eqn_axes(e1, e2) -> Axes:
         tuple(_diff_axes(a, b) for a, b in zip(e1.invars, e2.invars)),
         tuple(_diff_axes(a, b) for a, b in zip(e1.outvars, e2.outvars)),
     )
-
-
-def sub_jaxprs(params) -> list:
-    """The jaxprs an equation carries (call bodies, branches, scan/while bodies, update functions),
-    in parameter order, each as an open jaxpr."""
-    found = []
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(v, "jaxpr", v)  # a ClosedJaxpr holds its Jaxpr in .jaxpr
-            if hasattr(inner, "eqns") and hasattr(inner, "invars"):
-                found.append(inner)
-    return found
 
 
 def same_structure(j1, j2) -> bool:

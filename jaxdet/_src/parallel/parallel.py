@@ -23,10 +23,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
 from jax.sharding import AxisType, NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
+from jaxdet._src.core.jaxprs import sub_jaxprs
 from jaxdet._src.core.tree import axis_names, check_power_of_two, tree_psum, tree_sum
 from jaxdet._src.core.varying import pcast_to_varying
 
@@ -88,16 +88,6 @@ _COLLECTIVES = frozenset(
 )
 
 
-def _sub_jaxprs(value):
-    if isinstance(value, jex_core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jex_core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _sub_jaxprs(v)
-
-
 def _collectives_over(jaxpr, names):
     """The names of collective primitives in `jaxpr` (and its sub-jaxprs) over any axis of `names`."""
     found = []
@@ -107,9 +97,8 @@ def _collectives_over(jaxpr, names):
             axes = axes if isinstance(axes, (tuple, list)) else (axes,)
             if any(a in names for a in axes):
                 found.append(eqn.primitive.name)
-        for value in eqn.params.values():
-            for sub in _sub_jaxprs(value):
-                found.extend(_collectives_over(sub, names))
+        for sub in sub_jaxprs(eqn.params):
+            found.extend(_collectives_over(sub, names))
     return found
 
 
