@@ -40,6 +40,7 @@ from jaxdet._src.audit.audit import audit
 from jaxdet._src.clip.clip import clip_by_global_norm, global_norm
 from jaxdet._src.core.ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet._src.dropout.dropout import dropout
+from jaxdet._src.invariant.invariant import invariant
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet._src.norm.norm import layer_norm, rms_norm
 from jaxdet._src.softmax.softmax import (
@@ -67,6 +68,7 @@ __all__ = [
     "label_log_probs",
     "attention",
     "audit",
+    "invariant",
     "optax",
     "export",
     "parallel",

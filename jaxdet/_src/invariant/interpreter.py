@@ -1,0 +1,201 @@
+"""Evaluating a jaxpr with every floating-point reduction replaced by its canonical rule.
+
+`evaluate(jaxpr, consts, *args)` walks the equations and, per primitive, either binds it again
+(an operation whose bits cannot depend on the batch, the fusion or the device count: elementwise
+arithmetic, data movement, integer and boolean arithmetic), applies its rule (rules.py: products,
+sums, max/min, scatter-adds, collectives), or recurses into its sub-programs (this module: jit,
+scan, while, cond, checkpoint, custom_jvp/custom_vjp calls, shard_map). Anything else raises
+`UnsupportedPrimitiveError`, naming the primitive and the user's source line: nothing falls back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+from jax import lax
+
+from jaxdet._src.invariant import rules
+
+
+class UnsupportedPrimitiveError(NotImplementedError):
+    """An operation `jaxdet.invariant` has no canonical rule for (it never runs it as it was)."""
+
+
+# The equations whose programs are being evaluated, outermost first: an operation inside a
+# library's jitted function (jnp.sort is one) has a traceback that ends at that function, so its
+# user's line is the innermost enclosing equation's that has one.
+_ENCLOSING: list = []
+
+
+def _summary(eqn) -> str:
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - the summary is a courtesy, the error is raised anyway
+        return ""
+
+
+def _source_line(eqn) -> str:
+    for e in [eqn, *reversed(_ENCLOSING)]:
+        line = _summary(e)
+        if line:
+            return line
+    return "<unknown source line>"
+
+
+def _user_context(eqn):
+    """Ops emitted for `eqn` carry the user's source line (for errors, profiles and the audit)."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack)
+    except Exception:  # pragma: no cover
+        return contextlib.nullcontext()
+
+
+def unsupported(eqn, why: str):
+    return UnsupportedPrimitiveError(
+        f"jaxdet.invariant: `{eqn.primitive.name}` {why} (at {_source_line(eqn)}). "
+        "jaxdet.invariant never runs an operation it cannot make batch-invariant and deterministic; "
+        "see docs/invariant.md for what is covered"
+    )
+
+
+def _literal_or_var(env, v):
+    if hasattr(v, "val") and not hasattr(v, "count"):  # a Literal
+        return v.val
+    return env[v]
+
+
+def evaluate(jaxpr, consts, *args):
+    """The outputs of the open `jaxpr` on `consts` and `args`, by the canonical rules."""
+    env = {}
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [_literal_or_var(env, v) for v in eqn.invars]
+        with _user_context(eqn):
+            outs = apply(eqn, invals)
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for v, x in zip(eqn.outvars, outs):
+            if type(v).__name__ != "DropVar":
+                env[v] = x
+    return [_literal_or_var(env, v) for v in jaxpr.outvars]
+
+
+def evaluate_closed(closed, *args):
+    return evaluate(closed.jaxpr, closed.consts, *args)
+
+
+def apply(eqn, invals):
+    name = eqn.primitive.name
+    higher = _HIGHER_ORDER.get(name)
+    if higher is not None:
+        _ENCLOSING.append(eqn)
+        try:
+            return higher(eqn, *invals)
+        finally:
+            _ENCLOSING.pop()
+    return rules.apply(eqn, invals, unsupported)
+
+
+# ---- Programs inside programs ----
+
+
+def _jit(eqn, *args):
+    # The inner program is evaluated in place: the outer jit compiles it anyway.
+    return evaluate_closed(eqn.params["jaxpr"], *args)
+
+
+def _closed_call(eqn, *args):
+    return evaluate_closed(eqn.params["call_jaxpr"], *args)
+
+
+def _scan(eqn, *args):
+    p = eqn.params
+    body, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+    consts, carry, xs = args[:n_consts], args[n_consts : n_consts + n_carry], args[n_consts + n_carry :]
+
+    def step(c, x):
+        outs = evaluate_closed(body, *consts, *c, *x)
+        return list(outs[:n_carry]), list(outs[n_carry:])
+
+    carry_out, ys = lax.scan(
+        step, list(carry), list(xs), length=p["length"], reverse=p["reverse"], unroll=p.get("unroll", 1)
+    )
+    return [*carry_out, *ys]
+
+
+def _while(eqn, *args):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = args[:cn], args[cn : cn + bn], args[cn + bn :]
+
+    def cond_fun(c):
+        return evaluate_closed(p["cond_jaxpr"], *cond_consts, *c)[0]
+
+    def body_fun(c):
+        return list(evaluate_closed(p["body_jaxpr"], *body_consts, *c))
+
+    return lax.while_loop(cond_fun, body_fun, list(init))
+
+
+def _cond(eqn, index, *ops):
+    branches = [functools.partial(evaluate_closed, b) for b in eqn.params["branches"]]
+    return lax.switch(index, branches, *ops)
+
+
+def _remat(eqn, *args):
+    p = eqn.params
+    inner = p["jaxpr"]
+
+    def body(*a):
+        return evaluate(inner, (), *a)
+
+    return jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))(*args)
+
+
+def _custom_call(eqn, *args):
+    # custom_jvp / custom_vjp: the primal program. jaxdet.invariant differentiates before it
+    # evaluates (invariant.py), so the custom rules have already been applied where they matter.
+    return evaluate_closed(eqn.params["call_jaxpr"], *args)
+
+
+def _shard_map(eqn, *args):
+    p = eqn.params
+    inner = p["jaxpr"]
+    manual = p.get("manual_axes", p.get("newly_manual_axes"))
+    kwargs = {}
+    if manual is not None:
+        kwargs["axis_names"] = set(manual)
+    check = p.get("check_vma", p.get("check_rep", True))
+
+    def body(*a):
+        return evaluate(inner, (), *a)
+
+    return jax.shard_map(
+        body, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]), check_vma=check, **kwargs
+    )(*args)
+
+
+_HIGHER_ORDER = {
+    "jit": _jit,
+    "pjit": _jit,
+    "closed_call": _closed_call,
+    "core_call": _closed_call,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "custom_jvp_call": _custom_call,
+    "custom_vjp_call": _custom_call,
+    "custom_vjp_call_jaxpr": _custom_call,
+    "shard_map": _shard_map,
+}

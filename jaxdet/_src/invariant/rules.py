@@ -1,0 +1,357 @@
+"""Per-primitive rules of `jaxdet.invariant`: which operations are bound again as they are, which are
+replaced by their canonical form, and which are refused (with the reason the error gives).
+
+An operation is bound again only where no order of floating-point operations is left open:
+elementwise arithmetic (one result from one set of operands), data movement, integer and boolean
+arithmetic (exact in any order), and jaxdet's own primitives. Floating-point reductions follow
+the canonical rule (docs/invariant.md): products and sums through jaxdet's kernels, max/min
+through an exact integer order, scatter-adds through the canonical segment sum, collectives
+through the canonical tree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxdet._src.core import tree
+
+# Bound again as they are: each output element is one function of its operands (no reduction
+# order exists), or the operation moves data, or it is jaxdet's own.
+EXACT = frozenset(
+    """
+    abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
+    bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos cosh
+    digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
+    polygamma population_count pow real reduce_precision regularized_incomplete_beta rem round
+    rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
+    sub tan tanh xor zeta
+    broadcast_in_dim concatenate dynamic_slice dynamic_update_slice expand_dims gather iota pad
+    reshape rev slice split squeeze transpose
+    argmax argmin reduce_and reduce_or reduce_xor
+    sharding_constraint device_put reshard mesh_cast optimization_barrier name stop_gradient
+    all_gather all_to_all ppermute axis_index pvary pbroadcast pcast
+    random_seed random_wrap random_unwrap random_split random_fold_in
+    create_token after_all debug_callback empty2
+    """.split()
+)
+
+# Refused, with the reason (the user's source line is added by the interpreter).
+REFUSED = {
+    "conv_general_dilated": "is a convolution, whose reduction order XLA chooses (no canonical rule yet)",
+    "fft": "is an FFT, whose operation order the library chooses",
+    "sort": "is a sort (sort-based operations are not covered)",
+    "top_k": "is a sort-based selection (not covered)",
+    "approx_top_k": "is an approximate selection (not covered)",
+    "random_bits": "draws random bits whose values depend on the shape drawn, so on the batch; "
+    "use jaxdet.dropout or keys from jaxdet.random (docs/dropout.md)",
+    "threefry2x32": "draws random bits outside jaxdet (use jaxdet.dropout / jaxdet.random)",
+    "rng_bit_generator": "draws random bits outside jaxdet (use jaxdet.dropout / jaxdet.random)",
+    "rng_uniform": "draws random numbers outside jaxdet (use jaxdet.dropout / jaxdet.random)",
+    "random_gamma": "draws random numbers outside jaxdet",
+    "reduce_window_sum": "is a windowed sum in XLA's order (not covered)",
+    "reduce_window": "is a windowed reduction in XLA's order (not covered)",
+    "reduce_window_max": "is a windowed max (not covered)",
+    "reduce_window_min": "is a windowed min (not covered)",
+    "select_and_scatter_add": "is a windowed scatter-add (the gradient of a max-pool; not covered)",
+    "select_and_gather_add": "is a windowed gather-add (not covered)",
+    "pure_callback": "calls an opaque host function",
+    "io_callback": "calls an opaque host function",
+    "cholesky": "is a factorisation whose operation order the library chooses",
+    "eig": "is a factorisation whose operation order the library chooses",
+    "eigh": "is a factorisation whose operation order the library chooses",
+    "svd": "is a factorisation whose operation order the library chooses",
+    "qr": "is a factorisation whose operation order the library chooses",
+    "lu": "is a factorisation whose operation order the library chooses",
+    "triangular_solve": "is a solve whose operation order the library chooses",
+    "custom_linear_solve": "is a solve whose operation order the library chooses",
+    "reduce": "is a general reduction with a user computation (no canonical rule)",
+}
+
+
+def _bind(eqn, invals):
+    return eqn.primitive.bind(*invals, **eqn.params)
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _out_dtype(eqn, i=0):
+    return eqn.outvars[i].aval.dtype
+
+
+# ---- Sums ----
+
+
+def _reduce_sum(eqn, x):
+    if not _is_float(x.dtype):
+        return _bind(eqn, [x])
+    from jaxdet._src.reduce import reduce as canonical
+
+    return canonical.reduce_sum(x, tuple(eqn.params["axes"]), np.dtype(_out_dtype(eqn)))
+
+
+def _refuse_float(reason):
+    def rule(eqn, x, *rest, unsupported=None):
+        if _is_float(x.dtype):
+            raise unsupported(eqn, reason)
+        return _bind(eqn, [x, *rest])
+
+    return rule
+
+
+# ---- Max and min: an exact order on the float's bits ----
+# Max and min are exact in any order except for signed zeros and NaNs: the canonical result has
+# +0 > -0, and a NaN anywhere gives the canonical quiet NaN. The values are mapped to integers of
+# their width in that order (sign-magnitude to two's complement), reduced exactly, mapped back.
+
+_INT_OF = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def _key(x):
+    itype = _INT_OF[np.dtype(x.dtype).itemsize]
+    bits = lax.bitcast_convert_type(x, itype)
+    flip = jnp.array(np.iinfo(itype).max, itype)
+    return jnp.where(bits < 0, bits ^ flip, bits)
+
+
+def _unkey(k, dtype):
+    flip = jnp.array(np.iinfo(k.dtype).max, k.dtype)
+    return lax.bitcast_convert_type(jnp.where(k < 0, k ^ flip, k), dtype)
+
+
+def _canonical_extreme(x, reduce_keys, reduce_any, is_max):
+    nan = jnp.isnan(x)
+    # NaNs are set aside (any NaN makes the result NaN); infinities keep their place.
+    fill = -jnp.inf if is_max else jnp.inf
+    k = reduce_keys(_key(jnp.where(nan, jnp.array(fill, x.dtype), x)))
+    return jnp.where(reduce_any(nan), jnp.array(jnp.nan, x.dtype), _unkey(k, x.dtype))
+
+
+def _reduce_extreme(is_max):
+    def rule(eqn, x, unsupported=None):
+        if not _is_float(x.dtype):
+            return _bind(eqn, [x])
+        axes = tuple(eqn.params["axes"])
+        red = lax.reduce_max if is_max else lax.reduce_min
+        return _canonical_extreme(x, lambda k: red(k, axes), lambda m: lax.reduce_or(m, axes), is_max)
+
+    return rule
+
+
+def _cumulative_extreme(is_max):
+    def rule(eqn, x, unsupported=None):
+        if not _is_float(x.dtype):
+            return _bind(eqn, [x])
+        p = eqn.params
+        axis, reverse = p["axis"], p["reverse"]
+        cum = lax.cummax if is_max else lax.cummin
+
+        def keys(k):
+            return cum(k, axis=axis, reverse=reverse)
+
+        def any_nan(m):
+            return lax.cummax(m.astype(jnp.int8), axis=axis, reverse=reverse).astype(bool)
+
+        return _canonical_extreme(x, keys, any_nan, is_max)
+
+    return rule
+
+
+def _collective_extreme(is_max):
+    def rule(eqn, x, unsupported=None):
+        if not _is_float(x.dtype):
+            return _bind(eqn, [x])
+        axes = _collective_axes(eqn, unsupported)
+        red = lax.pmax if is_max else lax.pmin
+        return _canonical_extreme(
+            x, lambda k: red(k, axes), lambda m: lax.pmax(m.astype(jnp.int8), axes).astype(bool), is_max
+        )
+
+    return rule
+
+
+# ---- Products ----
+
+
+def _dot_general(eqn, lhs, rhs, unsupported=None):
+    if not (_is_float(lhs.dtype) or _is_float(rhs.dtype)):
+        return _bind(eqn, [lhs, rhs])
+    from jaxdet._src.matmul import dot_general as dg
+
+    p = eqn.params
+    try:
+        return dg.dot_general(lhs, rhs, p["dimension_numbers"], p.get("preferred_element_type"))
+    except TypeError as e:
+        raise unsupported(eqn, str(e)) from None
+
+
+# ---- Scatter-add: the canonical segment sum ----
+
+
+def _windows_per_group(indices, dn):
+    """How many windows each operand batch group receives (the index dims but the index vector
+    dim, and but the batching dims)."""
+    batch = set(dn.scatter_indices_batching_dims)
+    return math.prod(n for d, n in enumerate(indices.shape[:-1]) if d not in batch)
+
+
+def _scatter_add(eqn, operand, indices, updates, unsupported=None):
+    if not _is_float(operand.dtype):
+        return _bind(eqn, [operand, indices, updates])
+    dn = eqn.params["dimension_numbers"]
+    if _windows_per_group(indices, dn) <= 1:
+        # One window per group: each destination element receives at most one update, so the
+        # result is one add per element, in no order.
+        return _bind(eqn, [operand, indices, updates])
+    from jaxdet._src.embed import embed as segments
+
+    mode = eqn.params["mode"]
+    drop = mode is None or "FILL_OR_DROP" in str(mode)
+    rows = _row_scatter(operand, indices, updates, dn)
+    if rows is not None:
+        ids, data = rows
+        V = operand.shape[0]
+        if not drop:
+            ids = jnp.clip(ids, 0, V - 1)
+        total = segments.segment_sum(data, ids, V).reshape(operand.shape)
+    else:
+        # Any other layout: each update element's destination (the same gather on an iota of the
+        # operand) as one segment of its own.
+        dest = _destinations(operand, indices, updates, dn, drop)
+        total = segments.segment_sum(updates.reshape(-1, 1), dest.reshape(-1), operand.size).reshape(operand.shape)
+    return operand + total.astype(operand.dtype)
+
+
+def _row_scatter(operand, indices, updates, dn):
+    """(ids [T], data [T, D]) when the scatter adds whole rows of the operand (an embedding's
+    gradient), else None."""
+    W = operand.ndim - 1
+    if (
+        tuple(dn.inserted_window_dims) != (0,)
+        or tuple(dn.scatter_dims_to_operand_dims) != (0,)
+        or dn.operand_batching_dims
+        or dn.scatter_indices_batching_dims
+        or indices.shape[-1] != 1
+        or tuple(dn.update_window_dims) != tuple(range(updates.ndim - W, updates.ndim))
+        or tuple(updates.shape[updates.ndim - W :]) != tuple(operand.shape[1:])
+    ):
+        return None
+    T = math.prod(indices.shape[:-1])
+    return indices.reshape(T), updates.reshape(T, math.prod(operand.shape[1:]))
+
+
+def _destinations(operand, indices, updates, dn, drop):
+    window = iter(updates.shape[d] for d in dn.update_window_dims)
+    collapsed = set(dn.inserted_window_dims) | set(dn.operand_batching_dims)
+    slice_sizes = tuple(1 if d in collapsed else next(window) for d in range(operand.ndim))
+    gdn = lax.GatherDimensionNumbers(
+        offset_dims=tuple(dn.update_window_dims),
+        collapsed_slice_dims=tuple(dn.inserted_window_dims),
+        start_index_map=tuple(dn.scatter_dims_to_operand_dims),
+        operand_batching_dims=tuple(dn.operand_batching_dims),
+        start_indices_batching_dims=tuple(dn.scatter_indices_batching_dims),
+    )
+    iota = lax.iota(jnp.int32, operand.size).reshape(operand.shape)
+    mode = lax.GatherScatterMode.FILL_OR_DROP if drop else lax.GatherScatterMode.CLIP
+    return lax.gather(iota, indices, gdn, slice_sizes, mode=mode, fill_value=-1)
+
+
+# ---- Collectives: the canonical tree over the devices ----
+
+
+def _collective_axes(eqn, unsupported):
+    p = eqn.params
+    if p.get("axis_index_groups") is not None:
+        raise unsupported(eqn, "with axis_index_groups has no canonical tree")
+    axes = p.get("axes", p.get("axis_name"))
+    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    if not all(isinstance(a, str) for a in axes):
+        raise unsupported(eqn, "over positional (pmap) axes has no canonical tree; use jax.shard_map")
+    return axes
+
+
+def _tree_psum(x, axes):
+    acc = jnp.float32 if np.dtype(x.dtype).itemsize < 4 else x.dtype
+    return tree.tree_psum(x.astype(acc), axes).astype(x.dtype)
+
+
+def _psum(eqn, *xs, unsupported=None):
+    if not any(_is_float(x.dtype) for x in xs):
+        return _bind(eqn, list(xs))
+    return [_psum_one(eqn, x, unsupported) for x in xs]
+
+
+def _psum_one(eqn, x, unsupported):
+    axes = _collective_axes(eqn, unsupported)
+    if not _is_float(x.dtype):
+        return lax.psum(x, axes)
+    try:
+        return _tree_psum(x, axes)
+    except ValueError as e:  # a device count that is not a power of two
+        raise unsupported(eqn, str(e)) from None
+
+
+def _reduce_scatter(eqn, x, unsupported=None):
+    if not _is_float(x.dtype):
+        return _bind(eqn, [x])
+    p = eqn.params
+    axes = _collective_axes(eqn, unsupported)
+    dim, tiled = p["scatter_dimension"], p.get("tiled", False)
+    total = _tree_psum(x, axes)
+    size = math.prod(lax.axis_size(a) for a in axes)
+    idx = lax.axis_index(axes if len(axes) > 1 else axes[0])
+    piece = x.shape[dim] // size
+    out = lax.dynamic_slice_in_dim(total, idx * piece, piece, axis=dim)
+    return out if tiled else jnp.squeeze(out, dim)
+
+
+RULES = {
+    "reduce_sum": lambda eqn, x, unsupported=None: _reduce_sum(eqn, x),
+    "reduce_max": _reduce_extreme(True),
+    "reduce_min": _reduce_extreme(False),
+    "reduce_prod": _refuse_float("is a floating-point product in XLA's order (no canonical rule)"),
+    "cumsum": _refuse_float("is a floating-point prefix sum in XLA's order (no canonical rule)"),
+    "cumprod": _refuse_float("is a floating-point prefix product in XLA's order (no canonical rule)"),
+    "cumlogsumexp": _refuse_float("is a floating-point prefix reduction in XLA's order (no canonical rule)"),
+    "cummax": _cumulative_extreme(True),
+    "cummin": _cumulative_extreme(False),
+    "dot_general": _dot_general,
+    "scatter-add": _scatter_add,
+    "scatter_add": _scatter_add,
+    "scatter": lambda eqn, *a, unsupported=None: _bind(eqn, list(a)),
+    "scatter-mul": _refuse_float("is a floating-point scatter-multiply in XLA's order"),
+    "scatter_mul": _refuse_float("is a floating-point scatter-multiply in XLA's order"),
+    "psum": _psum,
+    "psum_invariant": _psum,
+    "pmax": _collective_extreme(True),
+    "pmin": _collective_extreme(False),
+    "reduce_scatter": _reduce_scatter,
+}
+
+
+def _is_jaxdet(eqn) -> bool:
+    name = eqn.primitive.name
+    if name.startswith("jaxdet_"):
+        return True
+    return name == "ffi_call" and str(eqn.params.get("target_name", "")).startswith("jaxdet_")
+
+
+def apply(eqn, invals, unsupported):
+    name = eqn.primitive.name
+    if name in EXACT or _is_jaxdet(eqn):
+        return _bind(eqn, invals)
+    rule = RULES.get(name)
+    if rule is not None:
+        return rule(eqn, *invals, unsupported=unsupported)
+    if name in REFUSED:
+        raise unsupported(eqn, REFUSED[name])
+    raise unsupported(eqn, "is not an operation jaxdet.invariant knows")
+
+
+__all__ = ["EXACT", "REFUSED", "RULES", "apply"]

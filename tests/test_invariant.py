@@ -1,0 +1,251 @@
+"""jaxdet.invariant: a user's plain JAX function, made batch-invariant, deterministic and
+device-count invariant (docs/invariant.md)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxdet
+from jaxdet.testing import assert_bitwise_equal
+
+import llama_plain as L
+from multidevice import on_devices
+
+invariant = jaxdet.invariant
+Unsupported = jaxdet.invariant.UnsupportedPrimitiveError
+
+
+def _normal(key, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+
+
+def _rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+# ---- Products: dot_general with any dimension numbers ----
+
+
+def _np_dot_general(a, b, dn):
+    """The float64 NumPy reference of lax.dot_general (output: batch, lhs free, rhs free)."""
+    (lc, rc), (lb, rb) = dn
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    la, lb_ = [None] * a.ndim, [None] * b.ndim
+    for i, j in zip(lb, rb):
+        la[i] = lb_[j] = next(letters)
+    for i, j in zip(lc, rc):
+        la[i] = lb_[j] = next(letters)
+    for arr in (la, lb_):
+        for i, v in enumerate(arr):
+            if v is None:
+                arr[i] = next(letters)
+    out = [la[i] for i in lb] + [la[i] for i in range(a.ndim) if i not in lb + lc]
+    out += [lb_[i] for i in range(b.ndim) if i not in rb + rc]
+    spec = f"{''.join(la)},{''.join(lb_)}->{''.join(out)}"
+    return np.einsum(spec, np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+
+DOT_CASES = [
+    # (lhs shape, rhs shape, ((lc, rc), (lb, rb)))
+    ((6, 16), (16, 8), (((1,), (0,)), ((), ()))),  # x @ w
+    ((6, 16), (8, 16), (((1,), (1,)), ((), ()))),  # x @ w.T (read transposed)
+    ((16, 6), (16, 8), (((0,), (0,)), ((), ()))),  # dW: tokens contracted
+    ((16, 6), (8, 16), (((0,), (1,)), ((), ()))),  # a transposed copy
+    ((2, 3, 5, 16), (16, 7), (((3,), (0,)), ((), ()))),  # rows of every leading dim
+    ((2, 4, 5, 8), (2, 4, 6, 8), (((3,), (3,)), ((0, 1), (0, 1)))),  # attention scores
+    ((2, 4, 5, 6), (2, 4, 6, 8), (((3,), (2,)), ((0, 1), (0, 1)))),  # attention values
+    ((2, 3, 16), (2, 3, 8), (((0, 1), (0, 1)), ((), ()))),  # dW over batch and sequence
+    ((3, 4, 5), (5, 4, 2), (((1, 2), (1, 0)), ((), ()))),  # two contracted dims, permuted
+    ((4, 3), (5, 2), (((), ()), ((), ()))),  # outer product
+    ((2, 9000), (9000, 3), (((1,), (0,)), ((), ()))),  # K beyond one chunk: the tree
+]
+
+
+@pytest.mark.parametrize("case", range(len(DOT_CASES)))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dot_general_any_dimension_numbers(case, dtype):
+    ls, rs, dn = DOT_CASES[case]
+    a, b = _normal(1, ls, dtype), _normal(2, rs, dtype)
+
+    def f(a, b):
+        return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+
+    got = jax.jit(invariant(f))(a, b)
+    want = _np_dot_general(a, b, dn)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    assert _rel_err(got, want) < 1e-5  # float32 accumulation over K up to 9000
+
+
+def test_dot_general_rows_alone_equal_rows_in_batch():
+    w = _normal(3, (64, 48))
+    x = _normal(4, (37, 64))
+
+    def f(x):
+        return jnp.tanh(x @ w) @ w.T
+
+    full = jax.jit(invariant(f))(x)
+    for n in (1, 5, 16):
+        assert_bitwise_equal(jax.jit(invariant(f))(x[:n]), full[:n])
+
+
+def test_dot_general_chunk_tree_beyond_one_chunk():
+    """K = 2.5 chunks: the chunk partials meet in the canonical tree; zeros appended to K (a
+    longer KV cache, padding tokens) change no bit."""
+    c = jaxdet.invariant.CHUNK_TOKENS
+    K = 2 * c + c // 2
+    a, b = _normal(5, (3, K)), _normal(6, (K, 4))
+    f = invariant(lambda a, b: a @ b)
+    got = jax.jit(f)(a, b)
+    pad = 3 * c + 7
+    padded = jax.jit(f)(jnp.pad(a, ((0, 0), (0, pad - K))), jnp.pad(b, ((0, pad - K), (0, 0))))
+    assert_bitwise_equal(padded, got)
+
+
+def test_integer_products_and_sums_are_exact():
+    a = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    f = invariant(lambda a: (a @ a.T).sum(axis=1) + jnp.cumsum(a, axis=1)[:, -1])
+    np.testing.assert_array_equal(jax.jit(f)(a), (a @ a.T).sum(axis=1) + jnp.cumsum(a, axis=1)[:, -1])
+
+
+# ---- Max and min ----
+
+
+def test_max_min_nan_and_signed_zero():
+    x = jnp.array([[0.0, -0.0, -1.0], [-0.0, -0.0, -2.0], [1.0, jnp.nan, 2.0], [-jnp.inf, -5.0, -jnp.inf]])
+    mx = jax.jit(invariant(lambda x: jnp.max(x, axis=1)))(x)
+    mn = jax.jit(invariant(lambda x: jnp.min(x, axis=1)))(x)
+    bits = lambda v: np.asarray(v).view(np.uint32)  # noqa: E731
+    # +0 > -0; a NaN anywhere gives the canonical quiet NaN.
+    np.testing.assert_array_equal(bits(mx), bits(jnp.array([0.0, -0.0, jnp.nan, -5.0])))
+    np.testing.assert_array_equal(bits(mn), bits(jnp.array([-1.0, -2.0, jnp.nan, -jnp.inf])))
+    assert bits(mx)[2] == 0x7FC00000 and bits(mn)[2] == 0x7FC00000
+    am = jax.jit(invariant(lambda x: jnp.argmax(x, axis=1)))(x)
+    np.testing.assert_array_equal(am, jnp.argmax(x, axis=1))
+
+
+def test_max_min_bfloat16_and_cumulative():
+    x = _normal(7, (4, 33), jnp.bfloat16)
+    np.testing.assert_array_equal(jax.jit(invariant(lambda x: x.max(axis=0)))(x), x.max(axis=0))
+    np.testing.assert_array_equal(jax.jit(invariant(lambda x: lax.cummax(x, axis=1)))(x), lax.cummax(x, axis=1))
+
+
+# ---- Programs inside programs ----
+
+
+def test_recursion_into_jit_scan_while_cond_remat_custom_rules():
+    w = _normal(8, (16, 16))
+
+    @jax.custom_jvp
+    def softsign(x):
+        return x / (1 + jnp.abs(x))
+
+    softsign.defjvp(lambda p, t: (softsign(p[0]), t[0] / (1 + jnp.abs(p[0])) ** 2))
+
+    @jax.custom_vjp
+    def scaled(x):
+        return 2.0 * x
+
+    scaled.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
+
+    def f(x, loop=True):
+        y = jax.jit(lambda a: a @ w)(x)
+        y = lax.scan(lambda c, r: (c, jnp.tanh(r @ w)), 0.0, y)[1]
+        if loop:  # (while_loop has no reverse-mode derivative in JAX)
+            y = lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.sin(c[1] @ w)), (0, y))[1]
+        y = lax.cond(x[0, 0] > 0, lambda a: a @ w, lambda a: -(a @ w), y)
+        y = jax.checkpoint(lambda a: jnp.exp(a @ w))(y)
+        return scaled(softsign(y))
+
+    x = _normal(9, (6, 16))
+    got = jax.jit(invariant(f))(x)
+    assert _rel_err(got, f(x)) < 1e-5
+    for n in (1, 3):
+        assert_bitwise_equal(jax.jit(invariant(f))(x[:n]), got[:n])
+
+    def sq(x):
+        y = f(x, loop=False)
+        return jnp.vdot(y, y)
+
+    assert _rel_err(jax.jit(jax.grad(invariant(sq)))(x), jax.grad(sq)(x)) < 1e-4
+
+
+def test_jaxdet_primitives_pass_through():
+    x = _normal(10, (4, 32))
+    w = _normal(11, (32, 8))
+    f = lambda x: jaxdet.rms_norm(jaxdet.matmul(x, w), jnp.ones((8,)))  # noqa: E731
+    assert_bitwise_equal(jax.jit(invariant(f))(x), jax.jit(f)(x))
+
+
+# ---- Derivatives ----
+
+
+def test_grad_of_invariant_equals_invariant_of_grad():
+    w, v = _normal(12, (16, 32)), _normal(13, (32, 8))
+    x = _normal(14, (3, 5, 16))
+
+    def loss(w, v, x):
+        y = jnp.einsum("bsd,de->bse", jnp.tanh(x @ w), v)
+        return jnp.vdot(y, y)
+
+    gi = jax.jit(jax.grad(invariant(loss), argnums=(0, 1)))(w, v, x)
+    ig = jax.jit(invariant(jax.grad(loss, argnums=(0, 1))))(w, v, x)
+    want = jax.grad(loss, argnums=(0, 1))(w, v, x)
+    for a, b, c in zip(gi, ig, want):
+        assert_bitwise_equal(a, b)
+        assert _rel_err(a, c) < 1e-5
+
+
+def test_closed_over_values_are_differentiated():
+    w = _normal(15, (8, 8))
+    x = _normal(16, (4, 8))
+
+    def outer(w):
+        return invariant(lambda x: jnp.vdot(x @ w, x @ w))(x)
+
+    assert _rel_err(jax.grad(outer)(w), jax.grad(lambda w: jnp.vdot(x @ w, x @ w))(w)) < 1e-5
+
+
+def test_vmap_of_invariant():
+    w = _normal(17, (16, 8))
+    x = _normal(18, (5, 3, 16))
+    f = invariant(lambda x: jnp.tanh(x @ w))
+    got = jax.jit(jax.vmap(f))(x)
+    assert_bitwise_equal(got[2], jax.jit(f)(x[2]))
+
+
+# ---- What is refused ----
+
+
+@pytest.mark.parametrize(
+    "fn, name",
+    [
+        (lambda x: jax.random.normal(jax.random.key(0), x.shape) * x, "random_bits"),
+        (lambda x: jnp.sort(x, axis=-1), "sort"),
+        (lambda x: jnp.cumsum(x, axis=-1), "cumsum"),
+        (lambda x: jnp.prod(x, axis=-1), "reduce_prod"),
+        (
+            lambda x: lax.conv_general_dilated(x[None, None], jnp.ones((1, 1, 3, 3)), (1, 1), "SAME")[0, 0],
+            "conv_general_dilated",
+        ),
+    ],
+)
+def test_unsupported_operations_raise_naming_the_operation_and_line(fn, name):
+    x = _normal(19, (4, 8))
+    with pytest.raises(Unsupported, match=name) as info:
+        jax.jit(invariant(fn))(x)
+    assert "test_invariant.py" in str(info.value)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="callable"):
+        invariant(3)
+    with pytest.raises(TypeError, match="functools.partial"):
+        invariant(lambda x, s: x)(jnp.ones(3), "mode")
+
+
+__all__ = ["functools", "on_devices", "L"]
