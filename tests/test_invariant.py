@@ -5,15 +5,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import llama_plain as L
 import numpy as np
 import pytest
 from jax import lax
+from multidevice import on_devices
 
 import jaxdet
 from jaxdet.testing import assert_bitwise_equal
-
-import llama_plain as L
-from multidevice import on_devices
 
 invariant = jaxdet.invariant
 Unsupported = jaxdet.invariant.UnsupportedPrimitiveError

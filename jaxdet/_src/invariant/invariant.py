@@ -19,6 +19,7 @@ import jax.extend as jex
 import numpy as np
 
 from jaxdet._src.invariant import interpreter
+from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS
 
 
 def _program(jaxpr, n_consts):
@@ -117,6 +118,5 @@ def invariant(fn):
 
 
 invariant.UnsupportedPrimitiveError = interpreter.UnsupportedPrimitiveError
-from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS  # noqa: E402
 
 invariant.CHUNK_TOKENS = WGRAD_CHUNK_TOKENS
