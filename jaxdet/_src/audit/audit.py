@@ -28,9 +28,22 @@ from jaxdet._src.audit.rules import (
     opaque,
     same_structure,
 )
+from jaxdet._src.core import graph_state
 from jaxdet._src.core.jaxprs import sub_jaxprs
+from jaxdet._src.invariant import rules as invariant_rules
 
 __all__ = ["audit", "AuditReport", "Finding", "BATCH", "RUN", "DEVICES"]
+
+_INVARIANT_FIX = (
+    "; or the whole function through jaxdet.invariant(fn), which computes this operation by its "
+    "canonical rule (docs/invariant.md)"
+)
+
+
+def _with_invariant(fix: str, primitive: str) -> str:
+    """Every finding on an operation jaxdet.invariant covers names it as a fix for the whole step."""
+    return fix + _INVARIANT_FIX if invariant_rules.covers(primitive) else fix
+
 
 # ---------------------------------------------------------------------------------------------
 # Findings and the report.
@@ -284,7 +297,7 @@ class _Walker:
                         function=here.function,
                         breaks=hit.breaks,
                         why=hit.why,
-                        fix=hit.fix,
+                        fix=_with_invariant(hit.fix, name),
                         origin=eq_apis[0] if eq_apis else "",
                         backward=bwd,
                         path=" > ".join(path),
@@ -444,7 +457,13 @@ def audit(
         args = list(example_args)
         for i, a in zip(dyn, dyn_args):
             args[i] = a
-        return fn(*args, **example_kwargs)
+        nnx = graph_state.nnx_module((args, example_kwargs))
+        if nnx is None:
+            return fn(*args, **example_kwargs)
+        # An NNX step changes its objects in place (the optimizer updates the model): their new
+        # state is returned too, so the backward that feeds it is not dropped as dead code.
+        pure, pure_args, _ = graph_state.as_pure(nnx, fn, tuple(args), example_kwargs)
+        return pure(*pure_args)
 
     jaxpr = _dce(jax.make_jaxpr(call)(*[example_args[i] for i in dyn]))
     doubled = None

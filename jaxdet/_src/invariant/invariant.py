@@ -18,6 +18,7 @@ import jax
 import jax.extend as jex
 import numpy as np
 
+from jaxdet._src.core import graph_state
 from jaxdet._src.invariant import interpreter
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS
 
@@ -69,6 +70,29 @@ def _call(jaxpr, n_consts, inputs):
     return call(*inputs)
 
 
+def _evaluate_invariantly(fn, args, kwargs):
+    flat_args, in_tree = jax.tree.flatten((args, kwargs))
+    for leaf in flat_args:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(
+            leaf, (bool, int, float, complex, np.generic)
+        ):
+            raise TypeError(
+                f"jaxdet.invariant({getattr(fn, '__name__', 'fn')}): arguments must be arrays or pytrees of "
+                f"arrays (they are traced), got a leaf of type {type(leaf).__name__}; pass static "
+                "configuration with functools.partial"
+            )
+
+    def flat_fn(*flat):
+        a, k = jax.tree.unflatten(in_tree, flat)
+        return fn(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+    out_tree = jax.tree.structure(out_shape)
+    consts = list(closed.consts)
+    out = _call(closed.jaxpr, len(consts), [*consts, *flat_args])
+    return jax.tree.unflatten(out_tree, out)
+
+
 def invariant(fn):
     """Transform ``fn`` so that its floating-point reductions follow jaxdet's canonical rule.
 
@@ -93,26 +117,15 @@ def invariant(fn):
 
     @functools.wraps(fn)
     def transformed(*args, **kwargs):
-        flat_args, in_tree = jax.tree.flatten((args, kwargs))
-        for leaf in flat_args:
-            if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(
-                leaf, (bool, int, float, complex, np.generic)
-            ):
-                raise TypeError(
-                    f"jaxdet.invariant({getattr(fn, '__name__', 'fn')}): arguments must be arrays or pytrees of "
-                    f"arrays (they are traced), got a leaf of type {type(leaf).__name__}; pass static "
-                    "configuration with functools.partial"
-                )
-
-        def flat_fn(*flat):
-            a, k = jax.tree.unflatten(in_tree, flat)
-            return fn(*a, **k)
-
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
-        out_tree = jax.tree.structure(out_shape)
-        consts = list(closed.consts)
-        out = _call(closed.jaxpr, len(consts), [*consts, *flat_args])
-        return jax.tree.unflatten(out_tree, out)
+        nnx = graph_state.nnx_module((args, kwargs))
+        if nnx is None:
+            return _evaluate_invariantly(fn, args, kwargs)
+        # NNX objects as arguments (nnx.jit's convention): their state in, their new state out, so
+        # the in-place updates of the step are evaluated by the rules too; then written back.
+        pure, pure_args, write_back = graph_state.as_pure(nnx, fn, args, kwargs)
+        out, new_state = _evaluate_invariantly(pure, pure_args, {})
+        write_back(new_state)
+        return out
 
     return transformed
 

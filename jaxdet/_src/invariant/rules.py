@@ -311,28 +311,39 @@ def _reduce_scatter(eqn, x, unsupported=None):
     return out if tiled else jnp.squeeze(out, dim)
 
 
+# Refused on floating-point operands (exact, and bound as they are, on integers).
+FLOAT_REFUSED = {
+    "reduce_prod": "is a floating-point product in XLA's order (no canonical rule)",
+    "cumsum": "is a floating-point prefix sum in XLA's order (no canonical rule)",
+    "cumprod": "is a floating-point prefix product in XLA's order (no canonical rule)",
+    "cumlogsumexp": "is a floating-point prefix reduction in XLA's order (no canonical rule)",
+    "scatter-mul": "is a floating-point scatter-multiply in XLA's order",
+    "scatter_mul": "is a floating-point scatter-multiply in XLA's order",
+}
+
 RULES = {
     "reduce_sum": lambda eqn, x, unsupported=None: _reduce_sum(eqn, x),
     "reduce_max": _reduce_extreme(True),
     "reduce_min": _reduce_extreme(False),
-    "reduce_prod": _refuse_float("is a floating-point product in XLA's order (no canonical rule)"),
-    "cumsum": _refuse_float("is a floating-point prefix sum in XLA's order (no canonical rule)"),
-    "cumprod": _refuse_float("is a floating-point prefix product in XLA's order (no canonical rule)"),
-    "cumlogsumexp": _refuse_float("is a floating-point prefix reduction in XLA's order (no canonical rule)"),
     "cummax": _cumulative_extreme(True),
     "cummin": _cumulative_extreme(False),
     "dot_general": _dot_general,
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,
     "scatter": lambda eqn, *a, unsupported=None: _bind(eqn, list(a)),
-    "scatter-mul": _refuse_float("is a floating-point scatter-multiply in XLA's order"),
-    "scatter_mul": _refuse_float("is a floating-point scatter-multiply in XLA's order"),
     "psum": _psum,
     "psum_invariant": _psum,
     "pmax": _collective_extreme(True),
     "pmin": _collective_extreme(False),
     "reduce_scatter": _reduce_scatter,
 }
+RULES.update({name: _refuse_float(why) for name, why in FLOAT_REFUSED.items()})
+
+
+def covers(primitive_name: str) -> bool:
+    """Whether `jaxdet.invariant` computes floating-point `primitive_name` by a canonical rule
+    (or it is exact as it is), i.e. would not refuse it."""
+    return primitive_name in EXACT or (primitive_name in RULES and primitive_name not in FLOAT_REFUSED)
 
 
 def _is_jaxdet(eqn) -> bool:
@@ -354,4 +365,4 @@ def apply(eqn, invals, unsupported):
     raise unsupported(eqn, "is not an operation jaxdet.invariant knows")
 
 
-__all__ = ["EXACT", "REFUSED", "RULES", "apply"]
+__all__ = ["EXACT", "FLOAT_REFUSED", "REFUSED", "RULES", "apply", "covers"]
