@@ -5,13 +5,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import llama_plain as L
 import numpy as np
 import pytest
 from jax import lax
 from multidevice import on_devices
 
 import jaxdet
+from jaxdet.models import plain_llama as L
 from jaxdet.testing import assert_bitwise_equal
 
 invariant = jaxdet.invariant

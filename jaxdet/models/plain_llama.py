@@ -1,4 +1,4 @@
-"""A small Llama-style decoder in plain JAX, with no jaxdet call: what a user brings to
+"""A Llama-style decoder in plain JAX, with no jaxdet call: what a user brings to
 `jaxdet.invariant` (the `jnp.take` embedding, RMSNorm written in jnp, RoPE, grouped-query
 attention through `jax.nn.dot_product_attention`, SwiGLU, an untied head, optax-style
 cross-entropy), with a prefill forward and a decode step over a full-length masked KV cache (as
