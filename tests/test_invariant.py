@@ -247,4 +247,108 @@ def test_bad_arguments():
         invariant(lambda x, s: x)(jnp.ones(3), "mode")
 
 
-__all__ = ["functools", "on_devices", "L"]
+# ---- Sums, scatter-adds ----
+
+
+@pytest.mark.parametrize("axes", [(1,), (0,), (0, 1), (2,), (0, 2), None])
+def test_reduce_sum_any_axes(axes):
+    x = _normal(20, (5, 6, 7), jnp.bfloat16)
+    f = invariant(lambda x: jnp.sum(x, axis=axes, dtype=jnp.float32))
+    got = jax.jit(f)(x)
+    assert_bitwise_equal(got, jaxdet.sum(x, axis=axes, dtype=jnp.float32))
+    assert _rel_err(got, np.sum(np.asarray(x, np.float64), axis=axes)) < 1e-6
+
+
+def test_embedding_gradient_is_the_segment_sum():
+    table = _normal(21, (11, 8))
+    ids = jnp.array([[1, 3, 1, 7], [3, 3, 0, 10]])
+    g = _normal(22, (2, 4, 8))
+
+    def f(table):
+        return jnp.vdot(jnp.take(table, ids, axis=0), g)
+
+    got = jax.jit(jax.grad(invariant(f)))(table)
+    assert_bitwise_equal(got, jaxdet.segment_sum(g.reshape(-1, 8), ids.reshape(-1), 11))
+
+
+# ---- The model: a Llama-style decoder in plain JAX (jaxdet.models.plain_llama) ----
+
+CFG = {jnp.float32: L.Config(), jnp.bfloat16: L.Config(dtype=jnp.bfloat16)}
+
+
+def _batch(cfg, key, B, T):
+    tokens = jax.random.randint(jax.random.key(key), (B, T + 1), 0, cfg.vocab)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.fixture(scope="module", params=[jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def model(request):
+    cfg = CFG[request.param]
+    return cfg, L.init(cfg, jax.random.key(0))
+
+
+def test_model_log_probs_rows_alone_equal_rows_in_batches(model):
+    cfg, params = model
+    tokens, targets = _batch(cfg, 1, 8, 16)
+    lp = jax.jit(invariant(functools.partial(L.log_probs, cfg)))
+    full = lp(params, tokens, targets)
+    assert_bitwise_equal(lp(params, tokens[3:4], targets[3:4]), full[3:4])
+    perm = jnp.array([5, 2, 7, 0])
+    assert_bitwise_equal(lp(params, tokens[perm], targets[perm]), full[perm])
+    plain = L.log_probs(cfg, params, tokens, targets)
+    assert _rel_err(full, plain) < (1e-5 if cfg.dtype == jnp.float32 else 2e-2)
+
+
+def test_model_input_gradient_rows_alone_equal_rows_in_batches(model):
+    cfg, params = model
+    tokens, targets = _batch(cfg, 2, 6, 12)
+    x = L.embed(params, tokens)
+
+    def total(x, tokens, targets):
+        return jnp.sum(L.log_probs(cfg, params, tokens, targets, embeddings=x))
+
+    grad = jax.jit(jax.grad(invariant(total)))
+    full = grad(x, tokens, targets)
+    assert_bitwise_equal(grad(x[4:5], tokens[4:5], targets[4:5]), full[4:5])
+    assert_bitwise_equal(grad(x[1:3], tokens[1:3], targets[1:3]), full[1:3])
+
+
+def test_model_decode_over_a_masked_full_length_cache_equals_the_one_pass_forward(model):
+    cfg, params = model
+    B, T = 3, 10
+    tokens, _ = _batch(cfg, 3, B, T)
+    logits = jax.jit(invariant(functools.partial(L.forward, cfg)))(params, tokens)
+    step = jax.jit(invariant(functools.partial(L.decode_step, cfg)))
+    cache = L.init_cache(cfg, B)
+    for t in range(T):
+        out, cache = step(params, cache, tokens[:, t], t)
+        assert_bitwise_equal(out, logits[:, t])
+
+
+def test_model_micro_batches_of_whole_chunks_reproduce_the_full_batch():
+    """Two and four micro-batches of one chunk of tokens each, their gradients combined by the
+    canonical tree, give the full batch's gradient bits (mean losses: the micro-batch gradients
+    are averaged, exact in powers of two)."""
+    cfg = L.Config(d_model=32, n_heads=2, n_kv_heads=1, d_ff=32, n_layers=1, vocab=61)
+    params = L.init(cfg, jax.random.key(1))
+    c = jaxdet.invariant.CHUNK_TOKENS
+    T = 32
+    tokens, targets = _batch(cfg, 4, 4 * c // T, T)
+    grad = jax.jit(jax.grad(invariant(functools.partial(L.loss, cfg=cfg))))
+    full = grad(params, tokens, targets)
+    for n in (2, 4):
+        rows = tokens.shape[0] // n
+        parts = [grad(params, tokens[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows]) for i in range(n)]
+        combined = jax.tree.map(lambda *g: g[0] / n, jaxdet.parallel.tree_sum(parts))
+        jax.tree.map(assert_bitwise_equal, combined, full)
+
+
+def test_model_two_runs_same_bits(model):
+    cfg, params = model
+    tokens, targets = _batch(cfg, 5, 4, 16)
+    step = jax.jit(jax.value_and_grad(invariant(functools.partial(L.loss, cfg=cfg))))
+    first = step(params, tokens, targets)
+    jax.tree.map(assert_bitwise_equal, step(params, tokens, targets), first)
+
+
+__all__ = ["on_devices"]

@@ -87,12 +87,17 @@ def _mlp(layer, x):
     return (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
 
 
-def forward(cfg: Config, params, tokens, positions=None):
-    """Logits [B, T, vocab] of a causal forward over tokens [B, T]."""
-    B, T = tokens.shape
+def embed(params, tokens):
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def forward(cfg: Config, params, tokens, positions=None, embeddings=None):
+    """Logits [B, T, vocab] of a causal forward over tokens [B, T] (or over their `embeddings`
+    [B, T, d_model], for gradients with respect to the inputs)."""
+    x = embed(params, tokens) if embeddings is None else embeddings
+    B, T = x.shape[:2]
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    x = jnp.take(params["embed"], tokens, axis=0)
     for layer in params["layers"]:
         q, k, v = _qkv(cfg, layer, rms_norm(x, layer["attn_norm"]), positions)
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
@@ -101,8 +106,9 @@ def forward(cfg: Config, params, tokens, positions=None):
     return rms_norm(x, params["final_norm"]) @ params["head"]
 
 
-def log_probs(cfg, params, tokens, targets):
-    logits = forward(cfg, params, tokens).astype(jnp.float32)
+def log_probs(cfg, params, tokens, targets, embeddings=None):
+    """log p(targets) [B, T] in float32."""
+    logits = forward(cfg, params, tokens, embeddings=embeddings).astype(jnp.float32)
     lp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
