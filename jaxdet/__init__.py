@@ -40,6 +40,7 @@ from jaxdet._src.audit.audit import audit
 from jaxdet._src.clip.clip import clip_by_global_norm, global_norm
 from jaxdet._src.core.ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet._src.dropout.dropout import dropout
+from jaxdet._src.embed.embed import embed, segment_sum
 from jaxdet._src.invariant.invariant import invariant
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet._src.norm.norm import layer_norm, rms_norm
@@ -54,6 +55,8 @@ from jaxdet._src.softmax.softmax import (
 __version__ = "0.1.0"
 __all__ = [
     "dropout",
+    "embed",
+    "segment_sum",
     "matmul",
     "matmul_weight_grad",
     "WGRAD_CHUNK_TOKENS",
