@@ -1,8 +1,8 @@
 """A reference GPT-style decoder built from jaxdet ops only (docs/reference_decoder.md).
 
 Every operation that adds floats in an order is a jaxdet op: the dense layers, the token and
-position embeddings (one-hot rows through ``jaxdet.matmul``, so their gradients follow
-``jaxdet.matmul_weight_grad``'s chunk contract instead of a scatter-add), causal attention
+position embeddings (``jaxdet.embed``: a row gather whose table gradient is ``jaxdet.segment_sum``,
+dB's chunk rule, instead of XLA's scatter-add), causal attention
 (``jaxdet.attention``), ``jaxdet.rms_norm`` and the per-token ``jaxdet.softmax_cross_entropy``.
 What is left is elementwise (residual adds, GELU) or data movement (reshapes, cache updates). So a
 sequence's per-token log-probs and its rows of the input gradient have the same bits alone and
@@ -116,23 +116,26 @@ def _check_tokens(tokens, cfg):
 def _concrete(x):
     """x as a NumPy array when its values are known now (not traced under jit, vmap, scan...), else
     None. Traced values cannot be checked without jax.experimental.checkify: out-of-range tokens or
-    positions then embed as zero rows (jax.nn.one_hot) and a cache write past the capacity is
-    clamped by dynamic_update_slice -- callers that trace these must keep them in range."""
+    positions then embed as jaxdet.embed does (jnp.take: a negative one counts from the end, others
+    give NaN rows) and a cache write past the capacity is clamped by dynamic_update_slice -- callers
+    that trace these must keep them in range."""
     if isinstance(x, jax.core.Tracer):
         return None
     return np.asarray(x)
 
 
 def embed(params, tokens, cfg: DecoderConfig):
-    """Token plus position embeddings ``[batch, seq, d_model]``: each is a one-hot row times its table
-    through ``jaxdet.matmul`` (one nonzero product per output, so the rows are the table's rows)."""
+    """Token plus position embeddings ``[batch, seq, d_model]``: the tables' rows (``jaxdet.embed``;
+    the same bits as a one-hot row times the table through ``jaxdet.matmul``)."""
     _check_tokens(tokens, cfg)
-    # Positions are one-hot per row too (not one [seq, d_model] block broadcast over the batch,
-    # whose gradient would be a sum over the batch in XLA's order).
+    # Positions are looked up per token too (not one [seq, d_model] block broadcast over the
+    # batch, whose gradient would be a sum over the batch in XLA's order).
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    tok = jaxdet.matmul(jax.nn.one_hot(tokens, cfg.vocab, dtype=cfg.dtype), params["tok"])
-    pos = jaxdet.matmul(jax.nn.one_hot(positions, cfg.max_len, dtype=cfg.dtype), params["pos"])
-    return tok + pos
+    return _embeddings(params, tokens, positions)
+
+
+def _embeddings(params, tokens, positions):
+    return jaxdet.embed(params["tok"], tokens) + jaxdet.embed(params["pos"], positions)
 
 
 def _qkv(x, block, cfg):
@@ -239,8 +242,7 @@ def extend(params, cache, tokens, start, cfg: DecoderConfig):
             )
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
     positions = start[:, None] + jnp.arange(n, dtype=jnp.int32)
-    x = jaxdet.matmul(jax.nn.one_hot(tokens, cfg.vocab, dtype=cfg.dtype), params["tok"])
-    x = x + jaxdet.matmul(jax.nn.one_hot(positions, cfg.max_len, dtype=cfg.dtype), params["pos"])
+    x = _embeddings(params, tokens, positions)
     new_cache = []
     for block, (k_cache, v_cache) in zip(params["blocks"], cache):
         q, k, v = _qkv(jaxdet.rms_norm(x, block["norm1"], cfg.eps), block, cfg)
