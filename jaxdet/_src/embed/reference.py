@@ -51,9 +51,10 @@ def chunk_partials(data, ids, num_segments, chunk_tokens=CHUNK_TOKENS):
         starts = np.searchsorted(seg, seg, side="left")
         rank = np.arange(len(seg)) - starts  # the position of each token within its segment
         acc = out[c]
-        for r in range(int(rank.max(initial=-1)) + 1):
-            at = rank == r  # at most one token per segment
-            acc[seg[at]] = acc[seg[at]] + x[t[at]]
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN as IEEE says
+            for r in range(int(rank.max(initial=-1)) + 1):
+                at = rank == r  # at most one token per segment
+                acc[seg[at]] = acc[seg[at]] + x[t[at]]
     return out
 
 
@@ -61,8 +62,8 @@ def segment_sum(data, ids, num_segments, out_dtype=None, chunk_tokens=CHUNK_TOKE
     """The rule: data [T, D], ids [T] -> [V, D] of out_dtype (default: data's dtype)."""
     data = np.asarray(data)
     out_dtype = np.dtype(data.dtype if out_dtype is None else out_dtype)
-    root = tree_sum(list(chunk_partials(data, ids, num_segments, chunk_tokens)))
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
+        root = tree_sum(list(chunk_partials(data, ids, num_segments, chunk_tokens)))
         out = root.astype(out_dtype)
     nan = np.array(_NAN_BITS[out_dtype.name], _CANONICAL_NAN[out_dtype.itemsize]).view(out_dtype)
     return np.where(np.isnan(out), nan, out)
