@@ -210,6 +210,21 @@ def _det_math():
     return fn, (_rand((3000,), F32, seed=23),)
 
 
+def _embed():
+    # Two lookups (each one's table gradient is a jaxdet_segment_sum) and two segment sums, one of
+    # them with a float32 result of bfloat16 data.
+    def loss(table, x, ids):
+        y = jnp.tanh(jaxdet.embed(table, ids))
+        s = jaxdet.segment_sum(y * x, ids, table.shape[0])
+        y = jnp.tanh(jaxdet.embed(table + s, ids[::-1]))
+        return _loss(jaxdet.segment_sum(y, ids, 7, preferred_element_type=F32))
+
+    ids = np.random.default_rng(29).integers(-2, 302, (2, 1000)).astype(np.int32)
+    ids = np.where(ids < 0, 300, ids)  # out of range (not wrapped) in both functions
+    table, x = _rand((300, 64), BF16, seed=30), _rand((2, 1000, 64), BF16, seed=31)
+    return jax.value_and_grad(loss, argnums=(0, 1)), (table, x, ids)
+
+
 SEGMENT = 8192  # elements per softmax segment (cuda/softmax/softmax_math.h kSegment)
 
 CASES = {
@@ -236,6 +251,7 @@ CASES = {
     ),
     "attention": (("jaxdet_attention_fwd", "jaxdet_attention_bwd"), _attention),
     "det_math": (("jaxdet_det_math",), _det_math),
+    "embed": (("jaxdet_segment_sum",), _embed),
 }
 
 GPU_TEST_TARGETS = frozenset(t for targets, _ in CASES.values() for t in targets)
