@@ -19,8 +19,8 @@ constexpr int64_t kSegmentsPerItem = 32;
 
 struct SegmentSumArgs {
   const void* data;
+  const int32_t* sorted_ids;
   const int32_t* order;
-  const int32_t* offsets;
   void* out;
   SegmentSumShape s;
 };
@@ -30,7 +30,8 @@ template <typename In, typename Out>
 void SegmentColumns(const SegmentSumArgs& a, int64_t l, int64_t v, int64_t col0, int cols) {
   const auto* data = static_cast<const typename In::Bits*>(a.data) + l * a.s.T * a.s.D + col0;
   const int32_t* order = a.order + l * a.s.T;
-  const int64_t begin = a.offsets[l * (a.s.V + 1) + v], end = a.offsets[l * (a.s.V + 1) + v + 1];
+  const int32_t* sorted = a.sorted_ids + l * a.s.T;
+  const int64_t begin = count_below(sorted, a.s.T, v), end = count_below(sorted, a.s.T, v + 1);
   auto* out = static_cast<typename Out::Bits*>(a.out) + (l * a.s.V + v) * a.s.D + col0;
   if (begin >= end) {
     for (int j = 0; j < cols; ++j) out[j] = Out::store(0.0f);
@@ -73,12 +74,14 @@ void SegmentSumAll(const SegmentSumArgs& a, ffi::ThreadPool& pool) {
   });
 }
 
-ffi::Error SegmentSumCpu(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> order,
-                         ffi::Buffer<ffi::S32> offsets, ffi::Result<ffi::AnyBuffer> out, int64_t chunk_tokens) {
+ffi::Error SegmentSumCpu(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> sorted_ids,
+                         ffi::Buffer<ffi::S32> order, ffi::Result<ffi::AnyBuffer> out, int64_t chunk_tokens) {
   SegmentSumShape s;
-  if (auto err = check_segment_sum_args(data, order, offsets, *out, chunk_tokens, s); !err.success()) return err;
+  if (auto err = check_segment_sum_args(data, sorted_ids, order, *out, chunk_tokens, s); !err.success())
+    return err;
   if (s.L == 0 || s.V == 0 || s.D == 0) return ffi::Error::Success();
-  const SegmentSumArgs args{data.untyped_data(), order.typed_data(), offsets.typed_data(), out->untyped_data(), s};
+  const SegmentSumArgs args{data.untyped_data(), sorted_ids.typed_data(), order.typed_data(), out->untyped_data(),
+                            s};
   IeeeSubnormalsScope ieee;  // parallel_for gives its tasks the caller's floating-point mode
   JAXDET_DISPATCH_SEGMENT_SUM(data.element_type(), out->element_type(), (SegmentSumAll<In, Out>(args, pool)));
   return ffi::Error::Success();
@@ -87,7 +90,8 @@ ffi::Error SegmentSumCpu(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::Buffer<
 }  // namespace
 }  // namespace embed
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_segment_sum_cpu, embed::SegmentSumCpu,
-                              embed::bind_segment_sum(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_segment_sum_cpu, embed::SegmentSumCpu,
+    embed::bind_segment_sum_attrs(embed::bind_segment_sum_buffers(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 }  // namespace jaxdet

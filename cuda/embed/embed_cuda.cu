@@ -1,4 +1,6 @@
-// CUDA target of the segment sum (jaxdet_segment_sum). One warp per (segment, column tile): each
+// CUDA target of the segment sum (jaxdet_segment_sum). A first kernel finds where each segment
+// starts in the sorted order (a binary search per segment, into the workspace); then one warp per
+// (segment, column tile): each
 // lane owns kVec consecutive columns (16 bytes of data) and folds the segment's tokens in ascending
 // token order, keeping the chunk partials on the canonical tree of embed_math.h. The warp reads 32
 // token indices at a time (one per lane, then shuffled) and has kPrefetch rows in flight before
@@ -29,6 +31,16 @@ union Row {
   uint4 v[kWords];
   typename Storage::Bits e[kVec];
 };
+
+// offsets[l * (V + 1) + v] = the number of ids of batch element l below v, for v in [0, V].
+__global__ void __launch_bounds__(kThreads)
+    SegmentOffsetsKernel(const int32_t* __restrict__ sorted_ids, int32_t* __restrict__ offsets, int64_t T,
+                         int64_t V, int64_t count) {
+  for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < count; i += int64_t{gridDim.x} * kThreads) {
+    const int64_t l = i / (V + 1);
+    offsets[i] = static_cast<int32_t>(count_below(sorted_ids + l * T, T, i - l * (V + 1)));
+  }
+}
 
 template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads)
@@ -112,8 +124,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename In, typename Out>
-void LaunchSegmentSum(cudaStream_t stream, const void* data, const int32_t* order, const int32_t* offsets,
-                      void* out, const SegmentSumShape& s) {
+void LaunchSegmentSum(cudaStream_t stream, const void* data, const int32_t* sorted_ids, const int32_t* order,
+                      int32_t* offsets, void* out, const SegmentSumShape& s) {
+  const int64_t count = s.L * (s.V + 1);
+  const int64_t offset_blocks =
+      std::max<int64_t>(1, std::min<int64_t>((count + kThreads - 1) / kThreads, int64_t{current_sm_count()} * 16));
+  SegmentOffsetsKernel<<<static_cast<unsigned>(offset_blocks), kThreads, 0, stream>>>(sorted_ids, offsets, s.T,
+                                                                                      s.V, count);
   constexpr int64_t kVec = 16 / sizeof(typename In::Bits);
   const int64_t tiles = (s.D + 32 * kVec - 1) / (32 * kVec);
   const int64_t tasks = s.L * s.V * tiles;
@@ -128,24 +145,33 @@ void LaunchSegmentSum(cudaStream_t stream, const void* data, const int32_t* orde
       s.V, chunk, tiles, tasks, vectors);
 }
 
-ffi::Error SegmentSumCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> order,
-                          ffi::Buffer<ffi::S32> offsets, ffi::Result<ffi::AnyBuffer> out, int64_t chunk_tokens) {
+ffi::Error SegmentSumCuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> sorted_ids,
+                          ffi::Buffer<ffi::S32> order, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> workspace, int64_t chunk_tokens) {
   SegmentSumShape s;
-  if (auto err = check_segment_sum_args(data, order, offsets, *out, chunk_tokens, s); !err.success()) return err;
+  if (auto err = check_segment_sum_args(data, sorted_ids, order, *out, chunk_tokens, s); !err.success())
+    return err;
   if (s.L == 0 || s.V == 0 || s.D == 0) return ffi::Error::Success();
+  if (workspace->size_bytes() < static_cast<size_t>(s.L * (s.V + 1)) * sizeof(int32_t)) {
+    return ffi::Error::InvalidArgument("jaxdet_segment_sum: the workspace must hold L * (V + 1) int32 offsets");
+  }
+  int32_t* offsets = static_cast<int32_t*>(workspace->untyped_data());
   JAXDET_DISPATCH_SEGMENT_SUM(data.element_type(), out->element_type(),
-                              (LaunchSegmentSum<In, Out>(stream, data.untyped_data(), order.typed_data(),
-                                                         offsets.typed_data(), out->untyped_data(), s)));
+                              (LaunchSegmentSum<In, Out>(stream, data.untyped_data(), sorted_ids.typed_data(),
+                                                         order.typed_data(), offsets, out->untyped_data(), s)));
   return last_launch_error("jaxdet_segment_sum");
 }
 
 }  // namespace
 }  // namespace embed
 
-// The handler only launches a kernel on XLA's stream (no sync, allocation or host read of device
-// data), so XLA may record it into its command buffers.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_segment_sum_cuda, embed::SegmentSumCuda,
-                              embed::bind_segment_sum(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
+// The handler only launches kernels on XLA's stream (no sync, allocation or host read of device
+// data; its scratch is a workspace result), so XLA may record it into its command buffers.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jaxdet_segment_sum_cuda, embed::SegmentSumCuda,
+    embed::bind_segment_sum_attrs(
+        embed::bind_segment_sum_buffers(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+            .Ret<ffi::AnyBuffer>()),
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxdet

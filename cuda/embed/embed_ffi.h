@@ -1,12 +1,13 @@
 // Argument checks and the FFI signature shared by the CPU and CUDA handlers of jaxdet_segment_sum.
 //
-//   jaxdet_segment_sum  (data [L, T, D], order s32[L, T], offsets s32[L, V + 1]) -> out [L, V, D]
-//                       attr chunk_tokens
+//   jaxdet_segment_sum  (data [L, T, D], sorted_ids s32[L, T], order s32[L, T]) -> out [L, V, D]
+//                       (CUDA: and a workspace u8[>= 4 L (V + 1)]) attr chunk_tokens
 //
-// order[l] lists the token indices t in [0, T) sorted by (segment id, t), and segment v of batch l
-// owns order[l][offsets[l][v] : offsets[l][v + 1]] (tokens whose id is outside [0, V) are in
-// neither range). jaxdet/_src/embed/embed.py computes both with a sort in XLA. data is float32,
-// bfloat16 or float16; out is data's dtype or float32.
+// sorted_ids[l] are the ids of batch element l sorted ascending and order[l] the token indices t
+// in [0, T) in that order, ascending t among equal ids (a stable sort: jaxdet/_src/embed/embed.py
+// runs it in XLA). Segment v owns the tokens order[l][lower_bound(v) : lower_bound(v + 1)]
+// (lower_bound(v): the number of sorted ids below v), so tokens whose id is outside [0, V) are in
+// no segment. data is float32, bfloat16 or float16; out is data's dtype or float32.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <utility>
 
 #include "common/ffi_common.h"
+#include "common/philox.h"  // JAXDET_HD
 
 namespace jaxdet {
 namespace embed {
@@ -23,18 +25,19 @@ struct SegmentSumShape {
   int64_t chunk_tokens;
 };
 
-inline ffi::Error check_segment_sum_args(const ffi::AnyBuffer& data, const ffi::Buffer<ffi::S32>& order,
-                                         const ffi::Buffer<ffi::S32>& offsets, const ffi::AnyBuffer& out,
+inline ffi::Error check_segment_sum_args(const ffi::AnyBuffer& data, const ffi::Buffer<ffi::S32>& sorted_ids,
+                                         const ffi::Buffer<ffi::S32>& order, const ffi::AnyBuffer& out,
                                          int64_t chunk_tokens, SegmentSumShape& s) {
-  const auto dd = data.dimensions(), od = order.dimensions(), fd = offsets.dimensions(), rd = out.dimensions();
-  if (dd.size() != 3 || od.size() != 2 || fd.size() != 2 || rd.size() != 3) {
+  const auto dd = data.dimensions(), sd = sorted_ids.dimensions(), od = order.dimensions(), rd = out.dimensions();
+  if (dd.size() != 3 || sd.size() != 2 || od.size() != 2 || rd.size() != 3) {
     return ffi::Error::InvalidArgument(
-        "jaxdet_segment_sum: expects data [L, T, D], order [L, T], offsets [L, V + 1] and out [L, V, D]");
+        "jaxdet_segment_sum: expects data [L, T, D], sorted_ids [L, T], order [L, T] and out [L, V, D]");
   }
   s = SegmentSumShape{dd[0], dd[1], dd[2], rd[1], chunk_tokens};
-  if (od[0] != s.L || od[1] != s.T || fd[0] != s.L || fd[1] != s.V + 1 || rd[0] != s.L || rd[2] != s.D) {
-    return ffi::Error::InvalidArgument("jaxdet_segment_sum: mismatched shapes of data, order, offsets and out");
+  if (sd[0] != s.L || sd[1] != s.T || od[0] != s.L || od[1] != s.T || rd[0] != s.L || rd[2] != s.D) {
+    return ffi::Error::InvalidArgument("jaxdet_segment_sum: mismatched shapes of data, sorted_ids, order and out");
   }
+  if (s.V >= INT32_MAX) return ffi::Error::InvalidArgument("jaxdet_segment_sum: V must be < 2^31 - 1");
   if (chunk_tokens <= 0 || s.T > INT32_MAX) {
     return ffi::Error::InvalidArgument("jaxdet_segment_sum: chunk_tokens must be positive and T < 2^31");
   }
@@ -84,15 +87,35 @@ inline ffi::Error check_segment_sum_args(const ffi::AnyBuffer& data, const ffi::
     }                                                        \
   } while (0)
 
-// The FFI signature (the platform's context first: the thread pool on the CPU, the stream on CUDA).
+// The number of the n ascending values of `sorted` below v (std::lower_bound's index).
+JAXDET_HD int64_t count_below(const int32_t* sorted, int64_t n, int64_t v) {
+  int64_t lo = 0;
+  while (n > 0) {
+    const int64_t half = n / 2;
+    if (sorted[lo + half] < v) {
+      lo += half + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return lo;
+}
+
+// The FFI signature: the operands after the platform's context (the thread pool on the CPU, the
+// stream on CUDA), then the result; CUDA binds its workspace result before the attribute.
 template <typename Binding>
-auto bind_segment_sum(Binding&& binding) {
+auto bind_segment_sum_buffers(Binding&& binding) {
   return std::forward<Binding>(binding)
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int64_t>("chunk_tokens");
+      .template Ret<ffi::AnyBuffer>();
+}
+
+template <typename Binding>
+auto bind_segment_sum_attrs(Binding&& binding) {
+  return std::forward<Binding>(binding).template Attr<int64_t>("chunk_tokens");
 }
 
 }  // namespace embed

@@ -13,9 +13,9 @@ that depends on the GPU's atomics and on the batch. jaxdet's segment sum follows
   bitwise there (finite inputs), and micro-batches (or devices) of 2^j whole chunks combined by
   ``tree_sum`` (``tree_psum``) reproduce the whole batch.
 
-How it runs: a stable sort of the token indices by id (XLA's sort, deterministic) and the
-segments' offsets in that order (``searchsorted``) are computed in JAX; the FFI target
-``jaxdet_segment_sum`` then folds each segment's tokens in order (cuda/embed/).
+How it runs: a stable sort of the token indices by id (XLA's sort, deterministic) in JAX; the FFI
+target ``jaxdet_segment_sum`` then finds each segment's tokens in that order (a binary search) and
+folds them in order (cuda/embed/).
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ _F32 = np.dtype(jnp.float32)
 _I32_LIMIT = 2**31
 
 
-# ---- Primitive 1: jaxdet_segment_sum (the FFI target). data [L, T, D], order s32[L, T] (token
-# indices sorted by (id, t)), offsets s32[L, V + 1] (segment v owns order[offsets[v]:offsets[v + 1]])
-# -> [L, V, D] of out_dtype. ----
+# ---- Primitive 1: jaxdet_segment_sum (the FFI target). data [L, T, D], sorted_ids s32[L, T] (each
+# row's ids in ascending order), order s32[L, T] (the token indices in that order, ascending t among
+# equal ids) -> [L, num_segments, D] of out_dtype. Segment v owns the tokens whose sorted ids lie
+# in [v, v + 1) (the handlers find the range by binary search); ids outside [0, V) are in none. ----
 
 
-def _ffi_abstract_eval(data, order, offsets, *, out_dtype, chunk_tokens):
-    return jax.core.ShapedArray((data.shape[0], offsets.shape[1] - 1, data.shape[2]), out_dtype)
+def _ffi_abstract_eval(data, sorted_ids, order, *, num_segments, out_dtype, chunk_tokens):
+    return jax.core.ShapedArray((data.shape[0], num_segments, data.shape[2]), out_dtype)
 
 
 def _fold_mapped_axis(args, dims):
@@ -66,31 +67,34 @@ def _ffi_batch(args, dims, **params):
     return out.reshape((size, L) + out.shape[1:]), 0
 
 
+def _ffi_workspace(avals, *, num_segments, **params):
+    # The CUDA handler's int32 offsets of the segments in the sorted order, L * (V + 1) of them.
+    return 4 * avals[0].shape[0] * (num_segments + 1)
+
+
 segment_sum_ffi_p = ffi.define_primitive(
     "jaxdet_segment_sum",
     _ffi_abstract_eval,
-    attributes=lambda out_dtype, chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),
+    attributes=lambda num_segments, out_dtype, chunk_tokens: dict(chunk_tokens=np.int64(chunk_tokens)),
     batching_rule=_ffi_batch,
+    cuda_workspace=_ffi_workspace,
 )
 
 
-def _sorted_segments(ids, num_segments):
-    """(order, offsets) of int32 ids [L, T]: the token indices sorted by (id, t) (a stable sort of
-    the ids, so the tokens of a segment stay in ascending t), and where each segment starts in that
-    order. Ids outside [0, num_segments) sort before segment 0 or after the last one: in no range."""
-    L, T = ids.shape
-    positions = lax.broadcasted_iota(jnp.int32, (L, T), 1)
-    sorted_ids, order = lax.sort((ids, positions), dimension=1, is_stable=True, num_keys=1)
-    starts = jnp.arange(num_segments + 1, dtype=jnp.int32)
-    # A binary search unrolled into log2(T) steps of gathers and selects (no while loop on the host).
-    offsets = jax.vmap(lambda row: jnp.searchsorted(row, starts, side="left", method="scan_unrolled"))(sorted_ids)
-    return order, offsets.astype(jnp.int32)
-
-
 def _segment_sum_local(data, ids, num_segments, out_dtype):
-    """The FFI call on one device: data [L, T, D], int32 ids [L, T] -> [L, num_segments, D]."""
-    order, offsets = _sorted_segments(ids, num_segments)
-    return segment_sum_ffi_p.bind(data, order, offsets, out_dtype=np.dtype(out_dtype), chunk_tokens=CHUNK_TOKENS)
+    """The FFI call on one device: data [L, T, D], int32 ids [L, T] -> [L, num_segments, D]. The
+    tokens are sorted by id with XLA's stable sort (deterministic, and a stable sort's result is
+    unique), so each segment's tokens stay in ascending t."""
+    positions = lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+    sorted_ids, order = lax.sort((ids, positions), dimension=1, is_stable=True, num_keys=1)
+    return segment_sum_ffi_p.bind(
+        data,
+        sorted_ids,
+        order,
+        num_segments=num_segments,
+        out_dtype=np.dtype(out_dtype),
+        chunk_tokens=CHUNK_TOKENS,
+    )
 
 
 # ---- Primitive 2: jaxdet_embed_segment_sum (composite, for its batching and partitioning rules).
