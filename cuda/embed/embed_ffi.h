@@ -16,6 +16,7 @@
 
 #include "common/ffi_common.h"
 #include "common/philox.h"  // JAXDET_HD
+#include "embed/embed_math.h"  // kMaxChunkBits
 
 namespace jaxdet {
 namespace embed {
@@ -38,8 +39,10 @@ inline ffi::Error check_segment_sum_args(const ffi::AnyBuffer& data, const ffi::
     return ffi::Error::InvalidArgument("jaxdet_segment_sum: mismatched shapes of data, sorted_ids, order and out");
   }
   if (s.V >= INT32_MAX) return ffi::Error::InvalidArgument("jaxdet_segment_sum: V must be < 2^31 - 1");
-  if (chunk_tokens <= 0 || s.T > INT32_MAX) {
-    return ffi::Error::InvalidArgument("jaxdet_segment_sum: chunk_tokens must be positive and T < 2^31");
+  if (chunk_tokens <= 0 || s.T > INT32_MAX ||
+      (s.T > 0 && (s.T - 1) / chunk_tokens >= (int64_t{1} << kMaxChunkBits))) {
+    return ffi::Error::InvalidArgument(
+        "jaxdet_segment_sum: chunk_tokens must be positive, T < 2^31 and the chunks fewer than 2^19");
   }
   const auto in_type = data.element_type(), out_type = out.element_type();
   if (in_type != ffi::F32 && in_type != ffi::BF16 && in_type != ffi::F16) {

@@ -17,17 +17,20 @@
 namespace jaxdet {
 namespace embed {
 
-// Chunk indices are int32 values (token indices < 2^31), so the tree has at most 31 levels and
-// the stack at most 32 entries.
-constexpr int kMaxDepth = 33;
+// Chunk indices below 2^kMaxChunkBits (the handlers check it: 2^31 tokens in chunks of 8192 need
+// 18 bits) keep the tree within kMaxChunkBits levels, and the neighbouring entries' common
+// ancestors are at distinct levels, so the stack holds at most kMaxChunkBits + 1 entries (720 bytes
+// of a CUDA thread's local memory for eight columns).
+constexpr int kMaxChunkBits = 19;
+constexpr int kMaxDepth = kMaxChunkBits + 1;
 
 // The level of the lowest common ancestor of leaves a != b (a node at level k spans 2^k leaves).
-JAXDET_HD int common_level(int64_t a, int64_t b) {
-  const uint64_t x = static_cast<uint64_t>(a ^ b);
+JAXDET_HD int common_level(int32_t a, int32_t b) {
+  const uint32_t x = static_cast<uint32_t>(a ^ b);
 #if defined(__CUDA_ARCH__)
-  return 64 - __clzll(static_cast<long long>(x));
+  return 32 - __clz(static_cast<int>(x));
 #else
-  return 64 - __builtin_clzll(x);
+  return 32 - __builtin_clz(x);
 #endif
 }
 
@@ -42,10 +45,10 @@ JAXDET_HD int common_level(int64_t a, int64_t b) {
 template <int kCols>
 struct ChunkTree {
   float value[kMaxDepth][kCols];
-  int64_t leaf[kMaxDepth];
+  int32_t leaf[kMaxDepth];
   int top = 0;
 
-  JAXDET_HD void push(int64_t chunk, const float (&partial)[kCols]) {
+  JAXDET_HD void push(int32_t chunk, const float (&partial)[kCols]) {
     while (top >= 2) {
       const int level = common_level(leaf[top - 2], leaf[top - 1]);
       if ((chunk >> level) == (leaf[top - 2] >> level)) break;  // the node may still receive leaves
