@@ -1,11 +1,11 @@
 // CUDA target of the segment sum (jaxdet_segment_sum). A first kernel finds where each segment
 // starts in the sorted order (a binary search per segment, into the workspace); then one warp per
-// (segment, column tile): each
-// lane owns kVec consecutive columns (16 bytes of data) and folds the segment's tokens in ascending
-// token order, keeping the chunk partials on the canonical tree of embed_math.h. The warp reads 32
-// token indices at a time (one per lane, then shuffled) and has kPrefetch rows in flight before
-// adding them in order. Every element's bits depend on its segment's tokens and their values only:
-// not on the launch grid, the other segments, T, V or D. No atomics; empty segments write +0.
+// (segment, column tile): each lane owns kVec consecutive columns (16 bytes of data) and folds the
+// segment's tokens in ascending token order, keeping the chunk partials on the canonical tree of
+// embed_math.h. The warp reads 32 token indices at a time (one per lane, then shuffled) and has
+// kPrefetch rows in flight before adding them in order. Every element's bits depend on its
+// segment's tokens and their values only: not on the launch grid, the other segments, T, V or D.
+// No atomics; empty segments write +0.
 #include <cuda_runtime.h>
 
 #include <algorithm>
