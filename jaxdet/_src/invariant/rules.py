@@ -179,12 +179,27 @@ def _collective_extreme(is_max):
 # ---- Products ----
 
 
+def _operands_as_computed(lhs, rhs, precision):
+    """The operands in the dtype the product computes in: the one a dot algorithm names
+    (`BF16_BF16_F32` rounds both to bfloat16, as JAX's derivatives of mixed products ask), else,
+    for mixed dtypes, the wider one (an exact widening)."""
+    name = str(getattr(precision, "name", precision) or "")
+    for prefix, dtype in (("BF16_BF16", jnp.bfloat16), ("F16_F16", jnp.float16), ("F32_F32", jnp.float32)):
+        if name.startswith(prefix):
+            return lhs.astype(dtype), rhs.astype(dtype)
+    if lhs.dtype != rhs.dtype:
+        wide = jnp.promote_types(lhs.dtype, rhs.dtype)
+        return lhs.astype(wide), rhs.astype(wide)
+    return lhs, rhs
+
+
 def _dot_general(eqn, lhs, rhs, unsupported=None):
     if not (_is_float(lhs.dtype) or _is_float(rhs.dtype)):
         return _bind(eqn, [lhs, rhs])
     from jaxdet._src.matmul import dot_general as dg
 
     p = eqn.params
+    lhs, rhs = _operands_as_computed(lhs, rhs, p.get("precision"))
     try:
         return dg.dot_general(lhs, rhs, p["dimension_numbers"], p.get("preferred_element_type"))
     except TypeError as e:
