@@ -114,7 +114,7 @@ def test_embedding_gradient_scatter_add_is_flagged_in_the_backward():
     report = jaxdet.audit(grad, table, ids, batch_argnums=1)
     found = at(report, "embedding")
     assert [(f.kind, f.primitive, f.backward) for f in found] == [("scatter", "scatter-add", True)]
-    assert "one_hot" in found[0].fix
+    assert "jaxdet.embed" in found[0].fix
 
 
 def test_dot_product_attention_is_flagged():
@@ -300,10 +300,34 @@ def test_findings_inside_while_and_cond():
 # ---- A model of jaxdet ops only is clean, forward and backward. ----
 
 
-def jaxdet_model(params, x, key):
+def jaxdet_model(params, x, key, first_row=None):
+    """first_row: the global index of x's first row (a traced offset places each row's mask); None:
+    one key per example."""
     h = jax.nn.gelu(jaxdet.matmul(x, params["w1"]))
-    h = jaxdet.dropout(h, key, 0.1)
+    if first_row is None:
+        keys = jax.vmap(lambda i: jaxdet.random.fold_in(key, i))(jnp.arange(h.shape[0]))
+        h = jax.vmap(lambda r, k: jaxdet.dropout(r, k, 0.1))(h, keys)
+    else:
+        h = jaxdet.dropout(h, key, 0.1, offset=first_row * h.shape[1])
     return jaxdet.matmul(h, params["w2"]) + params["b"]
+
+
+def test_dropout_with_one_key_for_the_batch_is_a_batch_hazard():
+    """One key for a batch-shaped array: a row's mask follows its position in the batch. An offset
+    by the global example index (traced) or one key per example makes it invariant."""
+    params = {"w1": jnp.ones((32, 64)), "w2": jnp.ones((64, 16)), "b": jnp.zeros((16,))}
+    key = jaxdet.random.key(1)
+
+    def shared(params, x, key):
+        h = jaxdet.dropout(jax.nn.gelu(jaxdet.matmul(x, params["w1"])), key, 0.1)
+        return jaxdet.matmul(h, params["w2"])
+
+    report = jaxdet.audit(shared, params, X, key, batch_argnums=1)
+    found = [f for f in report.findings if f.primitive == "jaxdet_dropout"]
+    assert len(found) == 1 and found[0].breaks == (BATCH,) and "offset" in found[0].fix, str(report)
+    for first_row in (None, jnp.uint32(64)):
+        clean = jaxdet.audit(jaxdet_model, params, X, key, first_row, batch_argnums=1, strict=True)
+        assert clean.ok and not clean.findings, str(clean)
 
 
 def test_jaxdet_model_is_clean():
@@ -451,3 +475,31 @@ def test_shape_dependent_function_falls_back_to_unknown_batch_axes():
 
     report = jaxdet.audit(fn, X, batch_argnums=0)
     assert not report.batch_axes and report.findings[0].breaks == (BATCH, DEVICES)
+
+
+def test_nnx_in_place_step_is_audited_whole():
+    """The standard in-place NNX step returns only the loss; the optimizer's update (and the
+    backward feeding it: the embedding's scatter-add among it) is audited too."""
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(50, 8, rngs=rngs)
+            self.out = nnx.Linear(8, 4, rngs=rngs)
+
+        def __call__(self, t):
+            return self.out(jnp.tanh(self.embed(t)))
+
+    model = Model(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+
+    def step(model, optimizer, t):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(t) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    report = jaxdet.audit(step, model, optimizer, jnp.ones((4, 6), jnp.int32))
+    prims = {f.primitive for f in report.findings if f.backward}
+    assert "scatter-add" in prims and "dot_general" in prims, str(report)
+    assert all("jaxdet.invariant" in f.fix for f in report.findings if f.primitive != "jaxdet_dropout")

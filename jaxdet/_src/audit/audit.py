@@ -267,14 +267,25 @@ def _locate(eqn) -> tuple[_Where | None, tuple[str, ...]]:
 # The walk.
 
 
+def _is_literal(v) -> bool:
+    return hasattr(v, "val") and not hasattr(v, "count")
+
+
 class _Walker:
     def __init__(self, backend: str):
         self.backend = backend
         self.found: list[Finding] = []
 
-    def jaxpr(self, j1, j2, where: _Where, apis: tuple[str, ...], backward: bool, path: tuple[str, ...]):
+    def jaxpr(
+        self, j1, j2, where: _Where, apis: tuple[str, ...], backward: bool, path: tuple[str, ...], constant=frozenset()
+    ):
         eqns2 = j2.eqns if same_structure(j1, j2) else None
+        # Values fixed when the program is traced (constants and what is computed from them only):
+        # a jaxdet.dropout offset among them is the same for every batch and places no row.
+        constant = set(constant) | set(j1.constvars)
         for k, eqn in enumerate(j1.eqns):
+            if all(_is_literal(v) or v in constant for v in eqn.invars):
+                constant.update(eqn.outvars)
             e2 = eqns2[k] if eqns2 is not None else None
             own, own_apis = _locate(eqn)
             # A library's nested equations carry tracebacks that stop inside the library: keep the
@@ -285,7 +296,8 @@ class _Walker:
                 eq_apis = (eqn.params["name"],)
             bwd = backward or "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
             name = eqn.primitive.name
-            hit = classify(eqn, eqn_axes(eqn, e2), eq_apis, here.function, self.backend, bwd)
+            fixed = tuple(_is_literal(v) or v in constant for v in eqn.invars)
+            hit = classify(eqn, eqn_axes(eqn, e2), eq_apis, here.function, self.backend, bwd, fixed)
             if hit is not None:
                 self.found.append(
                     Finding(
@@ -309,7 +321,9 @@ class _Walker:
             label = f"{name}({eqn.params['name']})" if isinstance(eqn.params.get("name"), str) else name
             subs2 = sub_jaxprs(e2.params) if e2 is not None else []
             for i, sub in enumerate(sub_jaxprs(eqn.params)):
-                self.jaxpr(sub, subs2[i] if i < len(subs2) else None, here, eq_apis, bwd, (*path, label))
+                # A call's body takes the call's operands in order (jit, custom_jvp/vjp calls).
+                inner = {v for v, f in zip(sub.invars, fixed) if f} if len(sub.invars) == len(eqn.invars) else set()
+                self.jaxpr(sub, subs2[i] if i < len(subs2) else None, here, eq_apis, bwd, (*path, label), inner)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -167,9 +167,10 @@ _ATTENTION_FIX = (
 _MATMUL_FIX = (
     "jaxdet.matmul(a, b) (rows invariant; its weight gradient follows jaxdet.matmul_weight_grad's chunk contract)"
 )
-_ONE_HOT_FIX = (
-    "one-hot rows through jaxdet.matmul (an embedding lookup as one_hot(ids) @ table; its gradient is "
-    "then jaxdet.matmul_weight_grad's chunk sequence)"
+_SEGMENT_FIX = (
+    "jaxdet.embed(table, ids) for an embedding lookup (its table gradient is the canonical segment sum, "
+    "bitwise jaxdet.matmul_weight_grad of the one-hot rows on the CPU, with no one-hot matrix), "
+    "jaxdet.segment_sum for other segment sums"
 )
 _DROPOUT_FIX = (
     "jaxdet.dropout(x, key, rate, offset=...) with jaxdet.random keys: the mask is a function of "
@@ -338,10 +339,37 @@ def _batch_breaks(axes: Axes, gpu_run: bool, across: bool = False) -> tuple[str,
     return breaks or None
 
 
-def classify(eqn, axes: Axes, apis, function, backend, backward) -> Hit | None:
+def _dropout_hit(eqn, axes: Axes, offset_fixed: bool) -> Hit | None:
+    """jaxdet.dropout's mask is a function of (key, global element index, rate): with one key for
+    a batch-shaped array, element (i, j) is indexed by its position in this array plus `offset`,
+    so a row's mask follows its position in the batch unless the offset places it."""
+    x, keys = eqn.invars[0].aval, eqn.invars[1].aval
+    groups = len(keys.shape) - 1  # keys [*G, 2]: G > 0 when vmapped over per-example keys
+    if groups > 0 or len(x.shape) == 0 or not offset_fixed:
+        return None  # per-example keys, or an offset computed at run time (the caller places the rows)
+    if axes.known and not axes.batchy():
+        return None
+    why = (
+        "jaxdet.dropout with one key for a batch-shaped array: element (i, j) draws the mask bit of its "
+        "flat index in this array plus `offset`, so a row's mask depends on its position in the batch "
+        "(a row alone, a micro-batch or a device shard draws other bits) unless `offset` is the global "
+        "index of the array's first element"
+    )
+    fix = (
+        "an offset by the global example index, jaxdet.dropout(x, key, rate, offset=first_row * row_size) "
+        "for a micro-batch or shard starting at global row first_row (docs/dropout.md), or one key per "
+        "example (jax.vmap over jaxdet.random.fold_in(key, example_index))"
+    )
+    return Hit("rng", (BATCH,), why, fix)
+
+
+def classify(eqn, axes: Axes, apis, function, backend, backward, fixed=()) -> Hit | None:
+    """The hazard of `eqn`, or None. `fixed[i]`: operand i is fixed when the program is traced."""
     name = eqn.primitive.name
     p = eqn.params
     gpu = backend == "gpu"
+    if name == "jaxdet_dropout":
+        return _dropout_hit(eqn, axes, offset_fixed=len(fixed) > 2 and fixed[2])
     if name.startswith("jaxdet_") or (name == "ffi_call" and str(p.get("target_name", "")).startswith("jaxdet_")):
         return None
     if name in _SAFE:
@@ -561,7 +589,7 @@ def _scatter_hit(eqn, axes: Axes, name, in_float, gpu) -> Hit | None:
                 "scatter",
                 (RUN, DEVICES) if across else (RUN,),
                 f"{what}: XLA:GPU combines the updates with atomics, in whatever order threads arrive",
-                _with_run(_ONE_HOT_FIX, True) + " (a sort-based deterministic scatter)",
+                _with_run(_SEGMENT_FIX, True) + " (a sort-based deterministic scatter)",
             )
         if not across:
             return None  # each row's updates land in that row only, applied in update order
@@ -571,7 +599,7 @@ def _scatter_hit(eqn, axes: Axes, name, in_float, gpu) -> Hit | None:
             f"{what}: XLA:CPU applies the updates one by one in update order (deterministic here), so a "
             "repeated index sums over the rows in batch order, and micro-batching or devices change it; on a "
             "GPU it uses atomics",
-            _ONE_HOT_FIX,
+            _SEGMENT_FIX,
         )
     if combiner == "" and gpu:
         return Hit(
