@@ -29,7 +29,8 @@ namespace nb = nanobind;
   X(norm_fwd, norm_fwd) X(norm_bwd, norm_bwd) X(norm_param_grad, norm_param_grad)                 /* norm */ \
   X(softmax_fwd, softmax_fwd) X(softmax_bwd, softmax_bwd) X(xent_fwd, xent_fwd) X(xent_bwd, xent_bwd)        \
       X(det_math, det_math)                                                                    /* softmax */ \
-  X(attention_fwd, attention_fwd) X(attention_bwd, attention_bwd)                            /* attention */
+  X(attention_fwd, attention_fwd) X(attention_bwd, attention_bwd)                            /* attention */ \
+  X(reduce, reduce)                                                                             /* reduce */
 // clang-format on
 
 #define JAXDET_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##stem##_cpu);

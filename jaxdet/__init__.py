@@ -42,6 +42,7 @@ from jaxdet._src.core.ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet._src.dropout.dropout import dropout
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet._src.norm.norm import layer_norm, rms_norm
+from jaxdet._src.reduce.reduce import bias_add, sum
 from jaxdet._src.softmax.softmax import (
     label_log_probs,
     log_softmax,
@@ -60,6 +61,8 @@ __all__ = [
     "global_norm",
     "rms_norm",
     "layer_norm",
+    "sum",
+    "bias_add",
     "softmax",
     "log_softmax",
     "softmax_cross_entropy",
