@@ -38,10 +38,11 @@ CASES = (
 
 
 def make_input(shape, dtype, seed=0, device=None):
-    """Values over several binades (so that a different order of adds changes bits), of `dtype`."""
+    """Values over several binades (so that a different order of adds changes bits), of `dtype`, on
+    `device` (None: uncommitted, on the default device)."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape) * np.exp2(rng.integers(-6, 7, size=shape))
-    return jax.device_put(jnp.asarray(x.astype(np.float32)).astype(dtype), device or _device())
+    x = jnp.asarray((rng.standard_normal(shape) * np.exp2(rng.integers(-6, 7, size=shape))).astype(np.float32))
+    return x.astype(dtype) if device is None else jax.device_put(x.astype(dtype), device)
 
 
 def _axes_of(axis, ndim):
@@ -78,7 +79,7 @@ def check_independence(dtype=jnp.float32, K=C + 700):
     x = make_input((K, 4), dtype, seed=21)
     alone = reduce.sum(x, 0)
     bad = []
-    for extra, offset in ((1, 0), (5, 5), (300, 123)):
+    for extra, offset in ((1, 0), (37, 21)):
         wide = make_input((K, 4 + extra), dtype, seed=22 + extra)
         wide = jnp.concatenate([wide[:, :offset], x, wide[:, offset:]], axis=1)
         if not same_bits(reduce.sum(wide, 0)[offset : offset + 4], alone):

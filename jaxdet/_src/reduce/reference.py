@@ -21,11 +21,12 @@ def chunk_partials(x2, chunk):
     partials, each [M]: chunk c folds k in [c * chunk, (c + 1) * chunk) ascending from +0."""
     M, K = x2.shape
     parts = []
-    for k0 in range(0, K, chunk):
-        acc = np.zeros(M, F32)
-        for k in range(k0, min(K, k0 + chunk)):
-            acc = acc + x2[:, k]
-        parts.append(acc)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for k0 in range(0, K, chunk):
+            acc = np.zeros(M, F32)
+            for k in range(k0, min(K, k0 + chunk)):
+                acc = acc + x2[:, k]
+            parts.append(acc)
     return parts
 
 
@@ -48,7 +49,8 @@ def canonical_sum(x, axes, out_dtype=None, chunk=None):
     x2, out_shape = _as_rows(x, axes)
     if x2.shape[1] == 0:
         return np.zeros(out_shape, out_dtype)
-    root = tree_fold(chunk_partials(x2, chunk or CHUNK_TOKENS), lambda a, b: a + b)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN, as on the devices
+        root = tree_fold(chunk_partials(x2, chunk or CHUNK_TOKENS), lambda a, b: a + b)
     return store(root, out_dtype).reshape(out_shape)
 
 
