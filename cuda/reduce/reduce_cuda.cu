@@ -225,7 +225,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-unsigned grid_of(int64_t units) { return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(units, 1 << 30))); }
+unsigned grid_of(int64_t units) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(units, 1 << 30)));
+}
 
 // The largest power of two in [lo, hi] (hi a power of two) whose unit count reaches `target`, else lo.
 template <typename Units>
