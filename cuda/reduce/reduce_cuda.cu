@@ -39,6 +39,7 @@ constexpr int kThreads = 256;
 constexpr int kStageBytes = 8192;  // the elements of one pipeline stage (rows add 16 bytes of padding)
 constexpr int kColumnStages = 6;   // 48 KiB of shared memory: the most without an opt-in
 constexpr int kRowStages = 4;      // (8 KiB + padding) each
+constexpr int kUnroll = 8;         // a column's rows read ahead of its adds
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -112,13 +113,24 @@ __global__ void __launch_bounds__(kThreads) ColumnKernel(ColumnArgs p) {
       if (t < cols) {
         const Bits* col = reinterpret_cast<const Bits*>(smem + (s % kColumnStages) * kStageBytes) + t;
         const int here = static_cast<int>(imin(p.rows, n - s * p.rows));
+        // Rows in groups of kUnroll, the next group's shared-memory reads issued before the
+        // current group's adds (the adds are one dependent chain: they set the pace).
         int r = 0;
-        for (; r + 8 <= here; r += 8) {
-          Bits v[8];
+        if (here >= kUnroll) {
+          Bits cur[kUnroll];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) v[j] = col[(r + j) * p.width];
+          for (int j = 0; j < kUnroll; ++j) cur[j] = col[j * p.width];
+          for (r = kUnroll; r + kUnroll <= here; r += kUnroll) {
+            Bits next[kUnroll];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) acc = dm::add(acc, S::load(v[j]));
+            for (int j = 0; j < kUnroll; ++j) next[j] = col[(r + j) * p.width];
+#pragma unroll
+            for (int j = 0; j < kUnroll; ++j) acc = dm::add(acc, S::load(cur[j]));
+#pragma unroll
+            for (int j = 0; j < kUnroll; ++j) cur[j] = next[j];
+          }
+#pragma unroll
+          for (int j = 0; j < kUnroll; ++j) acc = dm::add(acc, S::load(cur[j]));  // rows r - kUnroll .. r - 1
         }
         for (; r < here; ++r) acc = dm::add(acc, S::load(col[r * p.width]));
       }
@@ -189,14 +201,22 @@ __global__ void __launch_bounds__(kThreads) RowKernel(RowArgs p) {
       if (t < valid_rows) {
         const unsigned char* row = smem + (s % kRowStages) * stage_bytes + t * p.pitch;
         const int here = static_cast<int>(imin(p.width, n - s * p.width));
-        int e = 0;
-#pragma unroll 2
-        for (; e + kVecElems <= here; e += kVecElems) {
-          const uint4 v = *reinterpret_cast<const uint4*>(row + e * kE);
+        // 16-byte vectors of the row, the next one read before the current one's adds.
+        auto add_vector = [&](const uint4& v) {
           Bits b[kVecElems];
           memcpy(b, &v, sizeof(v));
 #pragma unroll
           for (int j = 0; j < kVecElems; ++j) acc = dm::add(acc, S::load(b[j]));
+        };
+        int e = 0;
+        if (here >= kVecElems) {
+          uint4 cur = *reinterpret_cast<const uint4*>(row);
+          for (e = kVecElems; e + kVecElems <= here; e += kVecElems) {
+            const uint4 next = *reinterpret_cast<const uint4*>(row + e * kE);
+            add_vector(cur);
+            cur = next;
+          }
+          add_vector(cur);  // elements e - kVecElems .. e - 1
         }
         for (; e < here; ++e) acc = dm::add(acc, S::load(reinterpret_cast<const Bits*>(row)[e]));
       }
