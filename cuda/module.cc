@@ -30,7 +30,8 @@ namespace nb = nanobind;
   X(softmax_fwd, softmax_fwd) X(softmax_bwd, softmax_bwd) X(xent_fwd, xent_fwd) X(xent_bwd, xent_bwd)        \
       X(det_math, det_math)                                                                    /* softmax */ \
   X(attention_fwd, attention_fwd) X(attention_bwd, attention_bwd)                            /* attention */ \
-  X(segment_sum, segment_sum)                                                                    /* embed */
+  X(segment_sum, segment_sum)                                                                    /* embed */ \
+  X(reduce, reduce)                                                                             /* reduce */
 // clang-format on
 
 #define JAXDET_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxdet_##stem##_cpu);

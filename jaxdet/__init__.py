@@ -44,6 +44,7 @@ from jaxdet._src.embed.embed import embed, segment_sum
 from jaxdet._src.invariant.invariant import invariant
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet._src.norm.norm import layer_norm, rms_norm
+from jaxdet._src.reduce.reduce import bias_add, sum
 from jaxdet._src.softmax.softmax import (
     label_log_probs,
     log_softmax,
@@ -64,6 +65,8 @@ __all__ = [
     "global_norm",
     "rms_norm",
     "layer_norm",
+    "sum",
+    "bias_add",
     "softmax",
     "log_softmax",
     "softmax_cross_entropy",

@@ -225,6 +225,19 @@ def _embed():
     return jax.value_and_grad(loss, argnums=(0, 1)), (table, x, ids)
 
 
+def _reduce():
+    # Rows (B == 1) and columns (B > 1) of one chunk, and several chunks (the partials, then the
+    # tree's kernel), through jaxdet.sum and jaxdet.bias_add's gradient.
+    def loss(x, b, long):
+        y = jnp.tanh(jaxdet.bias_add(x, b))
+        rows = jaxdet.sum(y, axis=1)
+        cols = jaxdet.sum(y * y, axis=0, dtype=F32)
+        return jnp.sum(rows.astype(F32)) + jnp.sum(cols) + jaxdet.sum(jnp.tanh(long), dtype=F32)
+
+    x = _rand((64, 1000), BF16, seed=29)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2)), (x, _rand((1000,), BF16, seed=30), _rand((3, 20000), F32, 31))
+
+
 SEGMENT = 8192  # elements per softmax segment (cuda/softmax/softmax_math.h kSegment)
 
 CASES = {
@@ -252,6 +265,7 @@ CASES = {
     "attention": (("jaxdet_attention_fwd", "jaxdet_attention_bwd"), _attention),
     "det_math": (("jaxdet_det_math",), _det_math),
     "embed": (("jaxdet_segment_sum",), _embed),
+    "reduce": (("jaxdet_reduce",), _reduce),
 }
 
 GPU_TEST_TARGETS = frozenset(t for targets, _ in CASES.values() for t in targets)
