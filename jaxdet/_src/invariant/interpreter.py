@@ -177,7 +177,7 @@ def _shard_map(eqn, *args):
     check = p.get("check_vma", p.get("check_rep", True))
 
     def body(*a):
-        return evaluate(inner, (), *a)
+        return tuple(evaluate(inner, (), *a))  # out_specs is a tuple: the same pytree
 
     return jax.shard_map(
         body, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]), check_vma=check, **kwargs

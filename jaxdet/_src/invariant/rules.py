@@ -299,7 +299,8 @@ def _tree_psum(x, axes):
 def _psum(eqn, *xs, unsupported=None):
     if not any(_is_float(x.dtype) for x in xs):
         return _bind(eqn, list(xs))
-    return [_psum_one(eqn, x, unsupported) for x in xs]
+    outs = [_psum_one(eqn, x, unsupported) for x in xs]
+    return outs if eqn.primitive.multiple_results else outs[0]
 
 
 def _psum_one(eqn, x, unsupported):
