@@ -22,6 +22,7 @@ def _require_compiled_extension():
 _require_compiled_extension()
 
 from jaxdet._src.core import switches as _switches  # noqa: E402
+from jaxdet._src.core import xla_flags as _xla_flags  # noqa: E402, F401  (before jax starts its backends)
 
 _switches.validate_testing_env()  # a mistyped JAXDET_TESTING is an error, never silently ignored
 

@@ -64,25 +64,55 @@ def unsupported(eqn, why: str):
     )
 
 
+def _is_literal(v) -> bool:
+    return hasattr(v, "val") and not hasattr(v, "count")
+
+
 def _literal_or_var(env, v):
-    if hasattr(v, "val") and not hasattr(v, "count"):  # a Literal
+    if _is_literal(v):
         return v.val
     return env[v]
 
 
 def evaluate(jaxpr, consts, *args):
     """The outputs of the open `jaxpr` on `consts` and `args`, by the canonical rules."""
-    env = {}
+    rules.enter_program()
+    try:
+        return _evaluate(jaxpr, consts, args)
+    finally:
+        rules.exit_program()
+
+
+def _evaluate(jaxpr, consts, args):
+    # Values fixed when the program is traced (literals, and what is computed from them alone)
+    # would be constants to XLA, whose simplifier reassociates products with constants on some
+    # compilation paths and not others (a shard_map's partitioned module, a one-element array).
+    # They enter the arithmetic through `rules.runtime_value`, which XLA cannot see through.
+    env, fixed = {}, set()
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
     for eqn in jaxpr.eqns:
+        known = [_is_literal(v) or v in fixed for v in eqn.invars]
         invals = [_literal_or_var(env, v) for v in eqn.invars]
-        with _user_context(eqn):
-            outs = apply(eqn, invals)
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
+        higher = eqn.primitive.name in _HIGHER_ORDER
+        if all(known) and not higher and not eqn.effects:
+            with _user_context(eqn):
+                outs = apply(eqn, invals)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            if any(rules.is_float(getattr(o, "dtype", None)) for o in outs):
+                outs = [rules.runtime_value(o) for o in outs]
+            else:
+                fixed.update(eqn.outvars)  # integer and boolean constants fold exactly
+        else:
+            invals = [
+                rules.runtime_value(jax.numpy.asarray(x, v.aval.dtype)) if _is_literal(v) else x
+                for v, x in zip(eqn.invars, invals)
+            ]
+            with _user_context(eqn):
+                outs = apply(eqn, invals)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
         for v, x in zip(eqn.outvars, outs):
             if type(v).__name__ != "DropVar":
                 env[v] = x

@@ -20,7 +20,7 @@ import jax
 import jax.extend as jex
 import numpy as np
 
-from jaxdet._src.core import graph_state
+from jaxdet._src.core import graph_state, xla_flags
 from jaxdet._src.invariant import interpreter
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS
 
@@ -95,7 +95,20 @@ def _attention_in_plain_operations():
             jax.nn.dot_product_attention = original
 
 
+def _check_cpu_flags():
+    missing = xla_flags.missing()
+    if missing and jax.default_backend() == "cpu":
+        raise RuntimeError(
+            "jaxdet.invariant on the CPU needs XLA flags that make elementwise bits independent of "
+            f"fusion and array length, and this process runs without {' '.join(missing)}: jax had "
+            "started its backends before jaxdet was imported (jaxdet sets them at import otherwise), or "
+            "XLA_FLAGS sets them otherwise. Import jaxdet before running any JAX computation, or start "
+            f"the process with XLA_FLAGS='{' '.join(missing)}' (docs/invariant.md, 'Elementwise bits')"
+        )
+
+
 def _evaluate_invariantly(fn, args, kwargs):
+    _check_cpu_flags()
     flat_args, in_tree = jax.tree.flatten((args, kwargs))
     for leaf in flat_args:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(

@@ -23,13 +23,13 @@ from jaxdet._src.core import tree
 # order exists), or the operation moves data, or it is jaxdet's own.
 EXACT = frozenset(
     """
-    abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
+    abs acos acosh and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
     bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos cosh
-    digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag
+    digamma eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag
     integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
     polygamma population_count pow real reduce_precision regularized_incomplete_beta rem round
     rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
-    sub tan tanh xor zeta
+    tan tanh xor zeta
     broadcast_in_dim concatenate dynamic_slice dynamic_update_slice expand_dims gather iota pad
     reshape rev slice split squeeze transpose
     argmax argmin reduce_and reduce_or reduce_xor
@@ -83,6 +83,77 @@ def _is_float(dtype) -> bool:
 
 def _out_dtype(eqn, i=0):
     return eqn.outvars[i].aval.dtype
+
+
+# ---- Adds: no multiply is contracted into them ----
+# XLA:CPU lets LLVM fuse a multiply and an add of one fused loop into one FMA, so `a * b + c`
+# would round once or twice depending on fusion decisions (which depend on shapes). Each float
+# operand of an add or subtract passes through an identity no compiler can see through (its bits
+# xor a zero computed at run time by a jaxdet kernel), so it is rounded to its dtype before the
+# add on every backend. (XLA:GPU already emits separately rounded operations.)
+
+_ZEROS: list = []  # one run-time zero per program being evaluated (interpreter.evaluate)
+
+
+def enter_program():
+    _ZEROS.append(None)
+
+
+def exit_program():
+    _ZEROS.pop()
+
+
+def _runtime_zero():
+    if _ZEROS[-1] is None:
+        from jaxdet._src.reduce import reduce as canonical
+
+        # The sum of one +0: opaque to XLA (a custom call) and to LLVM (a value loaded from memory).
+        z = canonical.reduce_sum(jnp.zeros((1,), jnp.float32), (0,), np.dtype(np.float32))
+        _ZEROS[-1] = lax.bitcast_convert_type(z, jnp.uint32)
+    return _ZEROS[-1]
+
+
+_UINT_OF = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def is_float(dtype) -> bool:
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def runtime_value(x):
+    """x, as a value XLA cannot fold or reassociate (floats only; others as they are)."""
+    if not is_float(getattr(x, "dtype", None)):
+        return x
+    return _rounded(jnp.asarray(x))
+
+
+def _rounded(x):
+    if not _is_float(x.dtype) or not _ZEROS:
+        return x
+    utype = _UINT_OF[np.dtype(x.dtype).itemsize]
+    zero = _runtime_zero().astype(utype)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, utype) ^ zero, x.dtype)
+
+
+def _add(eqn, *xs, unsupported=None):
+    return _bind(eqn, [_rounded(x) for x in xs])
+
+
+def _div(eqn, x, y, unsupported=None):
+    """XLA's simplifier rewrites a division by a broadcast value into a multiply by the broadcast
+    reciprocal (other bits) in some compilations and not others (a shard_map's partitioned module).
+    The divisor's bits are or-ed with (the dividend's bits and a run-time zero): the same bits, but
+    an array XLA cannot see as a broadcast, so the division stays a division."""
+    if not (_is_float(x.dtype) and _is_float(y.dtype) and _ZEROS):
+        return _bind(eqn, [x, y])
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    shape = jnp.broadcast_shapes(x.shape, y.shape)
+    utype = _UINT_OF[np.dtype(y.dtype).itemsize]
+    zero = _runtime_zero().astype(utype)
+    xbits = lax.bitcast_convert_type(jnp.broadcast_to(x, shape).astype(y.dtype), utype)
+    ybits = lax.bitcast_convert_type(jnp.broadcast_to(y, shape), utype)
+    y = lax.bitcast_convert_type(ybits | (xbits & zero), y.dtype)
+    return _bind(eqn, [_rounded(x), y])
 
 
 # ---- Sums ----
@@ -338,6 +409,10 @@ FLOAT_REFUSED = {
 }
 
 RULES = {
+    "add": _add,
+    "sub": _add,
+    "add_any": _add,
+    "div": _div,
     "reduce_sum": lambda eqn, x, unsupported=None: _reduce_sum(eqn, x),
     "reduce_max": _reduce_extreme(True),
     "reduce_min": _reduce_extreme(False),
