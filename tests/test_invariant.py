@@ -351,4 +351,46 @@ def test_model_two_runs_same_bits(model):
     jax.tree.map(assert_bitwise_equal, step(params, tokens, targets), first)
 
 
+# ---- On the GPU ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_model_rows_decode_and_runs(dtype, on_gpu):
+    """The plain-JAX model on the GPU: rows alone == rows in batches, decode over the masked
+    full-length cache == the one-pass forward, two runs of the train step give the same bits."""
+    cfg = CFG[dtype]
+    params = L.init(cfg, jax.random.key(0))
+    tokens, targets = _batch(cfg, 1, 8, 16)
+    lp = jax.jit(invariant(functools.partial(L.log_probs, cfg)))
+    full = lp(params, tokens, targets)
+    assert_bitwise_equal(lp(params, tokens[3:4], targets[3:4]), full[3:4])
+    logits = jax.jit(invariant(functools.partial(L.forward, cfg)))(params, tokens[:3])
+    step = jax.jit(invariant(functools.partial(L.decode_step, cfg)))
+    cache = L.init_cache(cfg, 3)
+    for t in range(6):
+        out, cache = step(params, cache, tokens[:3, t], t)
+        assert_bitwise_equal(out, logits[:, t])
+    train = jax.jit(jax.value_and_grad(invariant(functools.partial(L.loss, cfg=cfg))))
+    first = train(params, tokens, targets)
+    jax.tree.map(assert_bitwise_equal, train(params, tokens, targets), first)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_attention_in_user_code_runs_by_the_rules(on_gpu):
+    """`jax.nn.dot_product_attention(..., implementation="cudnn")` in the user's code: the cuDNN
+    call never stays in the transformed program, whose bits equal the XLA implementation's."""
+    q = _normal(30, (4, 128, 8, 64), jnp.bfloat16)
+    k = _normal(31, (4, 128, 2, 64), jnp.bfloat16)
+    v = _normal(32, (4, 128, 2, 64), jnp.bfloat16)
+
+    def attn(impl):
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+    cudnn = jax.jit(invariant(attn("cudnn")))
+    assert "cudnn" not in cudnn.lower(q, k, v).as_text().lower()
+    assert_bitwise_equal(cudnn(q, k, v), jax.jit(invariant(attn("xla")))(q, k, v))
+    assert_bitwise_equal(cudnn(q[:1], k[:1], v[:1]), cudnn(q, k, v)[:1])
+
+
 __all__ = ["on_devices"]
