@@ -22,6 +22,7 @@ class Config:
     d_ff: int = 128
     max_len: int = 32
     dtype: object = jnp.float32
+    attention: str = "xla"  # jax.nn.dot_product_attention's implementation ("xla" or "cudnn")
 
     @property
     def head_dim(self):
@@ -100,7 +101,7 @@ def forward(cfg: Config, params, tokens, positions=None, embeddings=None):
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     for layer in params["layers"]:
         q, k, v = _qkv(cfg, layer, rms_norm(x, layer["attn_norm"]), positions)
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
         x = x + a.reshape(B, T, -1) @ layer["wo"]
         x = x + _mlp(layer, x)
     return rms_norm(x, params["final_norm"]) @ params["head"]
@@ -136,7 +137,7 @@ def decode_step(cfg: Config, params, cache, token, position):
         ck = jax.lax.dynamic_update_slice(c["k"], k, (0, position, 0, 0))
         cv = jax.lax.dynamic_update_slice(c["v"], v, (0, position, 0, 0))
         new_cache.append({"k": ck, "v": cv})
-        a = jax.nn.dot_product_attention(q, ck, cv, mask=mask, implementation="xla")
+        a = jax.nn.dot_product_attention(q, ck, cv, mask=mask, implementation=cfg.attention)
         x = x + a.reshape(B, 1, -1) @ layer["wo"]
         x = x + _mlp(layer, x)
     logits = rms_norm(x, params["final_norm"]) @ params["head"]
