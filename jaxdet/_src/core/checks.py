@@ -90,3 +90,20 @@ def check_axis(axis, ndim: int, name: str = "axis") -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name}={axis} is out of range for an array of rank {ndim}")
     return axis % ndim
+
+
+def accumulated_result_dtype(dtype, requested, name: str) -> np.dtype:
+    """The result dtype of a float32-accumulated reduction of `dtype` inputs: `requested` (the
+    argument `name`), which may be None (the input dtype), the input dtype or float32."""
+    if requested is None:
+        return np.dtype(dtype)
+    try:
+        want = np.dtype(requested)
+    except TypeError:
+        raise TypeError(f"{name} must be a dtype or None, got {requested!r}") from None
+    if want in (np.dtype(dtype), np.dtype(np.float32)):
+        return want
+    raise TypeError(
+        f"{name} must be None, the input dtype ({np.dtype(dtype).name}) or float32, got {want.name} "
+        "(jaxdet accumulates in float32 and rounds once to the result dtype)"
+    )

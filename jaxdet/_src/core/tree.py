@@ -170,3 +170,19 @@ def match_varying(ct, vma: frozenset):
     if missing:
         ct = lax.pcast(ct, varying.mesh_order(missing), to="varying")
     return ct
+
+
+def whole_chunk_split(factor: str, chunk: int):
+    """A `Partitioning.can_split` rule for a reduction by the canonical chunk tree over `factor`:
+    split it over devices only where every device holds 2^j whole chunks of `chunk` elements (its
+    chunk tree is then a subtree of the unsplit one, so the devices' roots, combined by the top
+    levels, give exactly the unsplit bits); other splits would change the bits, so that factor is
+    all-gathered instead. Other factors split freely."""
+
+    def can_split(name, size, parts):
+        if name != factor:
+            return True
+        chunks, rest = divmod(size // parts, chunk)
+        return rest == 0 and chunks > 0 and chunks & (chunks - 1) == 0
+
+    return can_split

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdet._src.core import autodiff, batching, ffi, tree, varying
+from jaxdet._src.core import autodiff, batching, checks, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, check_static_int, float_dtype_of
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS
 
@@ -150,19 +150,15 @@ def _composite_local(params, axes, shapes):
     return run
 
 
-def _tokens_line_up(factor, size, parts):
-    # Split the tokens only where every device holds 2^j whole chunks: its chunk tree is then a
-    # subtree of the unsplit one and the devices' roots combine into exactly the unsplit bits.
-    if factor != "t":
-        return True
-    chunks, rest = divmod(size // parts, CHUNK_TOKENS)
-    return rest == 0 and chunks & (chunks - 1) == 0
-
-
 segment_sum_p = ffi.define_composite(
     "jaxdet_embed_segment_sum",
     _composite_abstract_eval,
-    ffi.Partitioning(_composite_factors, reduced=frozenset({"t"}), local=_composite_local, can_split=_tokens_line_up),
+    ffi.Partitioning(
+        _composite_factors,
+        reduced=frozenset({"t"}),
+        local=_composite_local,
+        can_split=tree.whole_chunk_split("t", CHUNK_TOKENS),
+    ),
     batching_rule=_composite_batch,
 )
 
@@ -268,18 +264,6 @@ def _segment_ids(ids, num_segments, wrap):
     return jnp.where(valid, wide, -1).astype(jnp.int32).reshape(-1)
 
 
-def _out_dtype(dtype, preferred_element_type):
-    if preferred_element_type is None:
-        return dtype
-    try:
-        pref = np.dtype(preferred_element_type)
-    except TypeError:
-        raise TypeError(f"preferred_element_type must be a dtype or None, got {preferred_element_type!r}") from None
-    if pref in (dtype, _F32):
-        return pref
-    raise TypeError(f"preferred_element_type must be None, the input dtype ({dtype.name}) or float32, got {pref.name}")
-
-
 def segment_sum(data, segment_ids, num_segments, *, preferred_element_type=None):
     """Deterministic segment sum: ``out[v] = sum of data[t] over the tokens t with segment_ids[t] == v``.
 
@@ -311,7 +295,7 @@ def segment_sum(data, segment_ids, num_segments, *, preferred_element_type=None)
     num_segments = check_static_int(num_segments, "num_segments", minimum=1)
     if num_segments >= _I32_LIMIT:
         raise ValueError(f"num_segments must be < 2^31, got {num_segments}")
-    out_dtype = _out_dtype(dtype, preferred_element_type)
+    out_dtype = checks.accumulated_result_dtype(dtype, preferred_element_type, "preferred_element_type")
     d_shape, i_shape = tuple(data.shape), tuple(ids.shape)
     if len(d_shape) != len(i_shape) + 1 or d_shape[:-1] != i_shape:
         raise ValueError(

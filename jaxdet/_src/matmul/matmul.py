@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import autodiff, batching, ffi, tree, varying
+from jaxdet._src.core import autodiff, batching, checks, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, float_dtype_of
 
 __all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
@@ -316,7 +316,7 @@ rows_gemm_p = ffi.define_composite(
 # rule: with the tokens split over devices, each device reduces its own chunks and the devices'
 # float32 partials are combined by the canonical tree (`tree_psum_untyped`), the top levels of the
 # same tree, so the bits are those of the unsplit call when every device holds 2^j whole chunks
-# (`_tokens_line_up`). The other dimensions are split per device with no collective. ----
+# (`tree.whole_chunk_split`). The other dimensions are split per device with no collective. ----
 
 
 def _weight_grad_abstract_eval(a, dc, *, out_dtype):
@@ -346,21 +346,14 @@ def _weight_grad_local(params, axes, shapes):
     return run
 
 
-def _tokens_line_up(factor, size, parts):
-    # Split the tokens only where every device holds 2^j whole chunks: its chunk tree is then a
-    # subtree of the unsplit one and the devices' roots combine into exactly the unsplit bits.
-    # Other splits would change the bits, so those tokens are all-gathered instead.
-    if factor != "t":
-        return True
-    chunks, rest = divmod(size // parts, WGRAD_CHUNK_TOKENS)
-    return rest == 0 and chunks & (chunks - 1) == 0
-
-
 weight_grad_p = ffi.define_composite(
     "jaxdet_weight_grad",
     _weight_grad_abstract_eval,
     ffi.Partitioning(
-        _weight_grad_factors, reduced=frozenset({"t"}), local=_weight_grad_local, can_split=_tokens_line_up
+        _weight_grad_factors,
+        reduced=frozenset({"t"}),
+        local=_weight_grad_local,
+        can_split=tree.whole_chunk_split("t", WGRAD_CHUNK_TOKENS),
     ),
     batching_rule=_weight_grad_batch,
 )
@@ -469,18 +462,6 @@ def _check_same_dtype(a_dtype, b_dtype, names):
         )
 
 
-def _out_dtype(dtype, preferred_element_type):
-    if preferred_element_type is None:
-        return dtype
-    try:
-        pref = np.dtype(preferred_element_type)
-    except TypeError:
-        raise TypeError(f"preferred_element_type must be a dtype or None, got {preferred_element_type!r}") from None
-    if pref in (dtype, _F32):
-        return pref
-    raise TypeError(f"preferred_element_type must be None, the input dtype ({dtype.name}) or float32, got {pref.name}")
-
-
 def matmul(a, b, *, preferred_element_type=None):
     """Batch-invariant ``a @ b``.
 
@@ -503,7 +484,7 @@ def matmul(a, b, *, preferred_element_type=None):
     a_dtype = float_dtype_of(a, "a")
     b_dtype = float_dtype_of(b, "b")
     _check_same_dtype(a_dtype, b_dtype, ("a", "b"))
-    out_dtype = _out_dtype(a_dtype, preferred_element_type)
+    out_dtype = checks.accumulated_result_dtype(a_dtype, preferred_element_type, "preferred_element_type")
     a_shape, b_shape = tuple(a.shape), tuple(b.shape)
     if len(a_shape) < 2 or len(b_shape) < 2:
         raise ValueError(

@@ -260,15 +260,6 @@ def _grads_factors(params, shapes):
     return [("t", "n"), ("t", "two"), ("t", "n")], [("n",)] * (2 if params["has_bias"] else 1)
 
 
-def _tokens_line_up(factor, size, parts):
-    # A device's tokens form a subtree of the tree over tokens only if it holds a power-of-two
-    # count of them; other splits would change the bits, so those tokens are all-gathered instead.
-    if factor != "t":
-        return True
-    per_device = size // parts
-    return per_device & (per_device - 1) == 0
-
-
 def _grads_batch(args, dims, *, has_bias):
     size = batching.batch_size(args, dims)
     x, stats, g = (batching.moved_to_front(a, d, size) for a, d in zip(args, dims))
@@ -283,7 +274,7 @@ norm_grads_p = ffi.define_composite(
         replicated=frozenset({"two"}),
         reduced=frozenset({"t"}),
         local=_grads_local,
-        can_split=_tokens_line_up,
+        can_split=tree.whole_chunk_split("t", 1),
     ),
     batching_rule=_grads_batch,
     multiple_results=True,
