@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import autodiff, ffi, tree, varying
+from jaxdet._src.core import autodiff, checks, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS
 
@@ -91,7 +91,7 @@ def _reduce3(x3, out_dtype):
 # split of any kept axis runs per device with no collective; with K split over devices, each device
 # reduces its own chunks and the devices' float32 partials are combined by the canonical tree
 # (`tree_psum_untyped`, the top levels of the same tree), which gives the unsplit bits when every
-# device holds 2^j whole chunks (`_chunks_line_up`); other splits of K are all-gathered. ----
+# device holds 2^j whole chunks (`tree.whole_chunk_split`); other splits of K are all-gathered. ----
 
 
 def _sum_abstract_eval(x, *, k_axis, out_dtype):
@@ -122,16 +122,6 @@ def _sum_local(params, axes, shapes):
     return run
 
 
-def _chunks_line_up(factor, size, parts):
-    # Split K only where every device holds 2^j whole chunks: its chunk tree is then a subtree of
-    # the unsplit one, and the devices' roots combine into exactly the unsplit bits. Other splits
-    # would change the bits, so K is all-gathered instead (as dB's tokens: matmul's _tokens_line_up).
-    if factor != "k":
-        return True
-    chunks, rest = divmod(size // parts, CHUNK_TOKENS)
-    return rest == 0 and chunks > 0 and chunks & (chunks - 1) == 0
-
-
 def _sum_batch(args, dims, *, k_axis, out_dtype):
     (x,), (d,) = args, dims
     # The vmapped axis is one more kept axis in front: each output's reduced elements are unchanged.
@@ -141,7 +131,9 @@ def _sum_batch(args, dims, *, k_axis, out_dtype):
 sum_p = ffi.define_composite(
     "jaxdet_sum",
     _sum_abstract_eval,
-    ffi.Partitioning(_sum_factors, reduced=frozenset({"k"}), local=_sum_local, can_split=_chunks_line_up),
+    ffi.Partitioning(
+        _sum_factors, reduced=frozenset({"k"}), local=_sum_local, can_split=tree.whole_chunk_split("k", CHUNK_TOKENS)
+    ),
     batching_rule=_sum_batch,
 )
 
@@ -261,21 +253,6 @@ def _normalize_axes(axis, ndim):
     return tuple(sorted(axes))
 
 
-def _out_dtype(x_dtype, dtype):
-    if dtype is None:
-        return x_dtype
-    try:
-        want = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be None or a dtype, got {dtype!r}") from None
-    if want in (x_dtype, _F32):
-        return want
-    raise TypeError(
-        f"dtype must be None, the input dtype ({x_dtype.name}) or float32, got {want.name} "
-        "(jaxdet accumulates in float32 and rounds once to the result dtype)"
-    )
-
-
 def reduce_sum(x, axes, out_dtype):
     """``lax.reduce_sum_p``'s semantics by the canonical rule: for ``jaxdet.invariant``.
 
@@ -299,7 +276,7 @@ def reduce_sum(x, axes, out_dtype):
     if len(set(axes)) != len(axes):
         raise ValueError(f"axes has a duplicate entry: {axes!r}")
     axes = tuple(sorted(int(a) for a in axes))
-    out_dtype = _out_dtype(x_dtype, out_dtype)
+    out_dtype = checks.accumulated_result_dtype(x_dtype, out_dtype, "out_dtype")
     if not axes:
         return x.astype(out_dtype)
     out_shape = tuple(d for i, d in enumerate(x.shape) if i not in axes)
@@ -327,7 +304,7 @@ def sum(x, axis=None, dtype=None, keepdims=False):  # jnp.sum's name, on purpose
     """
     x_dtype = _float_input(x, "x", "jaxdet.sum")
     axes = _normalize_axes(axis, len(x.shape))
-    out = reduce_sum(x, axes, _out_dtype(x_dtype, dtype))
+    out = reduce_sum(x, axes, checks.accumulated_result_dtype(x_dtype, dtype, "dtype"))
     if keepdims:
         out = out.reshape(tuple(1 if i in axes else d for i, d in enumerate(x.shape)))
     return out
