@@ -14,10 +14,20 @@ from __future__ import annotations
 
 import os
 
-DETERMINISM_FLAGS = {
-    "xla_cpu_use_fusion_emitters": "false",
-    "xla_allow_excess_precision": "false",
-}
+def _jaxlib_version() -> tuple:
+    try:
+        from importlib.metadata import version
+
+        return tuple(int(p) for p in version("jaxlib").split(".")[:2])
+    except Exception:  # pragma: no cover - no metadata: the conservative set below
+        return (0, 0)
+
+
+# Only flags this jaxlib's XLA knows: an unknown flag in XLA_FLAGS aborts the process. jaxlib 0.11
+# has no `xla_cpu_use_fusion_emitters` (its CPU fusion emitters cannot be turned off).
+DETERMINISM_FLAGS = {"xla_allow_excess_precision": "false"}
+if (0, 10) <= _jaxlib_version() < (0, 11):
+    DETERMINISM_FLAGS["xla_cpu_use_fusion_emitters"] = "false"
 
 
 def _backends_started() -> bool:
