@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+
 def _jaxlib_version() -> tuple:
     try:
         from importlib.metadata import version
