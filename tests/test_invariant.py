@@ -351,6 +351,16 @@ def test_model_two_runs_same_bits(model):
     jax.tree.map(assert_bitwise_equal, step(params, tokens, targets), first)
 
 
+def test_audit_of_the_transformed_step_finds_nothing():
+    cfg, params = CFG[jnp.float32], L.init(CFG[jnp.float32], jax.random.key(0))
+    tokens, targets = _batch(cfg, 6, 2, 8)
+    loss = functools.partial(L.loss, cfg=cfg)
+    assert not jaxdet.audit(loss, params, tokens, targets, batch_argnums=(1, 2)).ok  # the plain step
+    for step in (jax.grad(invariant(loss)), invariant(jax.grad(loss))):
+        report = jaxdet.audit(step, params, tokens, targets, batch_argnums=(1, 2), strict=True)
+        assert report.ok and not report.findings, str(report)
+
+
 # ---- On the GPU ----
 
 

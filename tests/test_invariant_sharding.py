@@ -69,3 +69,31 @@ def test_shard_map_data_parallel_gradients_equal_for_every_device_count():
     for got, want in zip(jax.tree.leaves(results[1][3]), jax.tree.leaves(plain[1])):
         err = float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
         assert err < 1e-4, err
+
+
+@on_devices
+def test_shard_map_outside_and_sharded_jit_give_the_single_device_bits():
+    """jaxdet.invariant inside the user's shard_map (each device transforms its own step, psum
+    of the gradients in it), and sharded jit of the transformed step (the batch split over 8
+    devices by in_shardings): both give the single-device gradients."""
+    params = L.init(CFG, jax.random.key(3))
+    tokens, targets = _data()
+    loss = functools.partial(L.loss, cfg=CFG)
+    single = jax.jit(jax.grad(jaxdet.invariant(loss)))(params, tokens, targets)
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+
+    def local(params, tokens, targets):
+        grads = jax.grad(loss)(jax.tree.map(lambda p: jax.lax.pcast(p, "d", to="varying"), params), tokens, targets)
+        return jax.tree.map(lambda g: jax.lax.psum(g, "d") / 8, grads)
+
+    inside = jax.jit(jax.shard_map(jaxdet.invariant(local), mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P()))(
+        params, tokens, targets
+    )
+    jax.tree.map(assert_bitwise_equal, inside, single)
+
+    batch = jax.sharding.NamedSharding(mesh, P("d"))
+    sharded = jax.jit(jax.grad(jaxdet.invariant(loss)))(
+        params, jax.device_put(tokens, batch), jax.device_put(targets, batch)
+    )
+    jax.tree.map(assert_bitwise_equal, sharded, single)
