@@ -97,3 +97,30 @@ def test_shard_map_outside_and_sharded_jit_give_the_single_device_bits():
         params, jax.device_put(tokens, batch), jax.device_put(targets, batch)
     )
     jax.tree.map(assert_bitwise_equal, sharded, single)
+
+
+@on_devices
+def test_psum_pmean_and_psum_scatter_by_the_canonical_tree():
+    """Inside shard_map: psum is jaxdet.parallel's tree over the devices (float32 for bfloat16),
+    pmean that tree divided by the device count, psum_scatter this device's slice of it."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+    x = jax.random.normal(jax.random.key(9), (8, 16, 3), jnp.float32)
+
+    def body(x):
+        v = x[0]
+        return (
+            jax.lax.psum(v, "d")[None],
+            jax.lax.pmean(v, "d")[None],
+            jax.lax.psum_scatter(v, "d", scatter_dimension=0, tiled=True)[None],
+            jax.lax.psum(v.astype(jnp.bfloat16), "d")[None],
+        )
+
+    f = jax.jit(jaxdet.invariant(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))))
+    psum, pmean, scattered, half = f(x)
+    tree = jaxdet.parallel.tree_sum([x[i] for i in range(8)])
+    for i in range(8):
+        assert_bitwise_equal(psum[i], tree)
+        assert_bitwise_equal(pmean[i], tree / 8)
+        assert_bitwise_equal(scattered[i], tree[2 * i : 2 * i + 2])
+        want = jaxdet.parallel.tree_sum([x[j].astype(jnp.bfloat16).astype(jnp.float32) for j in range(8)])
+        assert_bitwise_equal(half[i], want.astype(jnp.bfloat16))
