@@ -186,3 +186,21 @@ def whole_chunk_split(factor: str, chunk: int):
         return rest == 0 and chunks > 0 and chunks & (chunks - 1) == 0
 
     return can_split
+
+
+def cotangent(compute, dtype, vma: frozenset, others):
+    """A cotangent of `dtype` typed as its primal (varying over exactly `vma`): `compute(out_dtype)`
+    computes it. Under shard_map, axes it varies over but the primal does not (a replicated weight
+    or table next to sharded tokens) are summed by the canonical tree in float32, then cast once."""
+    if varying.varying_union(*others) - vma:
+        return match_varying(compute(jnp.float32), vma).astype(dtype)
+    return match_varying(compute(dtype), vma)
+
+
+def reduce_over_devices(compute, axes: tuple, out_dtype):
+    """A composite's local rule for a reduction by the canonical chunk tree whose reduced dimension
+    may be split over the mesh `axes`: `compute(dtype)` reduces this device's whole chunks; with
+    the dimension split, the devices' float32 subtree roots meet in the tree's top levels."""
+    if not axes:
+        return compute(out_dtype)
+    return tree_psum_untyped(compute(jnp.float32), axes).astype(out_dtype)

@@ -142,10 +142,7 @@ def _composite_local(params, axes, shapes):
             segments = num_segments // math.prod(lax.axis_size(n) for n in rows)
             start = _axis_position(rows) * segments
             ids = jnp.where((ids >= start) & (ids < start + segments), ids - start, -1)
-        if not tokens:
-            return _segment_sum_local(data, ids, segments, out_dtype)
-        part = _segment_sum_local(data, ids, segments, _F32)  # this device's subtree roots, float32
-        return tree.tree_psum_untyped(part, tokens).astype(out_dtype)
+        return tree.reduce_over_devices(lambda dt: _segment_sum_local(data, ids, segments, dt), tokens, out_dtype)
 
     return run
 
@@ -168,15 +165,6 @@ segment_sum_p = ffi.define_composite(
 # deterministic (no XLA scatter-add anywhere). ----
 
 
-def _cotangent(compute, dtype, vma, others):
-    """A cotangent of dtype `dtype` varying over exactly `vma`: `compute(out_dtype)` computes it;
-    under shard_map, axes the cotangent varies over but the primal does not (a replicated table
-    next to sharded tokens) are summed by the canonical tree in float32, then cast once."""
-    if varying.varying_union(*others) - vma:
-        return tree.match_varying(compute(_F32), vma).astype(dtype)
-    return tree.match_varying(compute(dtype), vma)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _segsum(data, ids, like, num_segments, out_dtype, data_dtype, data_vma):
     """data [T, D], int32 ids [T] (outside [0, V) contributes nothing), like: None or the table
@@ -195,7 +183,7 @@ def _segsum_fwd(data, ids, like, num_segments, out_dtype, data_dtype, data_vma):
 def _segsum_bwd(num_segments, out_dtype, data_dtype, data_vma, ids, g):
     # d data[t] = g[ids[t]] (+0 for an id outside [0, V)): a gather, whose transpose is _segsum.
     g = g.astype(data_dtype)
-    ddata = _cotangent(lambda dt: _take(g.astype(dt), ids, False), data_dtype, data_vma, (g, ids))
+    ddata = tree.cotangent(lambda dt: _take(g.astype(dt), ids, False), data_dtype, data_vma, (g, ids))
     return ddata, None, None
 
 
@@ -231,7 +219,7 @@ def _take_bwd(nan_fill, res, g):
     def compute(dt):
         return _segsum(rows, flat, table, V, dt, table_dtype, g_vma)
 
-    return _cotangent(compute, table_dtype, table_vma, (rows, flat)), None
+    return tree.cotangent(compute, table_dtype, table_vma, (rows, flat)), None
 
 
 _take.defvjp(_take_fwd, _take_bwd)

@@ -338,10 +338,7 @@ def _weight_grad_local(params, axes, shapes):
     out_dtype = params["out_dtype"]
 
     def run(a3, dc3):
-        if not tokens:
-            return _wgrad(None, a3, dc3, out_dtype=out_dtype)
-        part = _wgrad(None, a3, dc3, out_dtype=_F32)  # this device's subtree root, float32
-        return tree.tree_psum_untyped(part, tokens).astype(out_dtype)
+        return tree.reduce_over_devices(lambda dt: _wgrad(None, a3, dc3, out_dtype=dt), tokens, out_dtype)
 
     return run
 
@@ -364,13 +361,7 @@ weight_grad_p = ffi.define_composite(
 
 
 def _cotangent(compute, dtype, primal, others):
-    """A cotangent with its primal's dtype and varying axes: `compute(out_dtype)` runs the product;
-    under shard_map, axes the cotangent varies over but the primal does not (an invariant weight
-    next to sharded activations) are summed by the canonical tree in float32, then cast once."""
-    vma = varying.varying_axes(primal)
-    if varying.varying_union(*others) - vma:
-        return tree.match_varying(compute(_F32), vma).astype(dtype)
-    return tree.match_varying(compute(dtype), vma)
+    return tree.cotangent(compute, dtype, varying.varying_axes(primal), others)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

@@ -113,10 +113,7 @@ def _sum_local(params, axes, shapes):
     def run(x):
         pre, K, post = x.shape[:ka], x.shape[ka], x.shape[ka + 1 :]
         x3 = x.reshape(math.prod(pre), K, math.prod(post))
-        if not k_axes:
-            out = _reduce3(x3, out_dtype)
-        else:  # this device's subtree root in float32, then the top levels of the tree
-            out = tree.tree_psum_untyped(_reduce3(x3, _F32), k_axes).astype(out_dtype)
+        out = tree.reduce_over_devices(lambda dt: _reduce3(x3, dt), k_axes, out_dtype)
         return out.reshape(pre + post)
 
     return run
