@@ -289,8 +289,8 @@ def _reduce_hit(eqn, axes: Axes, apis, function, backend, backward) -> Hit | Non
         )
         fix = fix or (
             "a sum in an order you fix: jaxdet.parallel.tree_sum over per-row or per-micro-batch values "
-            "(the canonical tree, device-count invariant), or jaxdet.matmul_weight_grad(ones[T, 1], x) "
-            "(token chunks of 8192 in order)"
+            "(the canonical tree, device-count invariant), or jaxdet.sum / jaxdet.bias_add's gradient "
+            "(token chunks of 8192 in order, then the tree)"
         )
     elif within or bx is None:
         breaks = (BATCH, RUN) if long else (BATCH,)
@@ -303,8 +303,8 @@ def _reduce_hit(eqn, axes: Axes, apis, function, backend, backward) -> Hit | Non
             )
         fix = fix or (
             "the jaxdet op it implements (rms_norm, layer_norm, softmax, log_softmax, "
-            "softmax_cross_entropy); any other row sum as jaxdet.matmul(x, ones[K, 1]) (K summed in ascending "
-            "order in every row)"
+            "softmax_cross_entropy); any other sum as jaxdet.sum (any axes, the canonical chunk rule), a bias as "
+            "jaxdet.bias_add"
         )
     elif long:
         breaks = (RUN,)
