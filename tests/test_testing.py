@@ -231,3 +231,24 @@ def test_nnx_state_the_helpers_cannot_reach_is_a_clear_error():
 
     with pytest.raises(TypeError, match="pass the module as an argument"):
         assert_deterministic(fn, jnp.ones((4, 8)))
+
+
+def test_assert_deterministic_compares_what_an_nnx_step_changes_in_place():
+    """Only the loss is returned; the parameter the step writes differs between compilations (a
+    trace-time constant drawn anew), and the helper sees it."""
+    nnx = pytest.importorskip("flax.nnx")
+    draws = iter(np.arange(1.0, 10.0))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(3))
+
+    def step(model):
+        model.w[...] = model.w[...] + next(draws)  # a new constant every trace
+        return jnp.float32(0.0)
+
+    model = Model()
+    jaxdet.testing.assert_deterministic(step, model)  # one executable: the same update every run
+    with pytest.raises(AssertionError, match="run 2 vs run 1"):
+        jaxdet.testing.assert_deterministic(step, model, recompile=True)
+    np.testing.assert_array_equal(model.w[...], np.zeros(3))  # the helper leaves the model as it was

@@ -169,10 +169,20 @@ def assert_bitwise_equal(x, y, what: str = "arrays") -> None:
 # ---- Users' model tests. ----
 
 
-def _leaves_with_paths(tree):
+def _key_bits(leaf):
+    """A jax.random key array as its bits (nnx.Rngs state holds them), anything else as it is."""
     import jax
 
-    return [("output" + jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(leaf)
+    return leaf
+
+
+def _leaves_with_paths(tree, root="output"):
+    import jax
+
+    return [(root + jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def _nnx_rebind(fn):
@@ -258,8 +268,10 @@ def _runner(fn, jit: bool, args=(), kwargs=None):
         held += [x for x in (*args, *(kwargs or {}).values()) if nnx.graph.is_graph_node(x)]
     if not held:
 
-        def make_plain():
+        def make_plain(with_state=False):
             f = jax.jit(lambda *a, **k: fn(*a, **k)) if jit else fn
+            if with_state:
+                f = (lambda g: lambda *a, **k: (g(*a, **k), []))(f)
             return f if nnx is None else _wrap_nnx_errors(nnx, f, lambda: None)
 
         return make_plain
@@ -274,9 +286,18 @@ def _runner(fn, jit: bool, args=(), kwargs=None):
     else:
         call, nodes = rebound
 
-    def make():
+    def make(with_state=False):
+        """with_state: the runner returns (fn's result, the objects' state after the call), so that
+        what a step changes in place (an optimizer updating the model) is compared too."""
         inner = nnx.jit(call) if jit else call
-        return _wrap_nnx_errors(nnx, lambda *a, **k: inner(nodes, *a, **k), restore)
+
+        def run(*a, **k):
+            out = inner(nodes, *a, **k)
+            if not with_state:
+                return out
+            return out, [jax.tree.map(lambda v: v, nnx.state(node)) for node in held]
+
+        return _wrap_nnx_errors(nnx, run, restore)
 
     return make
 
@@ -400,7 +421,8 @@ def assert_deterministic(
 ) -> None:
     """Assert that ``jax.jit(fn)(*args, **kwargs)`` gives the same bits in ``runs`` runs.
 
-    Every output leaf of every run is compared bit for bit with the first run's. ``recompile=True``
+    Every output leaf of every run is compared bit for bit with the first run's, and so is the state
+    of the Flax nnx objects ``fn`` reaches after each run (what an in-place step changes). ``recompile=True``
     traces and compiles a fresh program for every run (a new jit of a new wrapper), so choices XLA
     makes at compile time (GPU autotuning) are compared too; otherwise the runs reuse one
     executable and compare its execution only.
@@ -416,12 +438,15 @@ def assert_deterministic(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     name = what or getattr(fn, "__name__", "fn")
     make = _runner(fn, True, args, kwargs)
-    compiled = make()
+    # The Flax nnx objects' state after the call is compared too: an in-place step (the optimizer
+    # updates the model, only the loss is returned) is checked whole.
+    compiled = make(with_state=True)
 
     def once():
-        f = make() if recompile else compiled
-        out = f(*args, **kwargs)
-        return [(p, np.asarray(leaf)) for p, leaf in _leaves_with_paths(jax.block_until_ready(out))]
+        f = make(with_state=True) if recompile else compiled
+        out, states = jax.block_until_ready(f(*args, **kwargs))
+        leaves = _leaves_with_paths(out) + _leaves_with_paths(states, "nnx state")
+        return [(p, np.asarray(_key_bits(leaf))) for p, leaf in leaves]
 
     first = once()
     failures = []
