@@ -59,3 +59,14 @@ def bitwise_verdict(what: str, differences: list, separator: str = "; "):
     """``(ok, detail)`` of a bitwise comparison: `what` followed by "bitwise equal", or by the differences."""
     ok = not differences
     return ok, what + ("bitwise equal" if ok else separator.join(differences))
+
+
+def gpu_device():
+    """The first GPU when there is one and this build has CUDA kernels, else None."""
+    import jaxdet
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    return gpus[0] if gpus and jaxdet.WITH_CUDA else None

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdet
+from jaxdet._src.core.contract_checks import gpu_device
 from jaxdet._src.core.testing import count_bit_differences
 from jaxdet._src.dropout import random as jr
 
@@ -32,14 +33,6 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def random_x(shape, dtype=jnp.float32, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32)).astype(dtype)
-
-
-def _gpu():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    return gpus[0] if gpus and jaxdet.WITH_CUDA else None
 
 
 def check_kat(device=None):
@@ -78,7 +71,7 @@ SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -3e-39,
 
 def check_cpu_vs_gpu(dtype=jnp.bfloat16, cases=(((33, 4099), 5), ((2, 4097), 2**35 + 6)), rate=0.3):
     """CPU and GPU kernels give the same bits, NaN/inf/subnormal inputs and 64-bit offsets included."""
-    gpu = _gpu()
+    gpu = gpu_device()
     if gpu is None:
         return None, "no GPU, or a CPU-only build"
     cpu = jax.devices("cpu")[0]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdet
-from jaxdet._src.core.contract_checks import bitwise_verdict
+from jaxdet._src.core.contract_checks import bitwise_verdict, gpu_device
 from jaxdet._src.core.testing import same_bits
 from jaxdet._src.embed import reference
 from jaxdet._src.embed.embed import CHUNK_TOKENS
@@ -127,17 +127,9 @@ def check_one_hot_matmul(dtype=jnp.float32, tokens=2 * C + 333, d=16, num_segmen
     )
 
 
-def _gpu():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    return gpus[0] if gpus and jaxdet.WITH_CUDA else None
-
-
 def check_cpu_vs_gpu(dtype=jnp.bfloat16, cases=((3 * C + 17, 4, 37), (1000, 300, 7), (5, 1030, 3))):
     """segment_sum and embed's table gradient: CPU bits == GPU bits (the rule is IEEE-exact)."""
-    gpu = _gpu()
+    gpu = gpu_device()
     if gpu is None:
         return None, "no GPU, or a CPU-only build"
     cpu = jax.devices("cpu")[0]
