@@ -147,15 +147,12 @@ def _composite_local(params, axes, shapes):
     return run
 
 
+# A split of the reduced dimension only along whole subtrees of its chunk tree.
+_TOKEN_SPLIT = tree.whole_chunk_split("t", CHUNK_TOKENS)
 segment_sum_p = ffi.define_composite(
     "jaxdet_embed_segment_sum",
     _composite_abstract_eval,
-    ffi.Partitioning(
-        _composite_factors,
-        reduced=frozenset({"t"}),
-        local=_composite_local,
-        can_split=tree.whole_chunk_split("t", CHUNK_TOKENS),
-    ),
+    ffi.Partitioning(_composite_factors, reduced=frozenset({"t"}), local=_composite_local, can_split=_TOKEN_SPLIT),
     batching_rule=_composite_batch,
 )
 

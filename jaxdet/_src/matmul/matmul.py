@@ -343,15 +343,12 @@ def _weight_grad_local(params, axes, shapes):
     return run
 
 
+# A split of the reduced dimension only along whole subtrees of its chunk tree.
+_TOKEN_SPLIT = tree.whole_chunk_split("t", WGRAD_CHUNK_TOKENS)
 weight_grad_p = ffi.define_composite(
     "jaxdet_weight_grad",
     _weight_grad_abstract_eval,
-    ffi.Partitioning(
-        _weight_grad_factors,
-        reduced=frozenset({"t"}),
-        local=_weight_grad_local,
-        can_split=tree.whole_chunk_split("t", WGRAD_CHUNK_TOKENS),
-    ),
+    ffi.Partitioning(_weight_grad_factors, reduced=frozenset({"t"}), local=_weight_grad_local, can_split=_TOKEN_SPLIT),
     batching_rule=_weight_grad_batch,
 )
 

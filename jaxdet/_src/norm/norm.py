@@ -266,6 +266,8 @@ def _grads_batch(args, dims, *, has_bias):
     return _grads_of(x, stats, g, has_bias), [0] * (2 if has_bias else 1)
 
 
+# A split of the reduced dimension only along whole subtrees of its chunk tree.
+_TOKEN_SPLIT = tree.whole_chunk_split("t", 1)
 norm_grads_p = ffi.define_composite(
     "jaxdet_norm_param_grads",
     _grads_abstract_eval,
@@ -274,7 +276,7 @@ norm_grads_p = ffi.define_composite(
         replicated=frozenset({"two"}),
         reduced=frozenset({"t"}),
         local=_grads_local,
-        can_split=tree.whole_chunk_split("t", 1),
+        can_split=_TOKEN_SPLIT,
     ),
     batching_rule=_grads_batch,
     multiple_results=True,

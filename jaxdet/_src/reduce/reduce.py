@@ -125,6 +125,8 @@ def _sum_batch(args, dims, *, k_axis, out_dtype):
     return sum_p.bind(jnp.moveaxis(x, d, 0), k_axis=k_axis + 1, out_dtype=out_dtype), 0
 
 
+# A split of the reduced dimension only along whole subtrees of its chunk tree.
+_K_SPLIT = tree.whole_chunk_split("k", CHUNK_TOKENS)
 sum_p = ffi.define_composite(
     "jaxdet_sum",
     _sum_abstract_eval,
