@@ -29,7 +29,7 @@ from jaxdet._src.audit.rules import (
     same_structure,
 )
 from jaxdet._src.core import graph_state
-from jaxdet._src.core.jaxprs import sub_jaxprs
+from jaxdet._src.core.jaxprs import is_literal, sub_jaxprs
 from jaxdet._src.invariant import rules as invariant_rules
 
 __all__ = ["audit", "AuditReport", "Finding", "BATCH", "RUN", "DEVICES"]
@@ -267,10 +267,6 @@ def _locate(eqn) -> tuple[_Where | None, tuple[str, ...]]:
 # The walk.
 
 
-def _is_literal(v) -> bool:
-    return hasattr(v, "val") and not hasattr(v, "count")
-
-
 class _Walker:
     def __init__(self, backend: str):
         self.backend = backend
@@ -284,7 +280,7 @@ class _Walker:
         # a jaxdet.dropout offset among them is the same for every batch and places no row.
         constant = set(constant) | set(j1.constvars)
         for k, eqn in enumerate(j1.eqns):
-            if all(_is_literal(v) or v in constant for v in eqn.invars):
+            if all(is_literal(v) or v in constant for v in eqn.invars):
                 constant.update(eqn.outvars)
             e2 = eqns2[k] if eqns2 is not None else None
             own, own_apis = _locate(eqn)
@@ -296,7 +292,7 @@ class _Walker:
                 eq_apis = (eqn.params["name"],)
             bwd = backward or "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
             name = eqn.primitive.name
-            fixed = tuple(_is_literal(v) or v in constant for v in eqn.invars)
+            fixed = tuple(is_literal(v) or v in constant for v in eqn.invars)
             hit = classify(eqn, eqn_axes(eqn, e2), eq_apis, here.function, self.backend, bwd, fixed)
             if hit is not None:
                 self.found.append(

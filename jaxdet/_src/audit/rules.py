@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxdet._src.core.jaxprs import sub_jaxprs
+from jaxdet._src.core.jaxprs import is_jaxdet, sub_jaxprs
 
 # What a finding can break (its `breaks`).
 BATCH = "batch"  # a row's bits depend on the batch it is in (its size, its position, the other rows)
@@ -370,7 +370,7 @@ def classify(eqn, axes: Axes, apis, function, backend, backward, fixed=()) -> Hi
     gpu = backend == "gpu"
     if name == "jaxdet_dropout":
         return _dropout_hit(eqn, axes, offset_fixed=len(fixed) > 2 and fixed[2])
-    if name.startswith("jaxdet_") or (name == "ffi_call" and str(p.get("target_name", "")).startswith("jaxdet_")):
+    if is_jaxdet(eqn):
         return None
     if name in _SAFE:
         return None

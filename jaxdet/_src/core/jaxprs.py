@@ -13,3 +13,16 @@ def sub_jaxprs(params) -> list:
             if hasattr(inner, "eqns") and hasattr(inner, "invars"):
                 found.append(inner)
     return found
+
+
+def is_literal(v) -> bool:
+    """Whether an equation operand is a Literal (a value written into the jaxpr), not a variable."""
+    return hasattr(v, "val") and not hasattr(v, "count")
+
+
+def is_jaxdet(eqn) -> bool:
+    """Whether the equation is one of jaxdet's own primitives (or a raw FFI call of its targets)."""
+    name = eqn.primitive.name
+    return name.startswith("jaxdet_") or (
+        name == "ffi_call" and str(eqn.params.get("target_name", "")).startswith("jaxdet_")
+    )

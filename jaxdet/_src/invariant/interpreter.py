@@ -16,6 +16,7 @@ import functools
 import jax
 from jax import lax
 
+from jaxdet._src.core.jaxprs import is_literal
 from jaxdet._src.invariant import rules
 
 
@@ -64,12 +65,8 @@ def unsupported(eqn, why: str):
     )
 
 
-def _is_literal(v) -> bool:
-    return hasattr(v, "val") and not hasattr(v, "count")
-
-
 def _literal_or_var(env, v):
-    if _is_literal(v):
+    if is_literal(v):
         return v.val
     return env[v]
 
@@ -94,7 +91,7 @@ def _evaluate(jaxpr, consts, args):
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
     for eqn in jaxpr.eqns:
-        known = [_is_literal(v) or v in fixed for v in eqn.invars]
+        known = [is_literal(v) or v in fixed for v in eqn.invars]
         invals = [_literal_or_var(env, v) for v in eqn.invars]
         higher = eqn.primitive.name in _HIGHER_ORDER
         if all(known) and not higher and not eqn.effects:
@@ -107,7 +104,7 @@ def _evaluate(jaxpr, consts, args):
                 fixed.update(eqn.outvars)  # integer and boolean constants fold exactly
         else:
             invals = [
-                rules.runtime_value(jax.numpy.asarray(x, v.aval.dtype)) if _is_literal(v) else x
+                rules.runtime_value(jax.numpy.asarray(x, v.aval.dtype)) if is_literal(v) else x
                 for v, x in zip(eqn.invars, invals)
             ]
             with _user_context(eqn):

@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from jaxdet._src.core import tree
+from jaxdet._src.core.jaxprs import is_jaxdet
 
 # Bound again as they are: each output element is one function of its operands (no reduction
 # order exists), or the operation moves data, or it is jaxdet's own.
@@ -73,12 +74,12 @@ REFUSED = {
 }
 
 
+def is_float(dtype) -> bool:
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
 def _bind(eqn, invals):
     return eqn.primitive.bind(*invals, **eqn.params)
-
-
-def _is_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def _out_dtype(eqn, i=0):
@@ -103,21 +104,21 @@ def exit_program():
     _ZEROS.pop()
 
 
-def _runtime_zero():
+_UINT_OF = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _runtime_zero(itemsize):
+    """This program's run-time zero as an unsigned integer of `itemsize` bytes (made once each)."""
     if _ZEROS[-1] is None:
         from jaxdet._src.reduce import reduce as canonical
 
         # The sum of one +0: opaque to XLA (a custom call) and to LLVM (a value loaded from memory).
         z = canonical.reduce_sum(jnp.zeros((1,), jnp.float32), (0,), np.dtype(np.float32))
-        _ZEROS[-1] = lax.bitcast_convert_type(z, jnp.uint32)
-    return _ZEROS[-1]
-
-
-_UINT_OF = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def is_float(dtype) -> bool:
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        _ZEROS[-1] = {4: lax.bitcast_convert_type(z, jnp.uint32)}
+    zeros = _ZEROS[-1]
+    if itemsize not in zeros:
+        zeros[itemsize] = zeros[4].astype(_UINT_OF[itemsize])
+    return zeros[itemsize]
 
 
 def runtime_value(x):
@@ -128,11 +129,11 @@ def runtime_value(x):
 
 
 def _rounded(x):
-    if not _is_float(x.dtype) or not _ZEROS:
+    if not is_float(x.dtype) or not _ZEROS:
         return x
-    utype = _UINT_OF[np.dtype(x.dtype).itemsize]
-    zero = _runtime_zero().astype(utype)
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, utype) ^ zero, x.dtype)
+    size = np.dtype(x.dtype).itemsize
+    bits = lax.bitcast_convert_type(x, _UINT_OF[size])
+    return lax.bitcast_convert_type(bits ^ _runtime_zero(size), x.dtype)
 
 
 def _add(eqn, *xs, unsupported=None):
@@ -144,15 +145,14 @@ def _div(eqn, x, y, unsupported=None):
     reciprocal (other bits) in some compilations and not others (a shard_map's partitioned module).
     The divisor's bits are or-ed with (the dividend's bits and a run-time zero): the same bits, but
     an array XLA cannot see as a broadcast, so the division stays a division."""
-    if not (_is_float(x.dtype) and _is_float(y.dtype) and _ZEROS):
+    if not (is_float(x.dtype) and is_float(y.dtype) and _ZEROS):
         return _bind(eqn, [x, y])
     x, y = jnp.asarray(x), jnp.asarray(y)
     shape = jnp.broadcast_shapes(x.shape, y.shape)
-    utype = _UINT_OF[np.dtype(y.dtype).itemsize]
-    zero = _runtime_zero().astype(utype)
-    xbits = lax.bitcast_convert_type(jnp.broadcast_to(x, shape).astype(y.dtype), utype)
-    ybits = lax.bitcast_convert_type(jnp.broadcast_to(y, shape), utype)
-    y = lax.bitcast_convert_type(ybits | (xbits & zero), y.dtype)
+    size = np.dtype(y.dtype).itemsize  # lax.div's operands share one dtype
+    xbits = lax.bitcast_convert_type(jnp.broadcast_to(x, shape), _UINT_OF[size])
+    ybits = lax.bitcast_convert_type(jnp.broadcast_to(y, shape), _UINT_OF[size])
+    y = lax.bitcast_convert_type(ybits | (xbits & _runtime_zero(size)), y.dtype)
     return _bind(eqn, [_rounded(x), y])
 
 
@@ -160,7 +160,7 @@ def _div(eqn, x, y, unsupported=None):
 
 
 def _reduce_sum(eqn, x):
-    if not _is_float(x.dtype):
+    if not is_float(x.dtype):
         return _bind(eqn, [x])
     from jaxdet._src.reduce import reduce as canonical
 
@@ -169,7 +169,7 @@ def _reduce_sum(eqn, x):
 
 def _refuse_float(reason):
     def rule(eqn, x, *rest, unsupported=None):
-        if _is_float(x.dtype):
+        if is_float(x.dtype):
             raise unsupported(eqn, reason)
         return _bind(eqn, [x, *rest])
 
@@ -206,7 +206,7 @@ def _canonical_extreme(x, reduce_keys, reduce_any, is_max):
 
 def _reduce_extreme(is_max):
     def rule(eqn, x, unsupported=None):
-        if not _is_float(x.dtype):
+        if not is_float(x.dtype):
             return _bind(eqn, [x])
         axes = tuple(eqn.params["axes"])
         red = lax.reduce_max if is_max else lax.reduce_min
@@ -217,7 +217,7 @@ def _reduce_extreme(is_max):
 
 def _cumulative_extreme(is_max):
     def rule(eqn, x, unsupported=None):
-        if not _is_float(x.dtype):
+        if not is_float(x.dtype):
             return _bind(eqn, [x])
         p = eqn.params
         axis, reverse = p["axis"], p["reverse"]
@@ -236,7 +236,7 @@ def _cumulative_extreme(is_max):
 
 def _collective_extreme(is_max):
     def rule(eqn, x, unsupported=None):
-        if not _is_float(x.dtype):
+        if not is_float(x.dtype):
             return _bind(eqn, [x])
         axes = _collective_axes(eqn, unsupported)
         red = lax.pmax if is_max else lax.pmin
@@ -265,7 +265,7 @@ def _operands_as_computed(lhs, rhs, precision):
 
 
 def _dot_general(eqn, lhs, rhs, unsupported=None):
-    if not (_is_float(lhs.dtype) or _is_float(rhs.dtype)):
+    if not (is_float(lhs.dtype) or is_float(rhs.dtype)):
         return _bind(eqn, [lhs, rhs])
     from jaxdet._src.matmul import dot_general as dg
 
@@ -288,7 +288,7 @@ def _windows_per_group(indices, dn):
 
 
 def _scatter_add(eqn, operand, indices, updates, unsupported=None):
-    if not _is_float(operand.dtype):
+    if not is_float(operand.dtype):
         return _bind(eqn, [operand, indices, updates])
     dn = eqn.params["dimension_numbers"]
     if _windows_per_group(indices, dn) <= 1:
@@ -368,7 +368,7 @@ def _tree_psum(x, axes):
 
 
 def _psum(eqn, *xs, unsupported=None):
-    if not any(_is_float(x.dtype) for x in xs):
+    if not any(is_float(x.dtype) for x in xs):
         return _bind(eqn, list(xs))
     outs = [_psum_one(eqn, x, unsupported) for x in xs]
     return outs if eqn.primitive.multiple_results else outs[0]
@@ -376,7 +376,7 @@ def _psum(eqn, *xs, unsupported=None):
 
 def _psum_one(eqn, x, unsupported):
     axes = _collective_axes(eqn, unsupported)
-    if not _is_float(x.dtype):
+    if not is_float(x.dtype):
         return lax.psum(x, axes)
     try:
         return _tree_psum(x, axes)
@@ -385,7 +385,7 @@ def _psum_one(eqn, x, unsupported):
 
 
 def _reduce_scatter(eqn, x, unsupported=None):
-    if not _is_float(x.dtype):
+    if not is_float(x.dtype):
         return _bind(eqn, [x])
     p = eqn.params
     axes = _collective_axes(eqn, unsupported)
@@ -437,16 +437,9 @@ def covers(primitive_name: str) -> bool:
     return primitive_name in EXACT or (primitive_name in RULES and primitive_name not in FLOAT_REFUSED)
 
 
-def _is_jaxdet(eqn) -> bool:
-    name = eqn.primitive.name
-    if name.startswith("jaxdet_"):
-        return True
-    return name == "ffi_call" and str(eqn.params.get("target_name", "")).startswith("jaxdet_")
-
-
 def apply(eqn, invals, unsupported):
     name = eqn.primitive.name
-    if name in EXACT or _is_jaxdet(eqn):
+    if name in EXACT or is_jaxdet(eqn):
         return _bind(eqn, invals)
     rule = RULES.get(name)
     if rule is not None:

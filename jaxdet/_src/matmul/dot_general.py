@@ -21,7 +21,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import tree
+from jaxdet._src.core import checks, tree
 from jaxdet._src.matmul.matmul import (
     _F32,
     SUPPORTED_DTYPES,
@@ -36,7 +36,7 @@ def _is_identity(perm):
 
 
 def _arrange(x, batch, first, second):
-    """x with dims (batch, first, second) as [L, F, S]; returns (array, needs_copy)."""
+    """x with dims (batch, first, second) as [L, F, S] (one transposed copy unless they lie so)."""
     perm = tuple(batch) + tuple(first) + tuple(second)
     shape = x.shape
     L = math.prod(shape[d] for d in batch)
@@ -81,12 +81,7 @@ def dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None):
     dtype = np.dtype(lhs.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dot_general of {dtype.name} operands has no jaxdet kernel (float32, bfloat16 and float16 do)")
-    out_dtype = dtype if preferred_element_type is None else np.dtype(preferred_element_type)
-    if out_dtype not in (dtype, _F32):
-        raise TypeError(
-            f"dot_general of {dtype.name} operands with preferred_element_type={out_dtype.name}: "
-            f"jaxdet computes {dtype.name} or float32 results"
-        )
+    out_dtype = checks.accumulated_result_dtype(dtype, preferred_element_type, "preferred_element_type")
     lf = tuple(d for d in range(lhs.ndim) if d not in lc + lb)
     rf = tuple(d for d in range(rhs.ndim) if d not in rc + rb)
     batch_shape = tuple(lhs.shape[d] for d in lb)
@@ -114,9 +109,4 @@ def dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None):
     return _chunked_product(a3, b3, out_dtype, transpose_b, False).reshape(out_shape)
 
 
-def is_exact(lhs_dtype) -> bool:
-    """Integer and boolean products are exact: their order cannot change a bit."""
-    return not jnp.issubdtype(lhs_dtype, jnp.inexact)
-
-
-__all__ = ["dot_general", "is_exact"]
+__all__ = ["dot_general"]
