@@ -609,9 +609,7 @@ def test_mask_forms_equal_the_positions_forms(device):
         full = jaxdet.attention(q, k, v)
         assert_bitwise(_masked(q, k, v, jnp.tril(jnp.ones((T, T), bool)), causal=False), full)
         assert_bitwise(_masked(q, k, v, jnp.ones((B, 1, T, T), bool)), full)  # ANDed with causal
-        steps = [
-            _masked(q[:, t : t + 1], k, v, (jnp.arange(T) <= t)[None, None, None], causal=False) for t in range(T)
-        ]
+        steps = [_masked(q[:, t : t + 1], k, v, (jnp.arange(T) <= t)[None, None, None], causal=False) for t in range(T)]
         assert_bitwise(jnp.concatenate(steps, 1), full)
         pad = 5
         shift = lambda x: jnp.concatenate([jnp.full((1, pad) + x.shape[2:], 7.0, x.dtype), x[:1, : T - pad]], 1)  # noqa: E731

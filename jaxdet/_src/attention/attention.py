@@ -400,7 +400,9 @@ def attention(
         raise ValueError(f"scale must be finite, got {scale}")
     if mask is not None:
         if segment_ids is not None:
-            raise ValueError("segment_ids excludes mask (a packed sequence sees its own segment; AND them into one mask)")
+            raise ValueError(
+                "segment_ids excludes mask (a packed sequence sees its own segment; AND them into one mask)"
+            )
         _check_mask(mask, B, N, T, S)
     if segment_ids is not None:
         if q_positions is not None or kv_lengths is not None:
