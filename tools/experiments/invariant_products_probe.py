@@ -87,12 +87,14 @@ def main():
             print(f"{key}: {type(e).__name__}: {str(e)[:100]}")
     print(f"{jax.devices()[0].device_kind}: {sum(found.values())} operations in {len(found)} groups")
     print(
-        "| op | shapes | dims | count | XLA (us) | rule (us) | ratio | total lost (ms) |\n|---|---|---|---:|---:|---:|---:|---:|"
+        "| op | shapes | dims | count | XLA (us) | rule (us) | ratio | total lost (ms) |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|"
     )
     for lost, n, key, xla, rule in sorted(rows, key=lambda r: -r[0]):
         shapes = " x ".join(f"{list(s)}{d}" for s, d in key[1])
         print(
-            f"| {key[0]} | {shapes} | {key[2]} | {n} | {xla * 1e6:.0f} | {rule * 1e6:.0f} | {rule / xla:.2f} | {lost * 1e3:.2f} |"
+            f"| {key[0]} | {shapes} | {key[2]} | {n} | {xla * 1e6:.0f} | {rule * 1e6:.0f} | "
+            f"{rule / xla:.2f} | {lost * 1e3:.2f} |"
         )
 
 
