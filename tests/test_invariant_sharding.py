@@ -73,6 +73,23 @@ def test_shard_map_data_parallel_gradients_equal_for_every_device_count():
 
 
 @on_devices
+def test_shard_map_data_parallel_bfloat16_gradients_equal_for_every_device_count():
+    """bfloat16 parameters: each device's gradient is a float32 partial sum over its chunks that
+    the sum over devices continues, rounded once after it (rounding each device's partial first
+    would make the bits depend on D)."""
+    cfg = L.Config(d_model=32, n_heads=2, n_kv_heads=1, d_ff=32, n_layers=1, vocab=61, dtype=jnp.bfloat16)
+    params = L.init(cfg, jax.random.key(5))
+    tokens, targets = _data()
+    tx = optax.adam(1e-2)
+    results = {}
+    for d in (1, 2, 8):
+        mesh = Mesh(np.array(jax.devices()[:d]), ("d",))
+        results[d] = jax.jit(jaxdet.invariant(_dp_step(mesh, tx, cfg)))(params, tx.init(params), tokens, targets)
+    for d in (2, 8):
+        jax.tree.map(assert_bitwise_equal, results[d], results[1])
+
+
+@on_devices
 def test_shard_map_outside_and_sharded_jit_give_the_single_device_bits():
     """jaxdet.invariant inside the user's shard_map (each device transforms its own step, psum
     of the gradients in it), and sharded jit of the transformed step (the batch split over 8
