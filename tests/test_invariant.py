@@ -105,6 +105,32 @@ def test_dot_general_chunk_tree_beyond_one_chunk():
     assert_bitwise_equal(padded, got)
 
 
+def _weight_gradient_written_transposed(dtype, device):
+    """JAX's gradient of ``x @ w`` in ``w`` is ``transpose(g^T x)``: the transformation computes
+    ``x^T g`` instead, which writes the transposed result directly, with the same bits."""
+    from jaxdet._src.matmul.dot_general import dot_general
+
+    dn = (((0, 1), (0, 1)), ((), ()))
+    with jax.default_device(jax.devices(device)[0]):
+        for T in (300, 9000):  # one chunk, and chunk partials in the tree
+            x = _normal(50, (2, T, 64), dtype)
+            g = _normal(51, (2, T, 48), dtype)
+            h = jax.jit(invariant(lambda x, g: lax.dot_general(g, x, dn).T))
+            assert "transpose" not in h.lower(x, g).as_text()
+            assert_bitwise_equal(h(x, g), dot_general(g, x, dn).T)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_weight_gradient_written_transposed_keeps_the_bits(dtype):
+    _weight_gradient_written_transposed(dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+def test_gpu_weight_gradient_written_transposed_keeps_the_bits(dtype, on_gpu):
+    _weight_gradient_written_transposed(dtype, "gpu")
+
+
 def test_integer_products_and_sums_are_exact():
     a = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
     f = invariant(lambda a: (a @ a.T).sum(axis=1) + jnp.cumsum(a, axis=1)[:, -1])

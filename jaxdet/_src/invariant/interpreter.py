@@ -87,11 +87,16 @@ def _evaluate(jaxpr, consts, args):
     # They enter the arithmetic through `rules.runtime_value`, which XLA cannot see through.
     env, fixed = {}, set()
     wanted, partials = _partials_wanted(jaxpr), {}
+    swapped = _products_read_transposed(jaxpr)
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
     for eqn in jaxpr.eqns:
+        if eqn in swapped:
+            eqn = swapped[eqn]
+            if eqn is None:  # a transpose whose value the swapped product already made
+                continue
         known = [is_literal(v) or v in fixed for v in eqn.invars]
         invals = [_literal_or_var(env, v) for v in eqn.invars]
         higher = eqn.primitive.name in _HIGHER_ORDER
@@ -114,6 +119,45 @@ def _evaluate(jaxpr, consts, args):
             if type(v).__name__ != "DropVar":
                 env[v] = x
     return [_literal_or_var(env, v) for v in jaxpr.outvars]
+
+
+def _products_read_transposed(jaxpr):
+    """`dot_general` equations whose only use is a transpose that swaps the two operands' free
+    dimensions (JAX's derivative of ``x @ w`` with respect to ``w`` is ``transpose(g^T x)``):
+    each maps to the product with its operands swapped, which writes the transposed result
+    directly, and its transpose maps to None. The bits are the same: each element is the same
+    products, folded over the same contracted index by the rule; only the materialised transpose
+    (and a consumer reading it transposed, an optimizer's update) goes."""
+    uses = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not is_literal(v):
+                uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if not is_literal(v):
+            uses[v] = uses.get(v, 0) + 2  # an output is never replaced
+    producers = {eqn.outvars[0]: eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"}
+    swapped = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "transpose" or is_literal(eqn.invars[0]):
+            continue
+        product = producers.get(eqn.invars[0])
+        if product is None or uses.get(eqn.invars[0]) != 1:
+            continue
+        (lc, rc), (lb, rb) = product.params["dimension_numbers"]
+        lhs, rhs = (v.aval.ndim for v in product.invars)
+        nb, nl = len(lb), lhs - len(lc) - len(lb)
+        nr = rhs - len(rc) - len(rb)
+        perm = tuple(range(nb)) + tuple(range(nb + nl, nb + nl + nr)) + tuple(range(nb, nb + nl))
+        if tuple(eqn.params["permutation"]) != perm:
+            continue
+        swapped[product] = product.replace(
+            invars=product.invars[::-1],
+            outvars=eqn.outvars,
+            params={**product.params, "dimension_numbers": ((rc, lc), (rb, lb))},
+        )
+        swapped[eqn] = None
+    return swapped
 
 
 def _partials_wanted(jaxpr):
