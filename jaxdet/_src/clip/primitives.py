@@ -182,10 +182,17 @@ def _apply_varying(ctrl, *leaves):
     return tuple(decision | varying.varying_axes(x) for x in leaves)
 
 
+def _partials_attributes(batch_dims):
+    """The partials calls take no attribute: the handlers count the examples from the slots' leading
+    dims (cuda/clip/clip_ffi.h)."""
+    del batch_dims
+    return {}
+
+
 partials_p = ffi.define_primitive(
     "jaxdet_clip_partials",
     _partials_abstract_eval,
-    attributes=lambda batch_dims: {},
+    attributes=_partials_attributes,
     batching_rule=_partials_batch,
 )
 
@@ -196,7 +203,7 @@ partials_p = ffi.define_primitive(
 partials_through_p = ffi.define_primitive(
     "jaxdet_clip_partials",
     _partials_through_abstract_eval,
-    attributes=lambda batch_dims: {},
+    attributes=_partials_attributes,
     batching_rule=_partials_through_batch,
     multiple_results=True,
     operand_output_aliases=lambda num_operands: {i: i + 1 for i in range(num_operands)},
