@@ -111,6 +111,21 @@ def test_dot_general_any_dimension_numbers_and_linen_dense():
         jnnx.dot_general(x, w.astype(jnp.bfloat16), dn)
 
 
+def test_out_sharding_types_the_result_under_explicit_sharding():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        x = jax.device_put(normal(0, (2, 8)), P("data", None))
+        linear = jnnx.Linear(8, 4, rngs=nnx.Rngs(0))
+        assert jax.typeof(linear(x, out_sharding=P("data", None))).sharding.spec == P("data", None)
+        embed = jnnx.Embed(5, 4, rngs=nnx.Rngs(0))
+        ids = jnp.zeros((2, 3), jnp.int32)
+        assert jax.typeof(embed(ids, out_sharding=P("data", None, None))).sharding.spec == P("data", None, None)
+        assert_bitwise_equal(linear(x, out_sharding=P("data", None)), linear(x))
+
+
 # ---- Embed. ----
 
 
