@@ -234,6 +234,19 @@ def test_dropout_example_offset_gives_a_micro_batch_its_rows_of_the_whole_mask(b
     assert_bitwise_equal(scanned(layer, x), whole, "scanned micro-batches with traced offsets")
 
 
+def test_dropout_example_offset_traced_past_int32_and_bad_values():
+    layer = jnnx.Dropout(0.5, deterministic=False)
+    x = normal(0, (2, 64, 64))  # 4096 mask elements per example
+    key = jax.random.key(1)
+    far = 600_000  # 600000 * 4096 > 2**31: an int32 product would wrap negative
+    traced = jax.jit(lambda i: layer(x, rngs=key, example_offset=i))(jnp.int32(far))
+    assert_bitwise_equal(traced, layer(x, rngs=key, example_offset=far), "traced int32 vs static offset")
+    with pytest.raises(ValueError, match="example_offset"):
+        layer(x, rngs=key, example_offset=-1)
+    with pytest.raises(TypeError, match="example_offset"):
+        layer(x, rngs=key, example_offset=jnp.zeros((2,), jnp.int32))
+
+
 def test_dropout_in_an_nnx_jit_train_step_and_rate_one():
     class Model(nnx.Module):
         def __init__(self, rngs):
