@@ -237,6 +237,22 @@ def test_nnx_jit_train_step(modules):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
+def test_the_jaxdet_llamas_gradient_is_clean_under_the_audit_and_the_flax_twins_is_not():
+    t = jnp.ones((2, 9), jnp.int32)
+
+    def step(model, t):
+        def loss(m):
+            return jaxdet.sum(jaxdet.softmax_cross_entropy_with_integer_labels(m(t[:, :-1]), t[:, 1:]))
+
+        return nnx.state(nnx.grad(loss)(model))
+
+    small = dataclasses.replace(TINY, n_layers=1)
+    report = jaxdet.audit(step, Llama(small, rngs=nnx.Rngs(0)), t, batch_argnums=1, strict=True)
+    assert report.ok and not report.findings, str(report)
+    twin = Llama(dataclasses.replace(small, modules="flax"), rngs=nnx.Rngs(0))
+    assert not jaxdet.audit(step, twin, t, batch_argnums=1).ok
+
+
 # ---- GPU. ----
 
 
