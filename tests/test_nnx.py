@@ -391,3 +391,25 @@ def test_attention_fn_refuses_what_it_cannot_do():
         jnnx.dot_product_attention(q, q, q, mask=holes)
     with pytest.raises(ValueError, match="broadcastable"):
         jnnx.dot_product_attention(q, q, q, mask=np.ones((5, 6), bool))
+
+
+# ---- GPU. ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_decode_mode_gives_the_prefills_bits(on_gpu, dtype):
+    test_decode_mode_gives_the_prefills_bits(dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_drop_ins_row_invariant_and_dropout_equal_to_the_cpu(on_gpu):
+    test_linear_is_flaxs_to_rounding_and_row_invariant(jnp.bfloat16)
+    test_left_padded_rows_have_the_unpadded_bits()
+    layer = jnnx.Dropout(0.3, deterministic=False)
+    x = normal(0, (4, 6, 8), jnp.bfloat16)
+    on_gpu_bits = layer(x, rngs=jax.random.key(1), example_offset=3)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        on_cpu_bits = layer(jax.device_put(x, cpu), rngs=jax.device_put(jax.random.key(1), cpu), example_offset=3)
+    assert_bitwise_equal(np.asarray(on_gpu_bits), np.asarray(on_cpu_bits), "the same mask on GPU and CPU")
