@@ -277,7 +277,7 @@ def test_gpu_same_bits_alone_padded_packed_and_through_extend(on_gpu, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_jaxdet_and_flax_agree_with_float64_and_cpu_bits(on_gpu):
+def test_gpu_jaxdet_and_flax_agree_with_float64_and_the_cpu(on_gpu):
     cfg = config(jnp.bfloat16)
     model = Llama(cfg, rngs=nnx.Rngs(0))
     seq = tokens(2, (1, 12))
