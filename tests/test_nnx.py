@@ -372,6 +372,12 @@ def test_attention_fn_is_flaxs_for_every_mask_nnx_builds(num_kv_heads):
     # Several batch dims: [2, 3, T, F].
     x4 = normal(2, (2, 3, 12, D_MODEL))
     assert rel_err(ours(x4, is_causal=True), theirs(x4, is_causal=True)) < 2e-6
+    # Gradients through the mask, under nnx.jit.
+    g = normal(3, (3, 12, D_MODEL))
+    grads = nnx.jit(nnx.grad(lambda m, x: jnp.vdot(m(x, mask=causal), g)))
+    ours_g, theirs_g = grads(ours, x), grads(theirs, x)
+    for a, b in zip(jax.tree.leaves(nnx.state(ours_g)), jax.tree.leaves(nnx.state(theirs_g))):
+        assert rel_err(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
