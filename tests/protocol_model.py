@@ -63,21 +63,25 @@ class Llama(nnx.Module):
 
     def _blocks(self, tokens, positions, attend):
         cfg = self.cfg
+        plain = cfg.modules == "flax"
+        embed = (lambda t, i: jnp.take(t, i, axis=0)) if plain else jaxdet.embed
+        matmul = jnp.matmul if plain else jaxdet.matmul
+        norm = _plain_rms_norm if plain else jaxdet.rms_norm
         b, t = tokens.shape
         hd = cfg.d_model // cfg.n_heads
         pos = jnp.minimum(positions, cfg.max_len - 1)
-        x = jaxdet.embed(self.tok[...], tokens) + jaxdet.embed(self.pos[...], pos)
+        x = embed(self.tok[...], tokens) + embed(self.pos[...], pos)
         for i, layer in enumerate(self.layers):
-            h = jaxdet.rms_norm(x, layer["n1"][...], cfg.norm_eps)
-            q = jaxdet.matmul(h, layer["q"][...]).reshape(b, t, cfg.n_heads, hd)
-            k = jaxdet.matmul(h, layer["k"][...]).reshape(b, t, cfg.n_kv_heads, hd)
-            v = jaxdet.matmul(h, layer["v"][...]).reshape(b, t, cfg.n_kv_heads, hd)
+            h = norm(x, layer["n1"][...], cfg.norm_eps)
+            q = matmul(h, layer["q"][...]).reshape(b, t, cfg.n_heads, hd)
+            k = matmul(h, layer["k"][...]).reshape(b, t, cfg.n_kv_heads, hd)
+            v = matmul(h, layer["v"][...]).reshape(b, t, cfg.n_kv_heads, hd)
             out = attend(i, q, k, v)
-            x = x + jaxdet.matmul(out.reshape(b, t, -1), layer["o"][...])
-            h = jaxdet.rms_norm(x, layer["n2"][...], cfg.norm_eps)
-            x = x + jaxdet.matmul(jax.nn.gelu(jaxdet.matmul(h, layer["up"][...])), layer["down"][...])
-        h = jaxdet.rms_norm(x, self.norm[...], cfg.norm_eps)
-        return jaxdet.matmul(h, self.head[...], preferred_element_type=jnp.float32)
+            x = x + matmul(out.reshape(b, t, -1), layer["o"][...])
+            h = norm(x, layer["n2"][...], cfg.norm_eps)
+            x = x + matmul(jax.nn.gelu(matmul(h, layer["up"][...])), layer["down"][...])
+        h = norm(x, self.norm[...], cfg.norm_eps)
+        return matmul(h, self.head[...]).astype(jnp.float32)
 
     def __call__(self, tokens, positions=None, *, segment_ids=None):
         b, t = tokens.shape
@@ -85,11 +89,19 @@ class Llama(nnx.Module):
             idx = jnp.arange(t)
             new = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
             positions = idx - jax.lax.cummax(jnp.where(new, idx, 0), axis=1)
+            if self.cfg.modules == "flax":
+                same = segment_ids[:, :, None] == segment_ids[:, None, :]
+                mask = same & (idx[:, None] >= idx[None, :])
+                return self._blocks(tokens, positions, lambda i, q, k, v: _plain_attention(q, k, v, mask))
             return self._blocks(
                 tokens, positions, lambda i, q, k, v: jaxdet.attention(q, k, v, segment_ids=segment_ids)
             )
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        if self.cfg.modules == "flax":
+            return self._blocks(
+                tokens, positions, lambda i, q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            )
         return self._blocks(tokens, positions, lambda i, q, k, v: jaxdet.attention(q, k, v, q_positions=positions))
 
     def init_cache(self, batch, capacity):
@@ -109,8 +121,19 @@ class Llama(nnx.Module):
         def attend(i, q, k, v):
             new_k[i] = cache.k[i].at[rows, positions].set(k, mode="drop")
             new_v[i] = cache.v[i].at[rows, positions].set(v, mode="drop")
+            if self.cfg.modules == "flax":
+                mask = positions[:, :, None] >= jnp.arange(capacity)[None, None, :]
+                return _plain_attention(q, new_k[i], new_v[i], mask)
             lengths = jnp.full((b,), capacity, jnp.int32)
             return jaxdet.attention(q, new_k[i], new_v[i], q_positions=positions, kv_lengths=lengths)
 
         logits = self._blocks(tokens, positions, attend)
         return logits, KVCache(k=new_k, v=new_v)
+
+
+def _plain_rms_norm(x, scale, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _plain_attention(q, k, v, mask):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])

@@ -177,6 +177,23 @@ def test_bad_arguments_raise_naming_them(model):
     assert sampler.num_queued == 0  # nothing half-added
 
 
+def test_flax_modules_under_invariant_keep_the_contract():
+    # The plain-JAX twin (flax's own modules, jax.nn.dot_product_attention over a masked cache):
+    # run under jaxdet.invariant, sampler and trainer agree bit for bit again, whatever the slots.
+    flax_model = Llama(LlamaConfig(vocab_size=VOCAB, modules="flax"), rngs=nnx.Rngs(1))
+    prompts = _prompts(4, seed=3)
+    completions = []
+    for num_slots, chunk in ((1, 1), (3, 4)):
+        sampler = sampling.Sampler(flax_model, num_slots=num_slots, capacity=16, prefill_chunk=chunk, invariant=True)
+        completions.append(sampler.generate(prompts, max_new_tokens=4, temperature=1.0, key=jaxdet.random.key(2)))
+    for a, b in zip(*completions):
+        assert_bitwise(a.log_probs, b.log_probs, f"request {a.request_id}, 1 vs 3 slots")
+    for layout in ("packed", "padded"):
+        scored = sampling.completions_log_probs(flax_model, completions[1], layout=layout, invariant=True)
+        for lp, c in zip(scored, completions[1]):
+            assert_bitwise(lp, c.log_probs, f"request {c.request_id} ({layout}, invariant)")
+
+
 @pytest.mark.gpu
 def test_gpu_sampler_log_probs_equal_the_trainers(model, on_gpu):
     gpu_model = Llama(model.cfg, rngs=nnx.Rngs(0))

@@ -73,17 +73,16 @@ def _bucket(n: int, limit: int) -> int:
 
 
 def _step(graphdef, invariant, state, cache, tokens, positions, last, keys, steps, inv_temperature, greedy):
-    def run(state, cache, tokens, positions, last, keys, steps, inv_temperature, greedy):
-        model = nnx.merge(graphdef, state)
-        logits, cache = model.extend(tokens, positions, cache)
-        rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
-        scaled = sampling_math.scaled_logits(rows, inv_temperature[:, None])
-        next_tokens, log_probs = sampling_math.select(scaled, rows, keys, steps, greedy)
-        return cache, next_tokens, log_probs
+    def extend(state, tokens, positions, cache):
+        return nnx.merge(graphdef, state).extend(tokens, positions, cache)
 
-    if invariant:
-        run = jaxdet.invariant(run)
-    return run(state, cache, tokens, positions, last, keys, steps, inv_temperature, greedy)
+    if invariant:  # the model only: the token choice below is jaxdet kernels and exact operations already
+        extend = jaxdet.invariant(extend)
+    logits, cache = extend(state, tokens, positions, cache)
+    rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    scaled = sampling_math.scaled_logits(rows, inv_temperature[:, None])
+    next_tokens, log_probs = sampling_math.select(scaled, rows, keys, steps, greedy)
+    return cache, next_tokens, log_probs
 
 
 class Sampler:
