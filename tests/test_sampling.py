@@ -148,6 +148,17 @@ def test_stop_tokens_and_sampler_bookkeeping(model):
     assert not sampler.has_work() and sampler.num_active == 0
 
 
+def test_sampler_follows_updates_in_place():
+    model = Llama(LlamaConfig(vocab_size=VOCAB, n_layers=1), rngs=nnx.Rngs(4))
+    sampler = sampling.Sampler(model, num_slots=2, capacity=8)
+    before = sampler.generate([[1, 2]], max_new_tokens=3)[0]
+    nnx.update(model, jax.tree.map(lambda x: x * 1.5, nnx.state(model, nnx.Param)))
+    after = sampler.generate([[1, 2]], max_new_tokens=3)[0]
+    fresh = sampling.Sampler(model, num_slots=2, capacity=8).generate([[1, 2]], max_new_tokens=3)[0]
+    assert_bitwise(after.log_probs, fresh.log_probs, "after the update")
+    assert not np.array_equal(after.log_probs, before.log_probs)
+
+
 def test_bad_arguments_raise_naming_them(model):
     sampler = sampling.Sampler(model, num_slots=2, capacity=8)
     with pytest.raises(ValueError, match="capacity=8"):

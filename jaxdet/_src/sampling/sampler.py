@@ -104,8 +104,9 @@ class Sampler:
     `num_slots`: the batch of the cache; `capacity`: cache rows per slot (a request needs
     len(prompt) + max_new_tokens - 1 of them); `prefill_chunk`: the most prompt tokens a slot feeds
     in one step; `invariant`: run each step under `jaxdet.invariant` (a model written with plain JAX
-    or flax's own modules). The model's parameters are read at every step, so a model updated in
-    place between calls (an RL loop) is sampled with its current weights."""
+    or flax's own modules). The sampler holds the model's own variables, so a model updated in place
+    between steps (an RL loop's optimizer) is sampled with its current weights; a model whose
+    structure changes (variables added or replaced) needs a new Sampler."""
 
     def __init__(self, model, *, num_slots: int, capacity: int, prefill_chunk: int = 32, invariant: bool = False):
         for name in ("init_cache", "extend"):
@@ -120,7 +121,10 @@ class Sampler:
         self.prefill_chunk = check_static_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.invariant = bool(invariant)
         self.steps_taken = 0
-        self._graphdef = nnx.graphdef(model)
+        # The model's own variables (nnx.state returns them, not copies): an update in place (an
+        # optimizer step, nnx.update, an assignment to a variable's value) is seen at the next step,
+        # without walking the model's graph at every step.
+        self._graphdef, self._state = nnx.split(model)
         self._cache = model.init_cache(self.num_slots, self.capacity)
         self._slots: list[_Request | None] = [None] * self.num_slots
         self._queue: collections.deque[_Request] = collections.deque()
@@ -221,9 +225,8 @@ class Sampler:
             inv_temperature[slot] = sampling_math.inverse_temperature(r.temperature)
             greedy[slot] = r.temperature == 0
             fed[slot] = n
-        state = nnx.state(self.model)
         self._cache, next_tokens, log_probs = self._jit_step(
-            state, self._cache, tokens, positions, last, keys, steps, inv_temperature, greedy
+            self._state, self._cache, tokens, positions, last, keys, steps, inv_temperature, greedy
         )
         next_tokens, log_probs = np.asarray(next_tokens), np.asarray(log_probs)
         self.steps_taken += 1
