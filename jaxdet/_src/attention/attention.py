@@ -246,6 +246,67 @@ def _position_rows(B, T, S, causal, q_positions, kv_lengths):
     return jnp.broadcast_to(pos, (B, T)), kv_len, CAUSAL_POSITIONS
 
 
+def _mask_rows(xp, mask, B, T, S, causal, q_positions, kv_lengths):
+    """(kv_start, limit, ok) per query of a boolean mask ANDed with the causal and length limits,
+    computed with `xp` (jax.numpy in the program, NumPy for a mask known at trace time).
+
+    A row whose visible keys are one contiguous run is read as (its first key, the run's length),
+    exactly the START_LIMIT description: the canonical order counts its blocks from the first
+    visible key, so the row has the bits of the same keys seen from position 0 (a left-padded
+    prompt, a decode step's full-length cache, a packed sequence). ``ok`` is False for a row of any
+    other form, or whose heads disagree: it has no such description."""
+    m = mask
+    while m.ndim < 4:
+        m = m[None]
+    agree = xp.all(m == m[:, :1], axis=(1, 3))  # one description per (b, t) serves every head
+    m = xp.broadcast_to(m[:, 0], (B, T, S))
+    s = xp.arange(S, dtype=np.int32)
+    if causal or kv_lengths is not None:
+        kv_len = xp.full((B,), S, np.int32) if kv_lengths is None else xp.broadcast_to(kv_lengths, (B,))
+        bound = xp.broadcast_to(kv_len.astype(np.int32)[:, None], (B, T))
+        if causal:
+            pos = xp.arange(T, dtype=np.int32) if q_positions is None else q_positions.astype(np.int32)
+            bound = xp.minimum(bound, xp.broadcast_to(pos, (B, T)) + 1)
+        m = m & (s < bound[:, :, None])
+    count = xp.sum(m, axis=-1, dtype=np.int32)
+    start = xp.where(count > 0, xp.argmax(m, axis=-1).astype(np.int32), 0)
+    run = (s >= start[:, :, None]) & (s < (start + count)[:, :, None])
+    ok = xp.all(m == run, axis=-1) & xp.broadcast_to(agree, (B, T))
+    return start, count, ok
+
+
+def _check_mask(mask, B, N, T, S):
+    if not (hasattr(mask, "dtype") and hasattr(mask, "shape")):
+        raise TypeError(f"mask must be a boolean array, got {type(mask).__name__}")
+    if np.dtype(mask.dtype) != np.bool_:
+        raise TypeError(f"mask must be a boolean array (True: the query sees the key), got {np.dtype(mask.dtype).name}")
+    shape = tuple(mask.shape)
+    if len(shape) > 4 or any(d not in (1, f) for d, f in zip(shape[::-1], (B, N, T, S)[::-1])):
+        raise ValueError(
+            f"mask must broadcast to [B, 1 or N, T, S] = {[B, N, T, S]} (each dim 1 or full), got {list(shape)}"
+        )
+
+
+def _concrete(x):
+    return x is None or not isinstance(x, jax.core.Tracer)
+
+
+def _rows_of_mask(mask, B, T, S, causal, q_positions, kv_lengths):
+    """The mask's rows; a mask (and positions) known at trace time with a row of no contiguous
+    form is a ValueError naming the row instead of NaN in the output."""
+    if all(_concrete(x) for x in (mask, q_positions, kv_lengths)):
+        host = [None if x is None else np.asarray(x) for x in (q_positions, kv_lengths)]
+        _, _, ok = _mask_rows(np, np.asarray(mask), B, T, S, causal, *host)
+        if not ok.all():
+            b, t = (int(i) for i in np.argwhere(~ok)[0])
+            raise ValueError(
+                f"mask: the keys query (batch {b}, position {t}) sees are not one contiguous run (or differ "
+                "between heads); jaxdet.attention computes a query over a run of keys, from its first "
+                "visible key to its last"
+            )
+    return _mask_rows(jnp, jnp.asarray(mask), B, T, S, causal, q_positions, kv_lengths)
+
+
 # ---- Checks. ----
 
 
@@ -259,7 +320,9 @@ def _check_int_array(x, name, shapes, help_):
     return jnp.asarray(x)
 
 
-def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_lengths=None, segment_ids=None):
+def attention(
+    q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_lengths=None, segment_ids=None, mask=None
+):
     """Multi-head attention ``softmax(scale * q k^T + mask) v`` with invariant rows.
 
     Args:
@@ -276,7 +339,13 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
       kv_lengths: int ``[B]``: keys at positions ``>= kv_lengths[b]`` are padding (or unused KV
         cache capacity) and are never seen. Default S. Clamped to ``[0, S]``.
       segment_ids: int ``[B, T]`` for packed self-attention (``T == S``): each run of equal ids is
-        its own sequence, with positions starting at 0. Excludes q_positions and kv_lengths.
+        its own sequence, with positions starting at 0. Excludes q_positions, kv_lengths and mask.
+      mask: boolean, broadcastable to ``[B, 1 or N, T, S]`` (True: the query sees the key), ANDed
+        with causal, q_positions and kv_lengths. Each query's visible keys must be one contiguous
+        run (causal, left or right padding, a decode step's full-length cache, prefix-LM, a sliding
+        window); the run is computed as a sequence starting at its first key. A row of any other
+        form (or whose heads differ) gives NaN in the output, or a ValueError when the mask is
+        known at trace time.
 
     Returns ``[B, T, N, D]`` in q's dtype. A query that sees no key gets zeros. Reverse-mode
     differentiable in q, k and v (``jax.custom_vjp``; the backward is one jaxdet kernel and is not
@@ -310,6 +379,7 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
             q_positions=unbatched(q_positions),
             kv_lengths=kv1,
             segment_ids=unbatched(segment_ids),
+            mask=mask,
         )
         return out[0]
     B, T, N, D = q.shape
@@ -328,6 +398,12 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     scale = 1.0 / math.sqrt(D) if scale is None else check_static_float(scale, "scale")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    if mask is not None:
+        if segment_ids is not None:
+            raise ValueError(
+                "segment_ids excludes mask (a packed sequence sees its own segment; AND them into one mask)"
+            )
+        _check_mask(mask, B, N, T, S)
     if segment_ids is not None:
         if q_positions is not None or kv_lengths is not None:
             raise ValueError("segment_ids excludes q_positions and kv_lengths (positions restart in each segment)")
@@ -347,8 +423,12 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if q.size == 0:
         return jnp.zeros(q.shape, q.dtype)
+    ok = None
     if segment_ids is not None:
         row_a, row_b = _segment_rows(segment_ids, causal)
+        row_form = START_LIMIT
+    elif mask is not None:
+        row_a, row_b, ok = _rows_of_mask(mask, B, T, S, causal, q_positions, kv_lengths)
         row_form = START_LIMIT
     else:
         row_a, row_b, row_form = _position_rows(B, T, S, causal, q_positions, kv_lengths)
@@ -356,7 +436,10 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     out = autodiff.reverse_only(
         "jaxdet.attention", _attention5, q.reshape(B, T, K, G, D), k, v, row_a, row_b, scale, row_form
     )
-    return out.reshape(B, T, N, D)
+    out = out.reshape(B, T, N, D)
+    if ok is not None:
+        out = jnp.where(ok[:, :, None, None], out, jnp.array(np.nan, out.dtype))
+    return out
 
 
 autodiff.refuse_jvp(globals(), lambda params: "jaxdet.attention")
