@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from protocol_model import Llama, LlamaConfig
+
+from jaxdet.models.llama import Llama, LlamaConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "notebooks"))
 import rl_toy  # noqa: E402
@@ -19,7 +20,10 @@ CFG = rl_toy.RLConfig(steps=3, prompts_per_step=4, group_size=4, num_slots=8)
 
 
 def _model(modules):
-    return Llama(LlamaConfig(vocab_size=rl_toy.VOCAB, max_len=16, modules=modules), rngs=nnx.Rngs(0))
+    cfg = LlamaConfig(
+        vocab_size=rl_toy.VOCAB, d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, d_ff=128, max_len=16, modules=modules
+    )
+    return Llama(cfg, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("modules, invariant", [("jaxdet", False), ("flax", True)], ids=["jaxdet", "flax-invariant"])

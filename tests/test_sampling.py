@@ -8,19 +8,25 @@ import numpy as np
 import pytest
 from bitwise import assert_bitwise
 from flax import nnx
-from protocol_model import Llama, LlamaConfig
 
 import jaxdet
 from jaxdet import sampling
+from jaxdet.models.llama import Llama, LlamaConfig
 
 VOCAB = 32
 
 
+def tiny_llama(modules="jaxdet", *, n_layers=2, seed=0):
+    """Grouped-query attention (2 query heads per KV head of jaxdet.attention's smallest head dim)."""
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, d_model=128, n_layers=n_layers, n_heads=2, n_kv_heads=1, d_ff=128, max_len=32, modules=modules
+    )
+    return Llama(cfg, rngs=nnx.Rngs(seed))
+
+
 @pytest.fixture(scope="module")
 def model():
-    return Llama(
-        LlamaConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=1, n_kv_heads=1, d_ff=128), rngs=nnx.Rngs(0)
-    )
+    return tiny_llama()
 
 
 def _prompts(n=6, seed=0):
@@ -139,17 +145,20 @@ def test_draws_follow_the_softmax():
 
 def test_stop_tokens_and_sampler_bookkeeping(model):
     sampler = sampling.Sampler(model, num_slots=2, capacity=16)
-    first = sampler.generate([[1, 2, 3]], max_new_tokens=4)[0]
-    stop = int(first.tokens[1])
-    again = sampler.generate([[1, 2, 3], [4, 5]], max_new_tokens=4, stop_tokens=[stop])
-    assert again[0].finish_reason == "stop" and again[0].tokens.tolist() == first.tokens[:2].tolist()
-    assert_bitwise(again[0].log_probs, first.log_probs[:2], "stopped early")
-    assert again[0].sequence.tolist() == [1, 2, 3] + first.tokens[:2].tolist()
+    first = sampler.generate([[1, 2, 3]], max_new_tokens=4, temperature=1.0, key=jaxdet.random.key(0))[0]
+    stop = int(first.tokens[-1])
+    n = first.tokens.tolist().index(stop) + 1  # the stop token's first draw ends the request
+    again = sampler.generate(
+        [[1, 2, 3], [4, 5]], max_new_tokens=4, temperature=1.0, key=jaxdet.random.key(0), stop_tokens=[stop]
+    )
+    assert again[0].finish_reason == "stop" and again[0].tokens.tolist() == first.tokens[:n].tolist()
+    assert_bitwise(again[0].log_probs, first.log_probs[:n], "stopped early")
+    assert again[0].sequence.tolist() == [1, 2, 3] + first.tokens[:n].tolist()
     assert not sampler.has_work() and sampler.num_active == 0
 
 
 def test_sampler_follows_updates_in_place():
-    model = Llama(LlamaConfig(vocab_size=VOCAB, n_layers=1), rngs=nnx.Rngs(4))
+    model = tiny_llama(n_layers=1, seed=4)
     sampler = sampling.Sampler(model, num_slots=2, capacity=8)
     before = sampler.generate([[1, 2]], max_new_tokens=3)[0]
     nnx.update(model, jax.tree.map(lambda x: x * 1.5, nnx.state(model, nnx.Param)))
@@ -191,7 +200,7 @@ def test_bad_arguments_raise_naming_them(model):
 def test_flax_modules_under_invariant_keep_the_contract():
     # The plain-JAX twin (flax's own modules, jax.nn.dot_product_attention over a masked cache):
     # run under jaxdet.invariant, sampler and trainer agree bit for bit again, whatever the slots.
-    flax_model = Llama(LlamaConfig(vocab_size=VOCAB, modules="flax"), rngs=nnx.Rngs(1))
+    flax_model = tiny_llama("flax", seed=1)
     prompts = _prompts(4, seed=3)
     completions = []
     for num_slots, chunk in ((1, 1), (3, 4)):
@@ -207,7 +216,7 @@ def test_flax_modules_under_invariant_keep_the_contract():
 
 @pytest.mark.gpu
 def test_gpu_sampler_log_probs_equal_the_trainers(model, on_gpu):
-    gpu_model = Llama(model.cfg, rngs=nnx.Rngs(0))
+    gpu_model = tiny_llama()
     prompts = _prompts(8, seed=2)
     runs = [
         _run(gpu_model, prompts, num_slots=1, prefill_chunk=1, arrivals=[0] * 8),

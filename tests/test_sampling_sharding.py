@@ -10,16 +10,17 @@ from bitwise import assert_bitwise
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from multidevice import mesh, on_devices, put
-from protocol_model import Llama, LlamaConfig
 
 import jaxdet
 from jaxdet import sampling
+from jaxdet.models.llama import Llama, LlamaConfig
 
 
 @on_devices
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_data_parallel_trainer_equals_the_sampler(layout):
-    model = Llama(LlamaConfig(vocab_size=32, d_model=64, n_layers=2, d_ff=128), rngs=nnx.Rngs(0))
+    cfg = LlamaConfig(vocab_size=32, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=128, max_len=32)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 32, n) for n in rng.integers(1, 8, 8)]
     completions = sampling.Sampler(model, num_slots=3, capacity=16, prefill_chunk=4).generate(
