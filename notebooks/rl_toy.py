@@ -33,7 +33,7 @@ class RLConfig:
     group_size: int = 8
     new_tokens: int = 4
     temperature: float = 1.0
-    learning_rate: float = 1e-2
+    learning_rate: float = 3e-3
     clip_epsilon: float = 0.2
     num_slots: int = 32
     seed: int = 0
@@ -44,8 +44,8 @@ def make_prompts(rng: np.random.Generator, n: int) -> list[np.ndarray]:
 
 
 def reward(prompt: np.ndarray, tokens: np.ndarray) -> float:
-    """The verifier: the fraction of the completion's tokens equal to the prompt's first digit."""
-    return float(np.mean(tokens == prompt[1]))
+    """The verifier: the fraction of the completion's tokens equal to the prompt's last digit."""
+    return float(np.mean(tokens == prompt[-1]))
 
 
 def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:

@@ -43,4 +43,4 @@ def test_importance_ratio_is_exactly_one_at_every_step(modules, invariant):
 def test_group_advantages_and_reward():
     adv = rl_toy.group_advantages(np.array([1.0, 0.0, 0.5, 0.5]), 2)
     np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0], atol=1e-3)
-    assert rl_toy.reward(np.array([rl_toy.BOS, 3, 4]), np.array([3, 3, 1, 3])) == 0.75
+    assert rl_toy.reward(np.array([rl_toy.BOS, 4, 3]), np.array([3, 3, 1, 3])) == 0.75
