@@ -2,7 +2,7 @@
 minute: the example behind notebooks/rl_on_policy.ipynb (and tests/test_rl.py).
 
 The task: a prompt is [BOS, a, b] with digits a, b; the reward of a completion is the fraction of
-its tokens equal to a. Each step samples `group_size` completions per prompt with
+its tokens equal to b. Each step samples `group_size` completions per prompt with
 `jaxdet.sampling.Sampler` (continuous batching over a KV cache), scores the same sequences with
 `jaxdet.sampling.trainer_log_probs` (one packed forward) inside the gradient of a clipped GRPO
 objective, and records |log p_sampler - log p_trainer| and the importance ratio of every token.
