@@ -111,6 +111,21 @@ def test_dot_general_any_dimension_numbers_and_linen_dense():
         jnnx.dot_general(x, w.astype(jnp.bfloat16), dn)
 
 
+def test_out_sharding_types_the_result_under_explicit_sharding():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        x = jax.device_put(normal(0, (2, 8)), P("data", None))
+        linear = jnnx.Linear(8, 4, rngs=nnx.Rngs(0))
+        assert jax.typeof(linear(x, out_sharding=P("data", None))).sharding.spec == P("data", None)
+        embed = jnnx.Embed(5, 4, rngs=nnx.Rngs(0))
+        ids = jnp.zeros((2, 3), jnp.int32)
+        assert jax.typeof(embed(ids, out_sharding=P("data", None, None))).sharding.spec == P("data", None, None)
+        assert_bitwise_equal(linear(x, out_sharding=P("data", None)), linear(x))
+
+
 # ---- Embed. ----
 
 
@@ -219,6 +234,19 @@ def test_dropout_example_offset_gives_a_micro_batch_its_rows_of_the_whole_mask(b
     assert_bitwise_equal(scanned(layer, x), whole, "scanned micro-batches with traced offsets")
 
 
+def test_dropout_example_offset_traced_past_int32_and_bad_values():
+    layer = jnnx.Dropout(0.5, deterministic=False)
+    x = normal(0, (2, 64, 64))  # 4096 mask elements per example
+    key = jax.random.key(1)
+    far = 600_000  # 600000 * 4096 > 2**31: an int32 product would wrap negative
+    traced = jax.jit(lambda i: layer(x, rngs=key, example_offset=i))(jnp.int32(far))
+    assert_bitwise_equal(traced, layer(x, rngs=key, example_offset=far), "traced int32 vs static offset")
+    with pytest.raises(ValueError, match="example_offset"):
+        layer(x, rngs=key, example_offset=-1)
+    with pytest.raises(TypeError, match="example_offset"):
+        layer(x, rngs=key, example_offset=jnp.zeros((2,), jnp.int32))
+
+
 def test_dropout_in_an_nnx_jit_train_step_and_rate_one():
     class Model(nnx.Module):
         def __init__(self, rngs):
@@ -267,3 +295,99 @@ def test_a_model_of_drop_ins_is_clean_under_the_audit():
 
     report = jaxdet.audit(step, model, jnp.ones((4, 6), jnp.int32), jnp.int32(0), batch_argnums=1, strict=True)
     assert report.ok and not report.findings, str(report)
+
+
+# ---- dot_product_attention as nnx.MultiHeadAttention's attention_fn. ----
+
+D_MODEL, HEADS = 128, 2  # head dim 64
+
+
+def mha(attention_fn, dot_general=None, *, num_kv_heads=None, decode=False, dtype=jnp.float32, **kw):
+    return nnx.MultiHeadAttention(
+        num_heads=HEADS,
+        in_features=D_MODEL,
+        num_kv_heads=num_kv_heads,
+        decode=decode,
+        use_bias=False,
+        dtype=dtype,
+        attention_fn=attention_fn,
+        qkv_dot_general=dot_general,
+        out_dot_general=dot_general,
+        rngs=nnx.Rngs(0),
+        **kw,
+    )
+
+
+def jaxdet_mha(**kw):
+    return mha(jnnx.dot_product_attention, jnnx.dot_general, **kw)
+
+
+def padding_mask(lengths, T):
+    valid = jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
+    return nnx.make_attention_mask(valid, valid)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 1], ids=["mha", "gqa"])
+def test_attention_fn_is_flaxs_for_every_mask_nnx_builds(num_kv_heads):
+    ours = jaxdet_mha(num_kv_heads=num_kv_heads)
+    theirs = mha(nnx.dot_product_attention, num_kv_heads=num_kv_heads)
+    nnx.update(theirs, nnx.state(ours))
+    x = normal(1, (3, 12, D_MODEL))
+    causal = nnx.make_causal_mask(jnp.ones((3, 12)))
+    masks = {
+        "causal": dict(mask=causal),
+        "is_causal": dict(is_causal=True),
+        "padding": dict(mask=padding_mask([12, 7, 1], 12)),
+        "causal and padding": dict(mask=nnx.combine_masks(causal, padding_mask([12, 7, 1], 12))),
+        "a [T, S] mask": dict(mask=jnp.tril(jnp.ones((12, 12), bool))),
+        "none": dict(),
+    }
+    valid = np.arange(12)[None, :] < np.array([12, 7, 1])[:, None]
+    for name, kw in masks.items():
+        a, b = ours(x, **kw), theirs(x, **kw)
+        rows = valid if "padding" in name else np.ones_like(valid)  # padding queries see nothing
+        assert rel_err(np.asarray(a)[rows], np.asarray(b)[rows]) < 2e-6, name
+    # Several batch dims: [2, 3, T, F].
+    x4 = normal(2, (2, 3, 12, D_MODEL))
+    assert rel_err(ours(x4, is_causal=True), theirs(x4, is_causal=True)) < 2e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_mode_gives_the_prefills_bits(dtype):
+    prefill = jaxdet_mha(dtype=dtype)
+    decoder = jaxdet_mha(decode=True, dtype=dtype)
+    nnx.update(decoder, nnx.state(prefill, nnx.Param))
+    x = normal(1, (2, 9, D_MODEL), dtype)
+    want = prefill(x, mask=nnx.make_causal_mask(jnp.ones((2, 9))))
+    decoder.init_cache((2, 16, D_MODEL), dtype)  # a full-length cache, masked past the current index
+    step = nnx.jit(lambda m, xt: m(xt))
+    got = jnp.concatenate([step(decoder, x[:, t : t + 1]) for t in range(9)], axis=1)
+    assert_bitwise_equal(got, want, "nnx's decode loop vs the prefill")
+
+
+def test_left_padded_rows_have_the_unpadded_bits():
+    layer = jaxdet_mha()
+    x = normal(1, (1, 7, D_MODEL))
+    alone = layer(x, is_causal=True)
+    padded = jnp.concatenate([normal(2, (1, 3, D_MODEL)), x], axis=1)  # 3 pad tokens on the left
+    valid = jnp.arange(10)[None] >= 3
+    mask = nnx.combine_masks(nnx.make_causal_mask(jnp.ones((1, 10))), nnx.make_attention_mask(valid, valid))
+    assert_bitwise_equal(layer(padded, mask=mask)[:, 3:], alone, "left padding")
+
+
+def test_attention_fn_refuses_what_it_cannot_do():
+    x = normal(1, (2, 6, D_MODEL))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        jaxdet_mha(dropout_rate=0.1)(x, deterministic=False, rngs=nnx.Rngs(dropout=0))
+    assert jaxdet_mha(dropout_rate=0.1)(x, deterministic=True).shape == x.shape
+    with pytest.raises(NotImplementedError, match="sow_weights"):
+        jaxdet_mha()(x, sow_weights=True)
+    q = normal(2, (2, 6, 2, 64))
+    with pytest.raises(NotImplementedError, match="bias"):
+        jnnx.dot_product_attention(q, q, q, bias=jnp.zeros((2, 2, 6, 6)))
+    holes = np.ones((6, 6), bool)
+    holes[3, 1] = False  # query 3 sees keys 0, 2..5: not one run
+    with pytest.raises(ValueError, match="contiguous"):
+        jnnx.dot_product_attention(q, q, q, mask=holes)
+    with pytest.raises(ValueError, match="broadcastable"):
+        jnnx.dot_product_attention(q, q, q, mask=np.ones((5, 6), bool))

@@ -21,6 +21,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as flax_dtypes
 
 import jaxdet
+from jaxdet._src.core import varying
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
@@ -36,6 +37,13 @@ def _axes(ndim, axes, name):
             raise ValueError(f"{name} entry {a!r} is not an axis of an input of rank {ndim}")
         out.append(a % ndim)
     return tuple(sorted(set(out)))
+
+
+def _as_varying_as(grad, param):
+    """Inside ``jax.shard_map``, a parameter's gradient summed over the mesh axes the activations vary
+    over and the parameter does not, by the canonical tree (``jaxdet.parallel.tree_psum``)."""
+    axes = varying.varying_axes(grad) - varying.varying_axes(param)
+    return jaxdet.parallel.tree_psum(grad, varying.mesh_order(axes)) if axes else grad
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -63,7 +71,7 @@ def _affine_bwd(feature_axes, res, g):
     tokens = tuple(a for a in range(xhat.ndim) if a not in feature_axes)
 
     def over_tokens(t, p):  # the canonical sum over every non-feature axis, rounded once to p's dtype
-        return jaxdet.sum(t, axis=tokens).reshape(p.shape).astype(p.dtype)
+        return _as_varying_as(jaxdet.sum(t, axis=tokens), p).reshape(p.shape).astype(p.dtype)
 
     dxhat = g if scale is None else g * scale.astype(_F32).reshape(shape)
     dscale = None if scale is None else over_tokens(g * xhat, scale)

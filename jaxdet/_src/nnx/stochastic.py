@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import rnglib
 from flax.nnx.module import first_from
@@ -13,6 +14,26 @@ from flax.nnx.module import first_from
 import jaxdet
 
 __all__ = ["Dropout"]
+
+
+def _element_offset(example_offset, per_example):
+    """example_offset examples of per_example mask elements each, as jaxdet.dropout's offset."""
+    if isinstance(example_offset, (bool, np.bool_)):
+        raise TypeError("example_offset must be an int or an integer scalar array, got a bool")
+    if isinstance(example_offset, (int, np.integer)):
+        if example_offset < 0:
+            raise ValueError(f"example_offset must be >= 0 (the index of the first example), got {example_offset}")
+        return int(example_offset) * per_example
+    value = jnp.asarray(example_offset)
+    if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(
+            f"example_offset must be an int or an integer scalar array, got {value.dtype}{list(value.shape)}"
+        )
+    # A traced 32-bit index is widened to uint32 before the multiply: element offsets up to 2**32
+    # (int64 under jax_enable_x64 for more), never a negative int32 product.
+    if value.dtype.itemsize < 8:
+        value = value.astype(jnp.uint32)
+    return value * jnp.asarray(per_example, value.dtype)
 
 
 class Dropout(nnx.Dropout):
@@ -25,7 +46,8 @@ class Dropout(nnx.Dropout):
     ``jaxdet.dropout``'s: a pure function of (key, element index, rate) (docs/dropout.md), the same
     on CPU and GPU. ``example_offset`` (a Python int or a traced integer scalar) is the index of the
     input's first example (axis 0) in the whole batch: a micro-batch, a device's shard or a single
-    sequence given its index then draws exactly its rows of the whole batch's mask. Rate 1.0 gives
+    sequence given its index then draws exactly its rows of the whole batch's mask (a traced 32-bit
+    offset reaches 2**32 mask elements; int64 under ``jax_enable_x64`` beyond). Rate 1.0 gives
     zeros (as flax); rate 0.0 or deterministic returns the input.
     """
 
@@ -66,7 +88,7 @@ class Dropout(nnx.Dropout):
             offset = 0
         else:
             per_example = math.prod(1 if d in broadcast else inputs.shape[d] for d in range(1, ndim))
-            offset = example_offset * per_example
+            offset = _element_offset(example_offset, per_example)
         return jaxdet.dropout(
             inputs,
             jaxdet.random.from_jax_key(key),
