@@ -44,3 +44,9 @@ def test_group_advantages_and_reward():
     adv = rl_toy.group_advantages(np.array([1.0, 0.0, 0.5, 0.5]), 2)
     np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0], atol=1e-3)
     assert rl_toy.reward(np.array([rl_toy.BOS, 4, 3]), np.array([3, 3, 1, 3])) == 0.75
+
+
+@pytest.mark.gpu
+def test_gpu_importance_ratio_is_exactly_one(on_gpu):
+    history = rl_toy.train(_model("jaxdet"), rl_toy.RLConfig(steps=5))
+    assert all(np.all(r == 1.0) for r in history.ratio) and all(np.all(d == 0) for d in history.abs_diff)

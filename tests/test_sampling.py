@@ -16,10 +16,19 @@ from jaxdet.models.llama import Llama, LlamaConfig
 VOCAB = 32
 
 
-def tiny_llama(modules="jaxdet", *, n_layers=2, seed=0):
+def tiny_llama(modules="jaxdet", *, n_layers=2, seed=0, dtype=jnp.float32):
     """Grouped-query attention (2 query heads per KV head of jaxdet.attention's smallest head dim)."""
     cfg = LlamaConfig(
-        vocab_size=VOCAB, d_model=128, n_layers=n_layers, n_heads=2, n_kv_heads=1, d_ff=128, max_len=32, modules=modules
+        vocab_size=VOCAB,
+        d_model=128,
+        n_layers=n_layers,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=128,
+        max_len=32,
+        modules=modules,
+        dtype=dtype,
+        param_dtype=dtype,
     )
     return Llama(cfg, rngs=nnx.Rngs(seed))
 
@@ -192,6 +201,8 @@ def test_bad_arguments_raise_naming_them(model):
         sampling.trainer_log_probs(model, jnp.zeros((1, 4), jnp.int32), segment_ids=jnp.zeros((1, 3), jnp.int32))
     with pytest.raises(ValueError, match="temperature must broadcast"):
         sampling.trainer_log_probs(model, jnp.zeros((2, 4), jnp.int32), temperature=np.ones(3))
+    with pytest.raises(TypeError, match="traced"):
+        jax.jit(lambda t: sampling.trainer_log_probs(model, jnp.zeros((1, 4), jnp.int32), temperature=t))(1.0)
     with pytest.raises(ValueError, match="length=2"):
         sampling.pack_sequences([[1, 2, 3]], length=2)
     assert sampler.num_queued == 0  # nothing half-added
@@ -214,17 +225,26 @@ def test_flax_modules_under_invariant_keep_the_contract():
             assert_bitwise(lp, c.log_probs, f"request {c.request_id} ({layout}, invariant)")
 
 
-@pytest.mark.gpu
-def test_gpu_sampler_log_probs_equal_the_trainers(model, on_gpu):
-    gpu_model = tiny_llama()
-    prompts = _prompts(8, seed=2)
+def _contract_holds(model, prompts, what):
+    """Slots and join steps change no bit; the packed and padded trainers give the sampler's bits."""
     runs = [
-        _run(gpu_model, prompts, num_slots=1, prefill_chunk=1, arrivals=[0] * 8),
-        _run(gpu_model, prompts, num_slots=4, prefill_chunk=8, arrivals=[0, 1, 2, 3, 4, 5, 6, 7]),
+        _run(model, prompts, num_slots=1, prefill_chunk=1, arrivals=[0] * len(prompts)),
+        _run(model, prompts, num_slots=4, prefill_chunk=8, arrivals=list(range(len(prompts)))),
     ]
     for i, c in runs[1].items():
-        assert_bitwise(c.log_probs, runs[0][i].log_probs, f"request {i}")
+        assert_bitwise(c.tokens, runs[0][i].tokens, f"request {i} tokens ({what})")
+        assert_bitwise(c.log_probs, runs[0][i].log_probs, f"request {i} ({what})")
     completions = [runs[1][i] for i in sorted(runs[1])]
     for layout in ("packed", "padded"):
-        for scored, c in zip(sampling.completions_log_probs(gpu_model, completions, layout=layout), completions):
-            assert_bitwise(scored, c.log_probs, f"request {c.request_id} ({layout}, GPU)")
+        for scored, c in zip(sampling.completions_log_probs(model, completions, layout=layout), completions):
+            assert_bitwise(scored, c.log_probs, f"request {c.request_id} ({layout}, {what})")
+
+
+def test_bfloat16_model_keeps_the_contract():
+    _contract_holds(tiny_llama(n_layers=1, dtype=jnp.bfloat16), _prompts(4, seed=4), "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_sampler_log_probs_equal_the_trainers(dtype, on_gpu):
+    _contract_holds(tiny_llama(dtype=dtype), _prompts(8, seed=2), f"GPU, {jnp.dtype(dtype).name}")
