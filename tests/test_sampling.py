@@ -189,6 +189,8 @@ def test_bad_arguments_raise_naming_them(model):
         sampler.add_request([1], max_new_tokens=2, temperature=1.0, key=jax.random.key(0))
     with pytest.raises(ValueError, match="prompt"):
         sampler.add_request([], max_new_tokens=2)
+    with pytest.raises(ValueError, match=f"vocab_size={VOCAB}"):
+        sampler.add_request([1, VOCAB], max_new_tokens=2)
     with pytest.raises(ValueError, match="max_new_tokens"):
         sampler.add_request([1], max_new_tokens=0)
     with pytest.raises(TypeError, match="model protocol"):

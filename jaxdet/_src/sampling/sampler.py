@@ -53,6 +53,7 @@ class _Request:
     prompt: np.ndarray
     max_new_tokens: int
     temperature: float
+    inv_temperature: np.float32
     key: np.ndarray
     stop_tokens: frozenset
     slot: int = -1
@@ -103,7 +104,7 @@ class Sampler:
 
     `num_slots`: the batch of the cache; `capacity`: cache rows per slot (a request needs
     len(prompt) + max_new_tokens - 1 of them); `prefill_chunk`: the most prompt tokens a slot feeds
-    in one step; `invariant`: run each step under `jaxdet.invariant` (a model written with plain JAX
+    in one step; `invariant`: run the model under `jaxdet.invariant` (a model written with plain JAX
     or flax's own modules). The sampler holds the model's own variables, so a model updated in place
     between steps (an RL loop's optimizer) is sampled with its current weights; a model whose
     structure changes (variables added or replaced) needs a new Sampler."""
@@ -121,7 +122,7 @@ class Sampler:
         self.prefill_chunk = check_static_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.invariant = bool(invariant)
         self.steps_taken = 0
-        # The model's own variables (nnx.state returns them, not copies): an update in place (an
+        # The model's own variables (nnx.split returns them, not copies): an update in place (an
         # optimizer step, nnx.update, an assignment to a variable's value) is seen at the next step,
         # without walking the model's graph at every step.
         self._graphdef, self._state = nnx.split(model)
@@ -147,6 +148,11 @@ class Sampler:
         prompt = np.asarray(prompt)
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
             raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {prompt.shape}")
+        vocab = getattr(getattr(self.model, "cfg", None), "vocab_size", None)
+        if prompt.min() < 0 or (vocab is not None and prompt.max() >= vocab):
+            raise ValueError(
+                f"prompt token ids must be in [0, vocab_size={vocab}), got {prompt.min()} .. {prompt.max()}"
+            )
         max_new_tokens = check_static_int(max_new_tokens, "max_new_tokens", minimum=1)
         need = prompt.size + max_new_tokens - 1
         if need > self.capacity:
@@ -168,6 +174,7 @@ class Sampler:
             prompt=prompt.astype(np.int32),
             max_new_tokens=max_new_tokens,
             temperature=float(temperature),
+            inv_temperature=inv,
             key=key,
             stop_tokens=frozenset(int(t) for t in stop_tokens),
         )
@@ -222,7 +229,7 @@ class Sampler:
             last[slot] = n - 1
             keys[slot] = r.key
             steps[slot] = len(r.tokens)
-            inv_temperature[slot] = sampling_math.inverse_temperature(r.temperature)
+            inv_temperature[slot] = r.inv_temperature
             greedy[slot] = r.temperature == 0
             fed[slot] = n
         self._cache, next_tokens, log_probs = self._jit_step(
