@@ -151,7 +151,8 @@ class Sampler:
         vocab = getattr(getattr(self.model, "cfg", None), "vocab_size", None)
         if prompt.min() < 0 or (vocab is not None and prompt.max() >= vocab):
             raise ValueError(
-                f"prompt token ids must be in [0, vocab_size={vocab}), got {prompt.min()} .. {prompt.max()}"
+                f"prompt token ids must be in [0, {'vocab_size' if vocab is None else f'vocab_size={vocab}'}), "
+                f"got {prompt.min()} .. {prompt.max()}"
             )
         max_new_tokens = check_static_int(max_new_tokens, "max_new_tokens", minimum=1)
         need = prompt.size + max_new_tokens - 1
