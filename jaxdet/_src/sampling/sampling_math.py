@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdet.random
-from jaxdet._src.core.checks import check_philox_key
+from jaxdet._src.core.checks import check_philox_key, is_traced
 
 # Counter word 2 of the Philox block that draws a token: keeps the sampling stream apart from the
 # dropout stream (word 2 = 0) and from key derivation (FOLD_TAG, JAX_TAG).
@@ -22,7 +22,7 @@ def inverse_temperature(temperature) -> np.ndarray:
     """float32(1) / float32(temperature), computed once on the host (NumPy, IEEE division) so that
     the sampler and the trainer multiply the logits by the same bits; 1 for temperature 0 (greedy).
     `temperature` is a Python float or a concrete array of them, each >= 0 and finite."""
-    if isinstance(temperature, jax.core.Tracer):
+    if is_traced(temperature):
         raise TypeError(
             "temperature must be a Python float or a concrete array (the sampler and the trainer scale the "
             "logits by 1 / temperature computed on the host), got a traced value"
