@@ -107,15 +107,14 @@ def test_trainer_log_probs_layout_and_gradient(model):
     assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
     assert packed.segment_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 2]]
     padded = sampling.pad_sequences(seqs)
-    lp_packed = sampling.trainer_log_probs(
-        model, jnp.asarray(packed.tokens), segment_ids=jnp.asarray(packed.segment_ids)
-    )
-    lp_padded = sampling.trainer_log_probs(model, jnp.asarray(padded.tokens))
+    score = nnx.jit(sampling.trainer_log_probs)
+    lp_packed = score(model, jnp.asarray(packed.tokens), segment_ids=jnp.asarray(packed.segment_ids))
+    lp_padded = score(model, jnp.asarray(padded.tokens))
     for a, b in zip(packed.gather(lp_packed), padded.gather(lp_padded)):
         assert a[0] == 0.0 and b[0] == 0.0  # a sequence's first token has no log-prob
         assert_bitwise(a, b, "packed vs padded")
     # Against the logits: log_softmax of the previous position's row, at the token.
-    logits = model(jnp.asarray(padded.tokens))
+    logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(padded.tokens))
     want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), padded.tokens[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(lp_padded)[:, 1:], want, rtol=1e-5, atol=1e-6)
     mask = padded.mask(begin=[1, 1])
