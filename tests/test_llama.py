@@ -214,6 +214,20 @@ def test_flax_modules_are_plain_jax():
     assert rel_err(logits, np.asarray(FORWARD(twin, tokens(0, (2, 5))), np.float64)) < 1e-6
 
 
+def test_the_flax_twin_under_jaxdet_invariant_is_batch_invariant_and_decodes_the_prefills_bits():
+    twin = Llama(dataclasses.replace(TINY, n_layers=1, modules="flax"), rngs=nnx.Rngs(0))
+    t = tokens(6, (3, 10))
+    forward = nnx.jit(jaxdet.invariant(lambda m, t: m(t)))
+    whole = forward(twin, t)
+    assert_bitwise_equal(forward(twin, t[1:2]), whole[1:2], "a row alone")
+    extend = nnx.jit(jaxdet.invariant(lambda m, t, p, c: m.extend(t, p, c)))
+    cache, steps = twin.init_cache(3, 16), []
+    for i in range(10):
+        logits, cache = extend(twin, t[:, i : i + 1], jnp.full((3, 1), i, jnp.int32), cache)
+        steps.append(logits)
+    assert_bitwise_equal(jnp.concatenate(steps, axis=1), whole, "extend token by token")
+
+
 # ---- Training. ----
 
 
@@ -263,7 +277,7 @@ def test_gpu_same_bits_alone_padded_packed_and_through_extend(on_gpu, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_jaxdet_and_flax_agree_with_float64_and_cpu_bits(on_gpu):
+def test_gpu_jaxdet_and_flax_agree_with_float64_and_the_cpu(on_gpu):
     cfg = config(jnp.bfloat16)
     model = Llama(cfg, rngs=nnx.Rngs(0))
     seq = tokens(2, (1, 12))

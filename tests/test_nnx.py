@@ -174,21 +174,37 @@ def test_norms_are_the_kernels_and_flaxs_to_rounding(dtype, center):
 def test_masked_and_multi_axis_norms_are_row_invariant_with_canonical_parameter_gradients(center):
     cls, flax_cls = (jnnx.LayerNorm, nnx.LayerNorm) if center else (jnnx.RMSNorm, nnx.RMSNorm)
     ours, theirs = cls(16, rngs=nnx.Rngs(0)), flax_cls(16, rngs=nnx.Rngs(0))
+    nnx.update(ours, jax.tree.map(lambda p: p + normal(5, p.shape), nnx.state(ours)))
+    nnx.update(theirs, nnx.state(ours))
     x = normal(1, (6, 16)) * 2 + 0.5
     mask = jax.random.bernoulli(jax.random.key(2), 0.7, (6, 16)).at[:, 0].set(True)
-    out = ours(x, mask=mask)
-    assert rel_err(out, theirs(x, mask=mask)) < 1e-6
-    for r in (0, 4):
-        assert_bitwise_equal(ours(x[r : r + 1], mask=mask[r : r + 1]), out[r : r + 1], "a masked row alone")
     g = normal(3, (6, 16))
 
-    def loss(m):
+    def loss(m, x, mask, g):
         return jnp.vdot(m(x, mask=mask), g)
 
-    ours_g, theirs_g = nnx.grad(loss)(ours), nnx.grad(loss)(theirs)
+    out = ours(x, mask=mask)
+    dx = jax.grad(lambda x: loss(ours, x, mask, g))(x)
+    assert rel_err(out, theirs(x, mask=mask)) < 1e-6
+    assert rel_err(dx, jax.grad(lambda x: loss(theirs, x, mask, g))(x)) < 1e-6
+    ours_g, theirs_g = nnx.grad(loss)(ours, x, mask, g), nnx.grad(loss)(theirs, x, mask, g)
     for name in ("scale", "bias") if center else ("scale",):
         assert rel_err(getattr(ours_g, name)[...], getattr(theirs_g, name)[...]) < 1e-5
-    assert_bitwise_equal(ours_g.scale[...], ours_g.scale[...])
+    # The bits: a row alone, jit or eager (the products are rounded before they are added).
+    jitted = nnx.jit(lambda m, x, mask: (m(x, mask=mask), jax.grad(lambda x: loss(m, x, mask, g))(x)))
+    assert_bitwise_equal(jitted(ours, x, mask), (out, dx), "jit vs eager")
+    for r in (0, 4):
+        one = slice(r, r + 1)
+        assert_bitwise_equal(ours(x[one], mask=mask[one]), out[one], "a masked row alone")
+        assert_bitwise_equal(jax.grad(lambda x: loss(ours, x, mask[one], g[one]))(x[one]), dx[one], "its dx alone")
+    assert_bitwise_equal(
+        nnx.grad(loss)(ours, x, mask, g).scale[...],
+        jaxdet.sum(g * _xhat_of(ours, x, mask, center), axis=0),
+        "dscale: jaxdet.sum of g * xhat over the tokens",
+    )
+    step = jax.grad(lambda x, mask: jaxdet.sum(ours(x, mask=mask) ** 2))
+    report = jaxdet.audit(step, x, mask, batch_argnums=(0, 1), strict=True)
+    assert report.ok and not report.findings, str(report)
     # Statistics over the last two axes, scale over the last one.
     wide = cls(16, reduction_axes=(-2, -1), feature_axes=-1, rngs=nnx.Rngs(0))
     flax_wide = flax_cls(16, reduction_axes=(-2, -1), feature_axes=-1, rngs=nnx.Rngs(0))
@@ -197,6 +213,12 @@ def test_masked_and_multi_axis_norms_are_row_invariant_with_canonical_parameter_
     assert_bitwise_equal(wide(x3[1:2]), wide(x3)[1:2], "an example alone")
     with pytest.raises(NotImplementedError, match="axis_name"):
         cls(16, axis_name="data", rngs=nnx.Rngs(0))(x)
+
+
+def _xhat_of(norm, x, mask, center):
+    """The normalized x of a scale-only view of `norm` (its scale set to ones, no bias)."""
+    plain = type(norm)(x.shape[-1], rngs=nnx.Rngs(0), **({"use_bias": False} if center else {}))
+    return plain(x, mask=mask)
 
 
 # ---- Dropout. ----
@@ -350,6 +372,12 @@ def test_attention_fn_is_flaxs_for_every_mask_nnx_builds(num_kv_heads):
     # Several batch dims: [2, 3, T, F].
     x4 = normal(2, (2, 3, 12, D_MODEL))
     assert rel_err(ours(x4, is_causal=True), theirs(x4, is_causal=True)) < 2e-6
+    # Gradients through the mask, under nnx.jit.
+    g = normal(3, (3, 12, D_MODEL))
+    grads = nnx.jit(nnx.grad(lambda m, x: jnp.vdot(m(x, mask=causal), g)))
+    ours_g, theirs_g = grads(ours, x), grads(theirs, x)
+    for a, b in zip(jax.tree.leaves(nnx.state(ours_g)), jax.tree.leaves(nnx.state(theirs_g))):
+        assert rel_err(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -391,3 +419,25 @@ def test_attention_fn_refuses_what_it_cannot_do():
         jnnx.dot_product_attention(q, q, q, mask=holes)
     with pytest.raises(ValueError, match="broadcastable"):
         jnnx.dot_product_attention(q, q, q, mask=np.ones((5, 6), bool))
+
+
+# ---- GPU. ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_decode_mode_gives_the_prefills_bits(on_gpu, dtype):
+    test_decode_mode_gives_the_prefills_bits(dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_drop_ins_row_invariant_and_dropout_equal_to_the_cpu(on_gpu):
+    test_linear_is_flaxs_to_rounding_and_row_invariant(jnp.bfloat16)
+    test_left_padded_rows_have_the_unpadded_bits()
+    layer = jnnx.Dropout(0.3, deterministic=False)
+    x = normal(0, (4, 6, 8), jnp.bfloat16)
+    on_gpu_bits = layer(x, rngs=jax.random.key(1), example_offset=3)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        on_cpu_bits = layer(jax.device_put(x, cpu), rngs=jax.device_put(jax.random.key(1), cpu), example_offset=3)
+    assert_bitwise_equal(np.asarray(on_gpu_bits), np.asarray(on_cpu_bits), "the same mask on GPU and CPU")

@@ -86,6 +86,7 @@ def _evaluate(jaxpr, consts, args):
     # compilation paths and not others (a shard_map's partitioned module, a one-element array).
     # They enter the arithmetic through `rules.runtime_value`, which XLA cannot see through.
     env, fixed = {}, set()
+    wanted, partials = _partials_wanted(jaxpr), {}
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
@@ -108,12 +109,42 @@ def _evaluate(jaxpr, consts, args):
                 for v, x in zip(eqn.invars, invals)
             ]
             with _user_context(eqn):
-                outs = apply(eqn, invals)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+                outs = _apply_with_partials(eqn, invals, wanted, partials)
         for v, x in zip(eqn.outvars, outs):
             if type(v).__name__ != "DropVar":
                 env[v] = x
     return [_literal_or_var(env, v) for v in jaxpr.outvars]
+
+
+def _partials_wanted(jaxpr):
+    """The variables whose float32 value before rounding a collective sum will continue
+    (rules.unrounded): the operands of psum-like equations, and back through adds, conversions
+    and data movement to the products and sums that make them."""
+    wanted = set()
+    for eqn in reversed(jaxpr.eqns):
+        name = eqn.primitive.name
+        carries = name in rules.CARRIES_PARTIALS or name in rules.MOVES_PARTIALS
+        if name in rules.COLLECTIVE_SUMS or (carries and any(v in wanted for v in eqn.outvars)):
+            wanted.update(v for v in eqn.invars if not is_literal(v))
+    return wanted
+
+
+def _apply_with_partials(eqn, invals, wanted, partials):
+    """`apply`, with a collective sum continuing its operands' float32 partial sums (rounded once
+    after it), and a wanted value's float32 partial kept beside its rounded value."""
+    name = eqn.primitive.name
+    if name in rules.COLLECTIVE_SUMS and any(not is_literal(v) and v in partials for v in eqn.invars):
+        wide = [x if is_literal(v) else partials.get(v, x) for v, x in zip(eqn.invars, invals)]
+        outs = apply(eqn, wide)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        return [o.astype(v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
+    if len(eqn.outvars) == 1 and eqn.outvars[0] in wanted:
+        part = rules.unrounded(eqn, invals, [None if is_literal(v) else partials.get(v) for v in eqn.invars])
+        if part is not None:
+            partials[eqn.outvars[0]] = part
+            return [part.astype(eqn.outvars[0].aval.dtype)]
+    outs = apply(eqn, invals)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def evaluate_closed(closed, *args):

@@ -9,6 +9,8 @@ sum over tokens) and the lookup through ``jaxdet.embed`` (its table gradient ``s
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -101,6 +103,16 @@ class Linear(nnx.Linear):
         if bias is not None:
             y = add_bias(y, bias)
         return y
+
+
+def _signature_with_default(init, name, default):
+    # flax's constructor signature (for help() and IDEs), with this module's default for `name`.
+    sig = inspect.signature(init)
+    params = [p.replace(default=default) if p.name == name else p for p in sig.parameters.values()]
+    return sig.replace(parameters=params)
+
+
+Linear.__init__.__signature__ = _signature_with_default(nnx.Linear.__init__, "dot_general", dot_general)
 
 
 class Embed(nnx.Embed):
