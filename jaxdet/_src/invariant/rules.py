@@ -32,10 +32,11 @@ EXACT = frozenset(
     rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
     tan tanh xor zeta
     broadcast_in_dim concatenate dynamic_slice dynamic_update_slice expand_dims gather iota pad
-    reshape rev slice split squeeze transpose
+    reshape rev slice split squeeze transpose stack unstack tile broadcast_to zeros_like mulhi
+    layout_constraint with_memory_space_constraint
     argmax argmin reduce_and reduce_or reduce_xor
     sharding_constraint device_put reshard mesh_cast optimization_barrier name stop_gradient
-    all_gather all_to_all ppermute axis_index pvary pbroadcast pcast
+    all_gather all_gather_invariant all_to_all ppermute axis_index pvary pbroadcast pcast
     random_seed random_wrap random_unwrap random_split random_fold_in
     create_token after_all debug_callback empty2
     """.split()
