@@ -669,6 +669,69 @@ def test_mask_gradients_equal_the_positions_forms(device):
             assert_bitwise(g, w)
 
 
+# ---- Head dimensions and sliding windows (docs/attention.md). ----
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [32, 80, 96, 160, 240])
+def test_other_head_dimensions_match_float64_and_keep_the_contracts(device, D):
+    """Head dimensions between the kernels' run on the next kernel with zero columns: accurate,
+    rows the same alone and in a batch, decode == prefill, gradients accurate."""
+    q, k, v = _qkv(3, 40, 40, 4, 2, D, jnp.bfloat16)
+    with jax.default_device(_device(device)):
+        full = jaxdet.attention(q, k, v)
+        assert full.shape == q.shape
+        assert_bitwise(jaxdet.attention(q[1:2], k[1:2], v[1:2]), full[1:2])
+        t = 29
+        step = jaxdet.attention(
+            q[:, t : t + 1], k, v, q_positions=jnp.full((3, 1), t), kv_lengths=jnp.full((3,), t + 1)
+        )
+        assert_bitwise(step, full[:, t : t + 1])
+        g = jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) ** 2), (0, 1, 2))
+        got = g(q, k, v)
+    assert _relerr(full, reference(q, k, v)) < TOLERANCE[jnp.bfloat16]
+    qf, kf, vf = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    want = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2), (0, 1, 2))(
+        qf, kf, vf
+    )
+    for a, b in zip(got, want):
+        assert _relerr(a, np.asarray(b, np.float64)) < 3e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_equals_the_window_alone_and_decode(device):
+    """window=W: a query sees its last W positions; its row is the bits of those keys alone (from
+    position 0), in prefill, in decode against a longer cache and packed with segment_ids."""
+    T, W = 150, 40
+    q, k, v = _qkv(2, T, T, 4, 2, 64, jnp.bfloat16)
+    with jax.default_device(_device(device)):
+        full = jaxdet.attention(q, k, v, window=W)
+        for t in (0, W - 1, W, 97, T - 1):
+            lo = max(0, t - W + 1)
+            alone = jaxdet.attention(q[:, t : t + 1], k[:, lo : t + 1], v[:, lo : t + 1], causal=False)
+            assert_bitwise(full[:, t : t + 1], alone)
+            cache = lambda x: jnp.concatenate([x, jnp.full((2, 64) + x.shape[2:], 3.0, x.dtype)], 1)  # noqa: E731
+            step = jaxdet.attention(
+                q[:, t : t + 1],
+                cache(k),
+                cache(v),
+                q_positions=jnp.full((2, 1), t),
+                kv_lengths=jnp.full((2,), t + 1),
+                window=W,
+            )
+            assert_bitwise(step, full[:, t : t + 1])
+        seg = jnp.asarray(np.repeat([0, 1], [60, T - 60])[None].repeat(2, 0), jnp.int32)
+        packed = jaxdet.attention(q, k, v, segment_ids=seg, window=W)
+        assert_bitwise(packed[:, 60:], jaxdet.attention(q[:, 60:], k[:, 60:], v[:, 60:], window=W))
+        i = np.arange(T)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+        assert_bitwise(jaxdet.attention(q, k, v, mask=jnp.asarray(mask)), full)
+    with pytest.raises(TypeError, match="window must be a Python int >= 1"):
+        jaxdet.attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="window needs causal=True"):
+        jaxdet.attention(q, k, v, causal=False, window=4)
+
+
 def test_mask_errors():
     q, k, v = _qkv(2, 8, 8, 4, 2, 64)
     with pytest.raises(TypeError, match="mask must be a boolean array"):
@@ -688,7 +751,7 @@ def test_errors():
     with pytest.raises(ValueError, match="must divide"):
         jaxdet.attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2))
     with pytest.raises(ValueError, match="head dimension"):
-        jaxdet.attention(q[..., :32], k[..., :32], v[..., :32])
+        jaxdet.attention(q[..., :40], k[..., :40], v[..., :40])
     with pytest.raises(ValueError, match="needs q_positions"):
         jaxdet.attention(q[:, :3], k, v)
     with pytest.raises(ValueError, match="excludes"):

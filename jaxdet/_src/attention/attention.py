@@ -31,11 +31,14 @@ from jaxdet import _native
 from jaxdet._src.core import autodiff, batching, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, check_static_float, float_dtype_of
 
-__all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS", "KERNEL_HEAD_DIMS"]
 
 KV_BLOCK = 64  # kBlock in cuda/attention/attention_math.h
 KV_SPLIT = 512  # kSplit in cuda/attention/attention_math.h
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+KERNEL_HEAD_DIMS = (64, 128, 256)  # the kernels' own (cuda/attention: kHeadDims)
+# Other head dimensions run on the next kernel's: q, k and v padded with zero columns. A zero
+# column adds +0 to each score, which changes no bit, and its output column is dropped.
+SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 16))
 SUPPORTED_DTYPES = FLOAT_DTYPES
 _LOG2E = 1.4426950408889634
 
@@ -307,6 +310,26 @@ def _rows_of_mask(mask, B, T, S, causal, q_positions, kv_lengths):
     return _mask_rows(jnp, jnp.asarray(mask), B, T, S, causal, q_positions, kv_lengths)
 
 
+def _windowed(row_a, row_b, row_form, B, T, S, q_positions, segment_ids, window):
+    """START_LIMIT rows of the rows described, each cut to the keys at memory rows
+    ``p - window + 1 .. p`` of its query's row ``p`` (q_positions, else the query's index)."""
+    if row_form == CAUSAL_POSITIONS:
+        seen = jnp.clip(row_a, -1, S - 1) + 1
+        start, limit = jnp.zeros_like(row_a), jnp.minimum(seen, jnp.clip(row_b, 0, S)[:, None])
+    elif row_form == LENGTHS:
+        start = jnp.zeros((B, T), jnp.int32)
+        limit = jnp.broadcast_to(jnp.clip(row_b, 0, S)[:, None], (B, T))
+    else:
+        start = jnp.clip(row_a, 0, S)
+        limit = jnp.clip(row_b, 0, S - start)
+    if segment_ids is None and q_positions is not None:
+        p = jnp.broadcast_to(q_positions.astype(jnp.int32), (B, T))
+    else:
+        p = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    first = jnp.maximum(start, p - (window - 1))
+    return first, jnp.maximum(start + limit - first, 0)
+
+
 # ---- Checks. ----
 
 
@@ -321,7 +344,17 @@ def _check_int_array(x, name, shapes, help_):
 
 
 def attention(
-    q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_lengths=None, segment_ids=None, mask=None
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    scale=None,
+    q_positions=None,
+    kv_lengths=None,
+    segment_ids=None,
+    mask=None,
+    window=None,
 ):
     """Multi-head attention ``softmax(scale * q k^T + mask) v`` with invariant rows.
 
@@ -329,7 +362,8 @@ def attention(
       q: ``[B, T, N, D]`` queries (or ``[T, N, D]`` with k and v of rank 3 too).
       k, v: ``[B, S, K, D]`` keys and values; ``K`` divides ``N`` (query head ``n`` uses KV head
         ``n // (N // K)``: multi-head, grouped-query or multi-query attention). Same dtype as q:
-        float32, bfloat16 or float16; ``D`` in ``SUPPORTED_HEAD_DIMS``.
+        float32, bfloat16 or float16; ``D`` in ``SUPPORTED_HEAD_DIMS`` (32 to 256 in steps of 16;
+        other than 64, 128, 256 on the next of those kernels with zero columns).
       causal: query at position ``p`` sees keys at positions ``<= p``; otherwise all keys of its
         sequence.
       scale: a Python float (default ``1 / sqrt(D)``).
@@ -346,6 +380,10 @@ def attention(
         window); the run is computed as a sequence starting at its first key. A row of any other
         form (or whose heads differ) gives NaN in the output, or a ValueError when the mask is
         known at trace time.
+      window: a Python int >= 1 (causal only): a sliding window, each query at memory row ``p``
+        sees at most the keys at rows ``p - window + 1 .. p`` (Mistral, Gemma), with every other
+        limit above; a row is computed from its first visible key, so decode against a long cache
+        gives the windowed prefill's bits.
 
     Returns ``[B, T, N, D]`` in q's dtype. A query that sees no key gets zeros. Reverse-mode
     differentiable in q, k and v (``jax.custom_vjp``; the backward is one jaxdet kernel and is not
@@ -380,6 +418,7 @@ def attention(
             kv_lengths=kv1,
             segment_ids=unbatched(segment_ids),
             mask=mask,
+            window=window,
         )
         return out[0]
     B, T, N, D = q.shape
@@ -391,13 +430,20 @@ def attention(
     if K == 0 or N % K:
         raise ValueError(f"the number of KV heads ({K}) must divide the number of query heads ({N})")
     if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dimension D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+        raise ValueError(f"head dimension D must be 32 to 256 in steps of 16 (SUPPORTED_HEAD_DIMS), got {D}")
     # Symbolic dims (jax.export.symbolic_shape) are checked where the exported function is called.
     if any(isinstance(n, int) and n >= 2**31 - 1 for n in (T, S)):
         raise ValueError(f"sequence lengths must be < 2**31 - 1, got T={T}, S={S}")
     scale = 1.0 / math.sqrt(D) if scale is None else check_static_float(scale, "scale")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    if window is not None:
+        if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise TypeError(
+                f"window must be a Python int >= 1 (the keys a query sees, itself included), got {window!r}"
+            )
+        if not causal:
+            raise ValueError("window needs causal=True (a query sees its last `window` positions)")
     if mask is not None:
         if segment_ids is not None:
             raise ValueError(
@@ -432,11 +478,17 @@ def attention(
         row_form = START_LIMIT
     else:
         row_a, row_b, row_form = _position_rows(B, T, S, causal, q_positions, kv_lengths)
+    if window is not None:
+        row_a, row_b = _windowed(row_a, row_b, row_form, B, T, S, q_positions, segment_ids, int(window))
+        row_form = START_LIMIT
     G = N // K
+    Dk = next(d for d in KERNEL_HEAD_DIMS if d >= D)
+    if Dk != D:
+        q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, Dk - D)]) for x in (q, k, v))
     out = autodiff.reverse_only(
-        "jaxdet.attention", _attention5, q.reshape(B, T, K, G, D), k, v, row_a, row_b, scale, row_form
+        "jaxdet.attention", _attention5, q.reshape(B, T, K, G, Dk), k, v, row_a, row_b, scale, row_form
     )
-    out = out.reshape(B, T, N, D)
+    out = out.reshape(B, T, N, Dk)[..., :D]
     if ok is not None:
         out = jnp.where(ok[:, :, None, None], out, jnp.array(np.nan, out.dtype))
     return out
@@ -447,3 +499,4 @@ autodiff.refuse_jvp(globals(), lambda params: "jaxdet.attention")
 # The public function carries its constants (jaxdet.attention.KV_SPLIT, ...).
 attention.KV_BLOCK, attention.KV_SPLIT = KV_BLOCK, KV_SPLIT
 attention.SUPPORTED_HEAD_DIMS, attention.SUPPORTED_DTYPES = SUPPORTED_HEAD_DIMS, SUPPORTED_DTYPES
+attention.KERNEL_HEAD_DIMS = KERNEL_HEAD_DIMS
