@@ -107,3 +107,15 @@ def test_nnx_in_place_train_step():
     assert not np.array_equal(np.asarray(l1[0]), np.asarray(l1[-1]))  # the model was updated in place
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p3)):
         assert float(jnp.max(jnp.abs(a - b))) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_nnx_rows_decode_and_train_step(dtype, on_gpu):
+    """The same contracts on the GPU: rows alone == in batches, flax's decode cache == the
+    one-pass forward, and two runs of the in-place step give the same bits."""
+    test_nnx_log_probs_rows_alone_equal_rows_in_batches(dtype)
+    test_nnx_decode_cache_equals_the_one_pass_forward(dtype)
+    if dtype == jnp.float32:
+        with jax.default_matmul_precision("highest"):  # the untransformed twin without TF32
+            test_nnx_in_place_train_step()
