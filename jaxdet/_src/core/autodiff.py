@@ -1,12 +1,25 @@
-"""Reverse mode, named: the public functions are ``jax.custom_vjp`` functions whose backward is a
-jaxdet kernel. Forward mode through them, and differentiating a gradient whose kernel has no rule,
-raise errors that name the public function and what is supported, instead of JAX's generic
-messages about internal primitives."""
+"""Derivatives of the public functions.
+
+* `linear_call`: a linear map with its own transpose, as one primitive (``jaxdet_linear``). A public
+  function's tangent is such a map (built from jaxdet kernels), and its transpose is the function's
+  backward kernels, so ``jax.jvp``, ``jax.linearize``, ``jax.grad`` and their compositions share one
+  definition and reverse mode runs exactly the backward kernels (docs/derivatives.md).
+* `jvp_of_formula`: a kernel primitive whose derivative is that of a formula written with jaxdet's
+  differentiable operations (elementwise jnp and ``jaxdet.sum``): the tangents of backward kernels,
+  which second derivatives need.
+* Functions that support reverse mode only are ``jax.custom_vjp`` functions; forward mode through
+  them raises errors that name the public function and what is supported, instead of JAX's generic
+  messages about internal primitives.
+"""
 
 from __future__ import annotations
 
+import jax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
-from jax.interpreters import ad
+from jax.interpreters import ad, batching, mlir
+
+from jaxdet._src.core import batching as jaxdet_batching
 
 _JVP_OF_CUSTOM_VJP = "forward-mode autodiff (jvp) to a custom_vjp function"
 
@@ -48,3 +61,134 @@ def reverse_only(public: str, fn, *args, higher_order: bool = False):
         raise TypeError(
             f"{support_message(public, higher_order=higher_order)} (it is a jax.custom_vjp function)"
         ) from e
+
+
+class ForwardModeNotSupported(NotImplementedError, TypeError):
+    """Forward-mode differentiation of a public function that supports reverse mode only (a
+    NotImplementedError; a TypeError too, which is what JAX raises for a custom_vjp function)."""
+
+
+# ---- linear_call: fn(*res, *lin) -> tuple, linear in `lin`; transpose(*res, *cts) -> a tuple like
+# `lin`. The residuals `res` may be differentiated too (fn's derivative in them, `lin` held). ----
+
+linear_p = jex_core.Primitive("jaxdet_linear")
+linear_p.multiple_results = True
+
+
+def linear_call(fn, transpose, res, lin):
+    """``fn(*res, *lin)`` (a tuple of arrays), linear in `lin`, whose transpose in `lin` is
+    ``transpose(*res, *cotangents)``. Under ``jax.grad`` / ``jax.linear_transpose`` the transpose runs
+    (its operations are bound directly, so the backward kernels appear in the program); under
+    ``jax.jvp`` a tangent of `lin` goes through `fn` again, and a tangent of `res` through fn's own
+    derivative (fn must be differentiable in res)."""
+    return linear_p.bind(*res, *lin, fn=fn, transpose=transpose, n_res=len(res))
+
+
+def _linear_abstract_eval(*avals, fn, transpose, n_res):
+    return jax.make_jaxpr(lambda *a: tuple(fn(*a)))(*avals).out_avals
+
+
+def _linear_impl(*args, fn, transpose, n_res):
+    return tuple(fn(*args))
+
+
+def _linear_jvp(primals, tangents, *, fn, transpose, n_res):
+    res, lin = primals[:n_res], primals[n_res:]
+    t_res, t_lin = tangents[:n_res], tangents[n_res:]
+    out = linear_p.bind(*primals, fn=fn, transpose=transpose, n_res=n_res)
+    parts = []
+    if any(type(t) is not ad.Zero for t in t_lin):
+        parts.append(linear_p.bind(*res, *map(ad.instantiate_zeros, t_lin), fn=fn, transpose=transpose, n_res=n_res))
+    if any(type(t) is not ad.Zero for t in t_res):
+        _, d = jax.jvp(lambda *r: tuple(fn(*r, *lin)), tuple(res), tuple(map(ad.instantiate_zeros, t_res)))
+        parts.append(d)
+    if not parts:
+        return out, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in out]
+    tangent = parts[0] if len(parts) == 1 else [a + b for a, b in zip(*parts)]
+    return out, list(tangent)
+
+
+def _linear_transpose(cts, *args, fn, transpose, n_res):
+    res, lin = args[:n_res], args[n_res:]
+    if any(ad.is_undefined_primal(r) for r in res):
+        raise NotImplementedError("jaxdet_linear: transposing in a residual argument (it is not linear there)")
+    if all(type(ct) is ad.Zero for ct in cts):
+        return [None] * n_res + [ad.Zero(x.aval) if ad.is_undefined_primal(x) else None for x in lin]
+    cts = [ad.instantiate_zeros(ct) for ct in cts]
+    outs = transpose(*res, *cts)
+    return [None] * n_res + [o if ad.is_undefined_primal(x) else None for o, x in zip(outs, lin)]
+
+
+def _linear_batch(args, dims, *, fn, transpose, n_res):
+    size = jaxdet_batching.batch_size(args, dims)
+    res, lin = args[:n_res], args[n_res:]
+    res_axes = tuple(None if jaxdet_batching.not_mapped(d) else d for d in dims[:n_res])
+    # Every linear operand batched at 0, so that the transpose's results are batched like them.
+    lin = [jaxdet_batching.moved_to_front(x, d, size) for x, d in zip(lin, dims[n_res:])]
+    batched_fn = jax.vmap(lambda *a: tuple(fn(*a)), in_axes=res_axes + (0,) * len(lin))
+
+    def batched_transpose(*a):
+        return jax.vmap(lambda *b: tuple(transpose(*b)), in_axes=res_axes + (0,) * (len(a) - n_res))(*a)
+
+    out = linear_p.bind(*res, *lin, fn=batched_fn, transpose=batched_transpose, n_res=n_res)
+    return out, [0] * len(out)
+
+
+linear_p.def_impl(_linear_impl)
+linear_p.def_abstract_eval(_linear_abstract_eval)
+ad.primitive_jvps[linear_p] = _linear_jvp
+ad.primitive_transposes[linear_p] = _linear_transpose
+batching.primitive_batchers[linear_p] = _linear_batch
+mlir.register_lowering(linear_p, mlir.lower_fun(_linear_impl, multiple_results=True))
+
+
+def is_zero(t) -> bool:
+    """Whether a tangent given to a ``custom_jvp`` rule (``symbolic_zeros=True``) is a symbolic zero."""
+    return isinstance(t, SymbolicZero)
+
+
+def _instantiated(t):
+    return jax.numpy.zeros(t.shape, t.dtype) if is_zero(t) else t
+
+
+def custom_linear(fn, transpose, res, lin):
+    """``fn(*res, *lin)`` (a tuple), linear in `lin` with the transpose ``transpose(*res, *cts)``:
+    evaluated as it is (its kernels appear in the program), and differentiated through
+    `linear_call` (in `lin`) and fn's own derivative (in `res`)."""
+    res, lin = tuple(res), tuple(lin)
+
+    @jax.custom_jvp
+    def call(res, lin):
+        return tuple(fn(*res, *lin))
+
+    def rule(primals, tangents):
+        (res, lin), (t_res, t_lin) = primals, tangents
+        out = call(res, lin)
+        parts = []
+        if not all(map(is_zero, t_lin)):
+            parts.append(linear_call(fn, transpose, res, tuple(map(_instantiated, t_lin))))
+        if not all(map(is_zero, t_res)):
+            parts.append(jax.jvp(lambda *r: tuple(fn(*r, *lin)), res, tuple(map(_instantiated, t_res)))[1])
+        if not parts:
+            return out, tuple(jax.numpy.zeros_like(o) for o in out)
+        return out, tuple(parts[0]) if len(parts) == 1 else tuple(a + b for a, b in zip(*parts))
+
+    call.defjvp(rule, symbolic_zeros=True)
+    return call(res, lin)
+
+
+def jvp_of_formula(prim, formula):
+    """The JVP rule of `prim`: its own result, and the tangent of ``formula(*operands, **params)``
+    (the same math written with differentiable jaxdet operations, so that every order works and
+    every reduction in the tangent is a jaxdet one). Each tangent has its result's dtype."""
+
+    def rule(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        _, tangent = jax.jvp(
+            lambda *a: formula(*a, **params), tuple(primals), tuple(map(ad.instantiate_zeros, tangents))
+        )
+        if prim.multiple_results:
+            return out, [t.astype(o.dtype) for t, o in zip(tangent, out)]
+        return out, tangent.astype(out.dtype)
+
+    ad.primitive_jvps[prim] = rule
