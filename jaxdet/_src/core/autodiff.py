@@ -38,13 +38,17 @@ def support_message(public: str, *, higher_order: bool = False) -> str:
     )
 
 
-def refuse_jvp(namespace: dict, public_of) -> None:
-    """A JVP rule for every primitive in `namespace` (a module's globals) that raises
-    NotImplementedError naming the public function ``public_of(params)``."""
+def refuse_jvp(namespace: dict, public_of, message=None) -> None:
+    """A JVP rule for every primitive in `namespace` (a module's globals) that has none, raising
+    NotImplementedError naming the public function ``public_of(params)``: `message(public)` says
+    what is not supported (default: `support_message`)."""
+    message = message or support_message
     for prim in [v for v in namespace.values() if isinstance(v, jex_core.Primitive)]:
+        if prim in ad.primitive_jvps:
+            continue
 
         def rule(primals, tangents, _prim=prim, **params):
-            raise NotImplementedError(f"{support_message(public_of(params))} (the internal primitive {_prim.name})")
+            raise NotImplementedError(f"{message(public_of(params))} (the internal primitive {_prim.name})")
 
         ad.primitive_jvps[prim] = rule
 
