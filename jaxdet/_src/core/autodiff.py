@@ -107,7 +107,7 @@ def _linear_jvp(primals, tangents, *, fn, transpose, n_res):
         _, d = jax.jvp(lambda *r: tuple(fn(*r, *lin)), tuple(res), tuple(map(ad.instantiate_zeros, t_res)))
         parts.append(d)
     if not parts:
-        return out, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in out]
+        return out, [zero_tangent(o) for o in out]
     tangent = parts[0] if len(parts) == 1 else [a + b for a, b in zip(*parts)]
     return out, list(tangent)
 
@@ -144,6 +144,11 @@ ad.primitive_jvps[linear_p] = _linear_jvp
 ad.primitive_transposes[linear_p] = _linear_transpose
 batching.primitive_batchers[linear_p] = _linear_batch
 mlir.register_lowering(linear_p, mlir.lower_fun(_linear_impl, multiple_results=True))
+
+
+def zero_tangent(value):
+    """A symbolic zero tangent for `value` (a primitive's JVP rule result)."""
+    return ad.Zero(jax.typeof(value).to_tangent_aval())
 
 
 def is_zero(t) -> bool:

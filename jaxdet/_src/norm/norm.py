@@ -366,10 +366,10 @@ def _fwd_jvp(primals, tangents, *, eps, center, has_bias):
     y, stats = norm_rows_fwd_p.bind(x, w, b, eps=eps, center=center, has_bias=has_bias)
     present = tuple(None if type(t) is ad.Zero else t for t in tangents)
     if all(t is None for t in present):
-        return (y, stats), [ad.Zero.from_primal_value(y), ad.Zero.from_primal_value(stats)]
+        return (y, stats), [autodiff.zero_tangent(y), autodiff.zero_tangent(stats)]
     ty = _norm_tangent(x, w, b, stats, present, center, has_bias)
     if present[0] is None:
-        tstats = ad.Zero.from_primal_value(stats)
+        tstats = autodiff.zero_tangent(stats)
     else:
         # Through jax.jvp, so that jaxdet.sum's own derivative rule makes the tangent a linear map.
         tstats = jax.jvp(lambda x: _stats_formula(x, eps=eps, center=center), (x,), (present[0],))[1]

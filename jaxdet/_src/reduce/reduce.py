@@ -181,7 +181,7 @@ def _sum(x, axes, out_dtype):
         # broadcast over the reduced axes: no reduction.
         return (tree.match_varying(_broadcast(g.astype(dtype), axes, shape), vma),)
 
-    return autodiff.custom_linear(lambda x: (_sum_of(x, axes, out_dtype),), transpose, (), (x,))[0]
+    return autodiff.linear_call(lambda x: (_sum_of(x, axes, out_dtype),), transpose, (), (x,))[0]
 
 
 def _broadcast(g, axes, shape):
@@ -194,7 +194,7 @@ def _broadcast(g, axes, shape):
         dg = _sum(ct.astype(dtype), axes, dtype) if math.prod(shape) else jnp.zeros(g.shape, dtype)
         return (tree.match_varying(dg, vma),)
 
-    return autodiff.custom_linear(lambda g: (jax.lax.broadcast_in_dim(g, shape, kept),), transpose, (), (g,))[0]
+    return autodiff.linear_call(lambda g: (jax.lax.broadcast_in_dim(g, shape, kept),), transpose, (), (g,))[0]
 
 
 # ---- Checks and the public functions. ----
