@@ -25,16 +25,18 @@ _JVP_OF_CUSTOM_VJP = "forward-mode autodiff (jvp) to a custom_vjp function"
 
 
 def support_message(public: str, *, higher_order: bool = False) -> str:
-    """What `public` supports: reverse mode once (or, with `higher_order`, to any order)."""
+    """What `public` supports: reverse mode once (or, with `higher_order`, to any order), and what to
+    use instead of forward mode."""
+    instead = "use reverse mode instead (jax.vjp, or jax.jacrev for a Jacobian)"
     if higher_order:
         return (
             f"{public} supports reverse-mode differentiation to any order (jax.grad, jax.vjp, "
-            "jax.value_and_grad); forward mode (jax.jvp, jax.jacfwd, jax.linearize) is not supported yet"
+            f"jax.value_and_grad); forward mode (jax.jvp, jax.jacfwd, jax.linearize) is not supported yet: {instead}"
         )
     return (
         f"{public} supports reverse-mode differentiation once (jax.grad, jax.vjp, jax.value_and_grad); "
         "forward mode (jax.jvp, jax.jacfwd, jax.linearize, jax.hessian) and differentiating its gradient "
-        "again are not supported yet"
+        f"again are not supported yet: {instead}"
     )
 
 
@@ -54,15 +56,15 @@ def refuse_jvp(namespace: dict, public_of, message=None) -> None:
 
 
 def reverse_only(public: str, fn, *args, higher_order: bool = False):
-    """``fn(*args)``; JAX's TypeError for forward mode through a custom_vjp function becomes one
-    naming `public`. (Under ``jax.jvp`` of a ``jax.jit``-ed function the custom_vjp is met when the
+    """``fn(*args)``; JAX's TypeError for forward mode through a custom_vjp function becomes a
+    `ForwardModeNotSupported` naming `public`. (Under ``jax.jvp`` of a ``jax.jit``-ed function the custom_vjp is met when the
     jitted program is differentiated, outside this frame: JAX's own message then.)"""
     try:
         return fn(*args)
     except TypeError as e:
         if _JVP_OF_CUSTOM_VJP not in str(e):
             raise
-        raise TypeError(
+        raise ForwardModeNotSupported(
             f"{support_message(public, higher_order=higher_order)} (it is a jax.custom_vjp function)"
         ) from e
 
