@@ -57,8 +57,9 @@ def refuse_jvp(namespace: dict, public_of, message=None) -> None:
 
 def reverse_only(public: str, fn, *args, higher_order: bool = False):
     """``fn(*args)``; JAX's TypeError for forward mode through a custom_vjp function becomes a
-    `ForwardModeNotSupported` naming `public`. (Under ``jax.jvp`` of a ``jax.jit``-ed function the custom_vjp is met when the
-    jitted program is differentiated, outside this frame: JAX's own message then.)"""
+    `ForwardModeNotSupported` naming `public`. (Under ``jax.jvp`` of a ``jax.jit``-ed function the
+    custom_vjp is met when the jitted program is differentiated, outside this frame: JAX's own
+    message then.)"""
     try:
         return fn(*args)
     except TypeError as e:
