@@ -15,11 +15,14 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from jaxdet._src.core import batching as jaxdet_batching
+from jaxdet._src.core import ffi
 
 _JVP_OF_CUSTOM_VJP = "forward-mode autodiff (jvp) to a custom_vjp function"
 
@@ -147,6 +150,42 @@ ad.primitive_jvps[linear_p] = _linear_jvp
 ad.primitive_transposes[linear_p] = _linear_transpose
 batching.primitive_batchers[linear_p] = _linear_batch
 mlir.register_lowering(linear_p, mlir.lower_fun(_linear_impl, multiple_results=True))
+ffi.lowers_with_devices(linear_p)  # fn may bind partitioned composites (jaxdet.sum, the backward kernels)
+
+
+@jax.custom_jvp
+def _rounded(x, zero):
+    # x's bits xor a run-time zero: the same value, which no compiler can fuse into a following add.
+    uint = {2: jnp.uint16, 4: jnp.uint32}[np.dtype(x.dtype).itemsize]
+    z = jax.lax.bitcast_convert_type(zero, jnp.uint32).astype(uint)
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, uint) ^ z, x.dtype)
+
+
+@_rounded.defjvp
+def _rounded_jvp(primals, tangents):
+    return _rounded(*primals), tangents[0]
+
+
+def rounded_sum(terms):
+    """The sum of `terms` (floats of one shape and dtype), each rounded to its dtype before the adds.
+
+    On the CPU, XLA lets LLVM contract a multiply and an add of one fused loop into one FMA (no
+    flag turns that off, and optimization barriers are removed before fusion), so ``a * b + c``
+    could round once under jit and twice eagerly. Each term passes through an identity XLA cannot
+    see through (its bits xor a zero made by a jaxdet kernel at run time), so the sum has the same
+    bits eager, jitted and in any batch. For a function's values only (a tangent map's `fn`), not
+    for values that are themselves linear in a tangent being transposed.
+    """
+    terms = list(terms)
+    if len(terms) > 1:
+        from jaxdet._src.reduce.reduce import reduce_sum  # a kernel: a zero XLA cannot fold
+
+        zero = reduce_sum(jnp.zeros((1,), jnp.float32), (0,), np.dtype(np.float32))
+        terms = [_rounded(t, zero) for t in terms]
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
 
 
 def zero_tangent(value):
@@ -160,7 +199,7 @@ def is_zero(t) -> bool:
 
 
 def _instantiated(t):
-    return jax.numpy.zeros(t.shape, t.dtype) if is_zero(t) else t
+    return jnp.zeros(t.shape, t.dtype) if is_zero(t) else t
 
 
 def custom_linear(fn, transpose, res, lin):
@@ -182,7 +221,7 @@ def custom_linear(fn, transpose, res, lin):
         if not all(map(is_zero, t_res)):
             parts.append(jax.jvp(lambda *r: tuple(fn(*r, *lin)), res, tuple(map(_instantiated, t_res)))[1])
         if not parts:
-            return out, tuple(jax.numpy.zeros_like(o) for o in out)
+            return out, tuple(jnp.zeros_like(o) for o in out)
         return out, tuple(parts[0]) if len(parts) == 1 else tuple(a + b for a, b in zip(*parts))
 
     call.defjvp(rule, symbolic_zeros=True)

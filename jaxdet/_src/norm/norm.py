@@ -342,10 +342,7 @@ def _norm_tangent(x, w, b, stats, tangents, center, has_bias):
             acc.append(_xhat(x, stats) * t["w"])
         if "b" in t:
             acc.append(jnp.broadcast_to(t["b"], x.shape))
-        total = acc[0]
-        for a in acc[1:]:
-            total = total + a
-        return (total.astype(x.dtype),)
+        return (autodiff.rounded_sum(acc).astype(x.dtype),)
 
     return autodiff.linear_call(fn, _norm_transpose(x, w, b, center, has_bias, which), (x, w, stats), lin)[0]
 
