@@ -220,6 +220,14 @@ def test_reverse_mode_is_the_transpose_of_the_tangent_map():
     assert "jaxdet_norm_rows_bwd" in text and "jaxdet_linear" not in text
 
 
+def test_second_derivative_through_vmap_with_per_example_scale_names_the_norm():
+    x, w = rand((3, 4, 8), 0), rand((3, 8), 1)
+    f = lambda x, w: jnp.sum(jnp.sin(jax.vmap(jaxdet.rms_norm)(x, w)))  # noqa: E731
+    assert jax.grad(f, (0, 1))(x, w)[1].shape == w.shape  # first order works
+    with pytest.raises(NotImplementedError, match=r"^jaxdet\.rms_norm: a second derivative through jax\.vmap"):
+        jax.jvp(jax.grad(f, 1), (x, w), (x, w))
+
+
 def test_attention_forward_mode_raises_not_implemented():
     q = rand((1, 8, 2, 64), 0)
     with pytest.raises(NotImplementedError, match=r"jaxdet\.attention supports reverse-mode.*jax\.jacrev"):

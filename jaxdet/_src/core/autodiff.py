@@ -52,8 +52,8 @@ def refuse_jvp(namespace: dict, public_of, message=None) -> None:
         if prim in ad.primitive_jvps:
             continue
 
-        def rule(primals, tangents, _prim=prim, **params):
-            raise NotImplementedError(f"{message(public_of(params))} (the internal primitive {_prim.name})")
+        def rule(primals, tangents, **params):
+            raise NotImplementedError(message(public_of(params)))
 
         ad.primitive_jvps[prim] = rule
 
