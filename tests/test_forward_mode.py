@@ -220,12 +220,23 @@ def test_reverse_mode_is_the_transpose_of_the_tangent_map():
     assert "jaxdet_norm_rows_bwd" in text and "jaxdet_linear" not in text
 
 
-def test_second_derivative_through_vmap_with_per_example_scale_names_the_norm():
-    x, w = rand((3, 4, 8), 0), rand((3, 8), 1)
-    f = lambda x, w: jnp.sum(jnp.sin(jax.vmap(jaxdet.rms_norm)(x, w)))  # noqa: E731
-    assert jax.grad(f, (0, 1))(x, w)[1].shape == w.shape  # first order works
-    with pytest.raises(NotImplementedError, match=r"^jaxdet\.rms_norm: a second derivative through jax\.vmap"):
-        jax.jvp(jax.grad(f, 1), (x, w), (x, w))
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm"])
+def test_second_derivatives_through_vmap_with_per_example_parameters(name):
+    # jax.vmap with per-example scale (and bias) runs the grouped kernels; jax.hessian in the
+    # parameters vmaps the tangents: both reach the grouped kernels' derivative rules.
+    f, ref, shapes = CASES[name]
+    args = tuple(rand((3, 4) + s[1:] if i == 0 else (3,) + s, i) for i, s in enumerate(shapes))
+    tangents = tuple(rand(a.shape, 10 + i) for i, a in enumerate(args))
+    argnums = tuple(range(len(args)))
+    hvp = lambda f: lambda a, t: jax.jvp(jax.grad(_loss(jax.vmap(f)), argnums), a, t)[1]  # noqa: E731
+    got = jax.jit(hvp(f))(args, tangents)
+    hess = jax.jit(jax.hessian(_loss(f), 1))(args[0][0], *(a[0] for a in args[1:]))
+    with jax.enable_x64(True):
+        want = jax.jit(hvp(ref))(_f64(args), _f64(tangents))
+        want_hess = jax.hessian(_loss(ref), 1)(*_f64([args[0][0], *(a[0] for a in args[1:])]))
+    for g, e in zip(got, want):
+        assert rel(g, e) < 2e-5, rel(g, e)
+    assert rel(hess, want_hess) < 2e-5, rel(hess, want_hess)
 
 
 def test_attention_forward_mode_raises_not_implemented():

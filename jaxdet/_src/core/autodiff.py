@@ -121,7 +121,8 @@ def _linear_jvp(primals, tangents, *, fn, transpose, n_res):
 def _linear_transpose(cts, *args, fn, transpose, n_res):
     res, lin = args[:n_res], args[n_res:]
     if any(ad.is_undefined_primal(r) for r in res):
-        raise NotImplementedError("jaxdet_linear: transposing in a residual argument (it is not linear there)")
+        # Residuals come from primal values: a tangent map is never transposed in them.
+        raise NotImplementedError("a jaxdet tangent map was transposed in an argument it is not linear in")
     if all(type(ct) is ad.Zero for ct in cts):
         return [None] * n_res + [ad.Zero(x.aval) if ad.is_undefined_primal(x) else None for x in lin]
     cts = [ad.instantiate_zeros(ct) for ct in cts]
@@ -196,36 +197,6 @@ def zero_tangent(value):
 def is_zero(t) -> bool:
     """Whether a tangent given to a ``custom_jvp`` rule (``symbolic_zeros=True``) is a symbolic zero."""
     return isinstance(t, SymbolicZero)
-
-
-def _instantiated(t):
-    return jnp.zeros(t.shape, t.dtype) if is_zero(t) else t
-
-
-def custom_linear(fn, transpose, res, lin):
-    """``fn(*res, *lin)`` (a tuple), linear in `lin` with the transpose ``transpose(*res, *cts)``:
-    evaluated as it is (its kernels appear in the program), and differentiated through
-    `linear_call` (in `lin`) and fn's own derivative (in `res`)."""
-    res, lin = tuple(res), tuple(lin)
-
-    @jax.custom_jvp
-    def call(res, lin):
-        return tuple(fn(*res, *lin))
-
-    def rule(primals, tangents):
-        (res, lin), (t_res, t_lin) = primals, tangents
-        out = call(res, lin)
-        parts = []
-        if not all(map(is_zero, t_lin)):
-            parts.append(linear_call(fn, transpose, res, tuple(map(_instantiated, t_lin))))
-        if not all(map(is_zero, t_res)):
-            parts.append(jax.jvp(lambda *r: tuple(fn(*r, *lin)), res, tuple(map(_instantiated, t_res)))[1])
-        if not parts:
-            return out, tuple(jnp.zeros_like(o) for o in out)
-        return out, tuple(parts[0]) if len(parts) == 1 else tuple(a + b for a, b in zip(*parts))
-
-    call.defjvp(rule, symbolic_zeros=True)
-    return call(res, lin)
 
 
 def jvp_of_formula(prim, formula):

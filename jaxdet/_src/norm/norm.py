@@ -389,9 +389,34 @@ def _grads_formula(x, stats, g, *, has_bias):
     return [dw, canonical_sum(gf, axis=0)] if has_bias else [dw]
 
 
+# The kernels on groups [G, R, n] with parameters [1 or G, n], which the batching rules bind for
+# per-example parameters: only second and higher derivatives reach them, through their formulas.
+
+
+def _grouped_fwd_formula(x, w, b, *, eps, center):
+    stats = _stats_formula(x, eps=eps, center=center)
+    y = _xhat(x, stats) * w[:, None, :]
+    return [y + b[:, None, :] if b.size else y, stats]
+
+
+def _grouped_bwd_formula(x, w, stats, g, *, center):
+    return _bwd_formula(x, w[:, None, :], stats, g, center=center)
+
+
+def _grouped_grads_formula(x, stats, g, *, has_bias):
+    gf = g.astype(_F32)
+    dw = canonical_sum(gf * _xhat(x, stats), axis=1)
+    db = canonical_sum(gf, axis=1) if has_bias else jnp.zeros((x.shape[0], 0), _F32)
+    ws = _pg_abstract_eval(x, stats, g, has_bias=has_bias)[2:]
+    return [dw, db] + [jnp.zeros(a.shape, a.dtype) for a in ws]  # the workspaces: no tangent
+
+
 ad.primitive_jvps[norm_rows_fwd_p] = _fwd_jvp
 autodiff.jvp_of_formula(norm_rows_bwd_p, _bwd_formula)
 autodiff.jvp_of_formula(norm_grads_p, _grads_formula)
+autodiff.jvp_of_formula(norm_fwd_p, _grouped_fwd_formula)
+autodiff.jvp_of_formula(norm_bwd_p, _grouped_bwd_formula)
+autodiff.jvp_of_formula(norm_param_grad_p, _grouped_grads_formula)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
@@ -465,23 +490,6 @@ def layer_norm(x, scale, bias, eps: float = 1e-6):
     """
     return _apply(x, scale, bias, eps, center=True)
 
-
-def _norm_public(params):
-    if "center" in params:
-        return "jaxdet.layer_norm" if params["center"] else "jaxdet.rms_norm"
-    return "jaxdet.rms_norm (and jaxdet.layer_norm)"
-
-
-def _unsupported(public):
-    return (
-        f"{public}: a second derivative through jax.vmap with per-example scale or bias is not supported "
-        "(the batched kernels have no derivative rule); pass the examples as leading dimensions of x with "
-        "shared parameters, or differentiate inside the vmap"
-    )
-
-
-# Reached only by a derivative of the batching rules' per-example kernels (every other kernel has a rule above).
-autodiff.refuse_jvp(globals(), _norm_public, _unsupported)
 
 # The public functions carry their constants (jaxdet.rms_norm.GRAD_BLOCK_TOKENS, ...).
 rms_norm.GRAD_BLOCK_TOKENS = layer_norm.GRAD_BLOCK_TOKENS = GRAD_BLOCK_TOKENS
