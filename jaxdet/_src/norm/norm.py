@@ -9,6 +9,8 @@ The contracts (docs/norm.md, proven by tests/test_norm.py):
 * Parameter gradients: dscale = sum over tokens of g * xhat and dbias = sum of g, by the canonical
   balanced tree over tokens (jaxdet.parallel.tree_sum's tree, one token per leaf), so a device that
   holds an aligned power-of-two block of tokens holds a subtree.
+* Derivatives: the tangent is a linear map transposed by the backward kernels; second derivatives
+  differentiate the kernels through their formulas with jaxdet.sum (docs/derivatives.md).
 """
 
 from __future__ import annotations
@@ -471,8 +473,9 @@ def rms_norm(x, scale, eps: float = 1e-6):
     Returns ``y`` with x's shape and dtype. Statistics and arithmetic are float32 (x and scale
     widened exactly), each operation rounded once, in the order of docs/norm.md; y is rounded once
     to x's dtype. A row's bits depend only on that row and ``scale``, and equal on CPU and GPU.
-    Reverse-mode differentiable (``jax.custom_vjp``): dx is row-invariant too; dscale is the
-    canonical tree over tokens of ``g * xhat`` in float32, rounded once to scale's dtype.
+    Differentiable to any order, forward and reverse (docs/derivatives.md): dx and the tangent are
+    row-invariant too; dscale is the canonical tree over tokens of ``g * xhat`` in float32, rounded
+    once to scale's dtype.
     """
     return _apply(x, scale, None, eps, center=False)
 

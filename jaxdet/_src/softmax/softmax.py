@@ -10,6 +10,8 @@ The contracts (docs/softmax.md, proven by tests/test_softmax.py):
   log from one header compiled for both (cuda/common/det_math.h).
 * ``label_log_probs(x, labels) == -softmax_cross_entropy_with_integer_labels(x, labels)`` and
   ``== take_along_axis(log_softmax(x), labels)`` (float32 x), bit for bit.
+* Derivatives: each tangent is a linear map transposed by the backward kernel; second derivatives
+  differentiate the kernels through their formulas with jaxdet.sum (docs/derivatives.md).
 """
 
 from __future__ import annotations
@@ -473,8 +475,9 @@ def softmax(x, axis: int = -1):
     """``exp(x - max) / sum(exp(x - max))`` along ``axis``, batch-invariant and CPU == GPU bitwise.
 
     x: float32, bfloat16 or float16. The statistics and arithmetic are float32, in the order of
-    docs/softmax.md; the result is rounded once to x's dtype. Reverse-mode differentiable: the
-    backward recomputes the float32 probabilities and reduces ``g * p`` in the same canonical order.
+    docs/softmax.md; the result is rounded once to x's dtype. Differentiable to any order, forward
+    and reverse (docs/derivatives.md): the backward recomputes the float32 probabilities and reduces
+    ``g * p`` in the same canonical order; the tangent is that backward applied to the tangent.
     A non-last ``axis`` costs a transpose.
     """
     return _softmax_like(x, axis, "softmax")
@@ -527,8 +530,9 @@ def softmax_cross_entropy_with_integer_labels(logits, labels, axis: int = -1):
     Returns float32 losses of labels' shape, computed as ``log(S) - (x_label - M)`` with the row's
     statistics (M, S) of docs/softmax.md (the same as log_softmax's). A label outside
     ``[0, n)`` gives a NaN loss (no clamping); its logits gradient is NaN, or zero where the loss's
-    cotangent is zero (a masked token). Reverse-mode differentiable in ``logits``: the gradient is
-    ``g * (softmax(logits) - one_hot(label))``, elementwise, with the softmax recomputed in float32.
+    cotangent is zero (a masked token). Differentiable in ``logits`` to any order, forward and reverse
+    (docs/derivatives.md): the gradient is ``g * (softmax(logits) - one_hot(label))``, elementwise,
+    with the softmax recomputed in float32.
     """
     return _xent(logits, labels, axis, log_prob=False)
 
