@@ -1,6 +1,6 @@
-"""Arguments, timing and table rows shared by norm_bench.py and softmax_bench.py: jnp and jaxdet side
-by side, in alternating repetitions, forward and backward separately, with the fraction of the copy
-bandwidth reached.
+"""Command line, timing and table rows shared by norm_bench.py, softmax_bench.py and reduce_bench.py:
+the baseline and jaxdet side by side, in alternating repetitions, forward and backward separately
+(reduce_bench.py: forward only), with the fraction of the copy bandwidth reached.
 
 Forward: the jitted function. Backward: the jitted vjp function applied to the cotangent, the
 forward's residuals passed in as arguments (`jax.vjp` outside the timed call), so each side is
@@ -62,9 +62,11 @@ def timing_pairs(f, args, cotangent):
     return (both, both) if isinstance(both, Failed) else both
 
 
-def parse_args(parser):
-    """Adds the arguments both benchmarks take and parses: (args, the device to run on). Exits when
-    that device is the CPU and --allow-cpu is not given."""
+def parse_args(parser, default_dtype):
+    """Adds the arguments every row-op benchmark takes (--dtype, of which `default_dtype` is the
+    default) and parses: (args, the device to run on). Exits when that device is the CPU and
+    --allow-cpu is not given."""
+    parser.add_argument("--dtype", default=default_dtype, choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke test)")
@@ -75,6 +77,16 @@ def parse_args(parser):
     if device.platform == "cpu" and not args.allow_cpu:
         sys.exit("no GPU: pass --allow-cpu (with --small) to smoke-test the script on the CPU")
     return args, device
+
+
+def main(parser, default_dtype, sanitize, benchmark):
+    """A row-op benchmark's command line: parses (parse_args), then runs sanitize(device) with
+    --sanitize, else benchmark(args, device, dtype)."""
+    args, device = parse_args(parser, default_dtype)
+    if args.sanitize:
+        sanitize(device)
+    else:
+        benchmark(args, device, jnp.dtype(args.dtype))
 
 
 def copy_bandwidth(device, small=False, reps=10):
@@ -90,10 +102,17 @@ def copy_bandwidth(device, small=False, reps=10):
     return 2 * nbytes / guard(measure)
 
 
-def print_header(what):
-    """The benchmark's header line (_timing.header: device, jax and jaxdet versions, date), then a
-    blank line."""
+def print_header(what, args, device, baseline="jnp"):
+    """Measures the copy bandwidth and prints the benchmark's header line (_timing.header: device,
+    jax and jaxdet versions, date; then `what`, the bandwidth and how the times are taken), then a
+    blank line. Returns the bandwidth (bytes per second) for print_timed_row."""
+    bandwidth = copy_bandwidth(device, args.small)
+    what = (
+        f"{what}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, median of {args.reps} x {args.calls} "
+        f"back-to-back calls, {baseline} and jaxdet alternating"
+    )
     print(header(what) + "\n", flush=True)
+    return bandwidth
 
 
 def nbytes(*arrays_or_shapes_dtypes):

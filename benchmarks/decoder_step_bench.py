@@ -52,7 +52,7 @@ def plain_losses(params, tokens, targets, cfg, remat=False, attention=None):
 
     def block_forward(x, block):
         b, s, _ = x.shape
-        qkv = (rms_norm(x, block["norm1"]) @ block["qkv"]).reshape(b, s, 3, cfg.heads, cfg.d_model // cfg.heads)
+        qkv = (rms_norm(x, block["norm1"]) @ block["qkv"]).reshape(b, s, 3, cfg.n_heads, cfg.head_dim)
         out = jax.nn.dot_product_attention(
             qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True, implementation=attention
         )
@@ -133,14 +133,14 @@ def main():
         plain.remove("cudnn")  # cuDNN attention is GPU only
         print("(plain JAX with cuDNN attention: skipped, no GPU)")
     if args.small:
-        cfg = decoder.DecoderConfig(vocab=512, d_model=256, heads=4, layers=2, d_ff=1024, max_len=64)
+        cfg = decoder.DecoderConfig(vocab=512, d_model=256, n_heads=4, n_layers=2, d_ff=1024, max_len=64)
         batch, seq = 2, 64
     else:
         cfg = decoder.DecoderConfig(
             vocab=args.vocab,
             d_model=args.d_model,
-            heads=args.d_model // 128,
-            layers=args.layers,
+            n_heads=args.d_model // 128,
+            n_layers=args.layers,
             d_ff=4 * args.d_model,
             max_len=args.seq,
             dtype=jnp.bfloat16,
@@ -151,7 +151,7 @@ def main():
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     print(
         _timing.header(
-            f"d_model {cfg.d_model}, {cfg.layers} layers, heads {cfg.heads}, d_ff {cfg.d_ff}, vocab {cfg.vocab}, "
+            f"d_model {cfg.d_model}, {cfg.n_layers} layers, heads {cfg.n_heads}, d_ff {cfg.d_ff}, vocab {cfg.vocab}, "
             f"batch {batch}, seq {seq}, {jnp.dtype(cfg.dtype).name}; SGD step"
             f"{', blocks rematerialized' if args.remat else ''}, median of {args.reps} x 2 steps"
         )

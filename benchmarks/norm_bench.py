@@ -74,21 +74,10 @@ def sanitize(device):
     print("sanitize: every norm kernel path ran once")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    args, device = rt.parse_args(p)
-    if args.sanitize:
-        sanitize(device)
-        return
-    dtype = jnp.dtype(args.dtype)
+def benchmark(args, device, dtype):
     d = 256 if args.small else 4096
     shapes = [(1, d), (64, d), (512 if args.small else 16384, d)]
-    bw = rt.copy_bandwidth(device, args.small)
-    rt.print_header(
-        f"{dtype.name}, copy bandwidth {bw / 1e9:.0f} GB/s, "
-        f"median of {args.reps} x {args.calls} back-to-back calls, jnp and jaxdet alternating"
-    )
+    bw = rt.print_header(dtype.name, args, device)
     rt.print_table_header(["op", "pass", "tokens", "d"], "jnp")
     for kind, (jnp_f, det_f) in IMPLS.items():
         for tokens, d in shapes:
@@ -102,6 +91,11 @@ def main():
                 ("bwd", jnp_bwd, det_bwd, rt.nbytes(act, act, act)),
             ):
                 rt.print_timed_row([f"{kind}_norm", name, tokens, d], base, det, moved, bw, args)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rt.main(p, "bfloat16", sanitize, benchmark)
 
 
 if __name__ == "__main__":

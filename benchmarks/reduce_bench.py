@@ -65,19 +65,8 @@ def sanitize(device):
     print("sanitize: every reduce kernel path ran once")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    args, device = rt.parse_args(p)
-    if args.sanitize:
-        sanitize(device)
-        return
-    dtype = jnp.dtype(args.dtype)
-    bw = rt.copy_bandwidth(device, args.small)
-    rt.print_header(
-        f"{dtype.name}, copy bandwidth {bw / 1e9:.0f} GB/s, "
-        f"median of {args.reps} x {args.calls} back-to-back calls, jnp and jaxdet alternating"
-    )
+def benchmark(args, device, dtype):
+    bw = rt.print_header(dtype.name, args, device)
     rt.print_table_header(["x", "axis", "out"], "jnp")
     for shape, axis in SMALL_CASES if args.small else CASES:
         x = guard(inputs, shape, dtype, device)
@@ -88,6 +77,11 @@ def main():
                 base = det = x
             moved = rt.nbytes((shape, dtype))
             rt.print_timed_row([f"{list(shape)}", axis, out.name], base, det, moved, bw, args)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rt.main(p, "bfloat16", sanitize, benchmark)
 
 
 if __name__ == "__main__":

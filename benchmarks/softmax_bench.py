@@ -79,23 +79,10 @@ def sanitize(device):
     print("sanitize: every softmax kernel path ran once")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,64,4096)")
-    p.add_argument("--vocab", type=int, default=None)
-    args, device = rt.parse_args(p)
-    if args.sanitize:
-        sanitize(device)
-        return
-    dtype = jnp.dtype(args.dtype)
+def benchmark(args, device, dtype):
     vocab = args.vocab or (3000 if args.small else 128256)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1, 8, 64] if args.small else [1, 64, 4096])
-    bw = rt.copy_bandwidth(device, args.small)
-    rt.print_header(
-        f"{dtype.name} logits, vocab {vocab}, copy bandwidth "
-        f"{bw / 1e9:.0f} GB/s, median of {args.reps} x {args.calls} back-to-back calls, alternating"
-    )
+    bw = rt.print_header(f"{dtype.name} logits, vocab {vocab}", args, device, baseline="the baseline")
     rt.print_table_header(["op", "pass", "tokens", "vocab"], "baseline")
     for mode, fns in baselines().items():
         for t in tokens:
@@ -107,6 +94,13 @@ def main():
             bwd_bytes = rt.nbytes(act, act) if mode == "cross_entropy" else rt.nbytes(act, act, act)
             for name, base, det, moved in (("fwd", bf, jf, fwd_bytes), ("bwd", bb, jb, bwd_bytes)):
                 rt.print_timed_row([mode, name, t, vocab], base, det, moved, bw, args)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,64,4096)")
+    p.add_argument("--vocab", type=int, default=None)
+    rt.main(p, "float32", sanitize, benchmark)
 
 
 if __name__ == "__main__":

@@ -591,6 +591,157 @@ def test_rank3_and_empty():
     assert empty.shape == (1, 0, 4, 64)
 
 
+# ---- Masks (docs/attention.md, "Masks"). ----
+
+
+def _masked(q, k, v, mask, **kw):
+    return jax.jit(lambda q, k, v, m: jaxdet.attention(q, k, v, mask=m, **kw))(q, k, v, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_forms_equal_the_positions_forms(device):
+    """A causal mask, a decode step's full-length cache mask and a left-padded prompt's mask give
+    the bits of the same keys described by positions and lengths (a row is computed from its first
+    visible key)."""
+    B, T, N, K, D = 2, 70, 4, 2, 64
+    q, k, v = _qkv(B, T, T, N, K, D, jnp.bfloat16)
+    with jax.default_device(_device(device)):
+        full = jaxdet.attention(q, k, v)
+        assert_bitwise(_masked(q, k, v, jnp.tril(jnp.ones((T, T), bool)), causal=False), full)
+        assert_bitwise(_masked(q, k, v, jnp.ones((B, 1, T, T), bool)), full)  # ANDed with causal
+        steps = [_masked(q[:, t : t + 1], k, v, (jnp.arange(T) <= t)[None, None, None], causal=False) for t in range(T)]
+        assert_bitwise(jnp.concatenate(steps, 1), full)
+        pad = 5
+        shift = lambda x: jnp.concatenate([jnp.full((1, pad) + x.shape[2:], 7.0, x.dtype), x[:1, : T - pad]], 1)  # noqa: E731
+        padded = _masked(shift(q), shift(k), shift(v), (jnp.arange(T) >= pad)[None, None, None])
+        assert_bitwise(padded[:, pad:], jaxdet.attention(q[:1, : T - pad], k[:1, : T - pad], v[:1, : T - pad]))
+    ref = reference(q, k, v)
+    assert _relerr(full, ref) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_window_matches_float64(device):
+    """A sliding window (each query sees its last W keys) is one run per row."""
+    T, W = 200, 48
+    q, k, v = _qkv(1, T, T, 4, 2, 64)
+    i = np.arange(T)
+    window = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+    with jax.default_device(_device(device)):
+        out = _masked(q, k, v, jnp.asarray(window))
+        for t in (0, W - 1, W, T - 1):
+            lo = max(0, t - W + 1)
+            alone = jaxdet.attention(q[:, t : t + 1], k[:, lo : t + 1], v[:, lo : t + 1], causal=False)
+            assert_bitwise(out[:, t : t + 1], alone)
+    qf, kf, vf = (np.asarray(x, np.float64) for x in (q, k, v))
+    kf, vf = np.repeat(kf, 2, 2), np.repeat(vf, 2, 2)
+    s = np.einsum("btnd,bsnd->bnts", qf, kf) / 8.0
+    s = np.where(window[None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bnts,bsnd->btnd", p / p.sum(-1, keepdims=True), vf)
+    assert _relerr(out, want) < TOLERANCE[jnp.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_rows_without_a_run_are_nan_or_an_error(device):
+    T = 16
+    q, k, v = _qkv(1, T, T, 4, 2, 64)
+    holes = np.ones((T, T), bool)
+    holes[5:, 3] = False  # rows 5.. see keys 0-2 and 4..: two runs
+    with jax.default_device(_device(device)):
+        out = _masked(q, k, v, jnp.asarray(holes), causal=False)
+        bad = np.asarray(jnp.isnan(out).all(axis=(2, 3)))[0]
+        assert bad.tolist() == [False] * 5 + [True] * (T - 5)
+        heads = np.ones((1, 4, T, T), bool)
+        heads[0, 1, :, 0] = False
+        assert np.asarray(jnp.isnan(_masked(q, k, v, jnp.asarray(heads), causal=False))).all()
+        with pytest.raises(ValueError, match=r"query \(batch 0, position 5\) sees are not one contiguous run"):
+            jaxdet.attention(q, k, v, causal=False, mask=holes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_gradients_equal_the_positions_forms(device):
+    q, k, v = _qkv(2, 40, 40, 4, 2, 64)
+    mask = jnp.tril(jnp.ones((40, 40), bool))
+    with jax.default_device(_device(device)):
+        want = jax.grad(lambda q, k, v: jaxdet.attention(q, k, v).sum(), (0, 1, 2))(q, k, v)
+        got = jax.grad(lambda q, k, v: jaxdet.attention(q, k, v, causal=False, mask=mask).sum(), (0, 1, 2))(q, k, v)
+        for g, w in zip(got, want):
+            assert_bitwise(g, w)
+
+
+# ---- Head dimensions and sliding windows (docs/attention.md). ----
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [32, 80, 96, 160, 240])
+def test_other_head_dimensions_match_float64_and_keep_the_contracts(device, D):
+    """Head dimensions between the kernels' run on the next kernel with zero columns: accurate,
+    rows the same alone and in a batch, decode == prefill, gradients accurate."""
+    q, k, v = _qkv(3, 40, 40, 4, 2, D, jnp.bfloat16)
+    with jax.default_device(_device(device)):
+        full = jaxdet.attention(q, k, v)
+        assert full.shape == q.shape
+        assert_bitwise(jaxdet.attention(q[1:2], k[1:2], v[1:2]), full[1:2])
+        t = 29
+        step = jaxdet.attention(
+            q[:, t : t + 1], k, v, q_positions=jnp.full((3, 1), t), kv_lengths=jnp.full((3,), t + 1)
+        )
+        assert_bitwise(step, full[:, t : t + 1])
+        g = jax.grad(lambda q, k, v: jnp.sum(jaxdet.attention(q, k, v).astype(jnp.float32) ** 2), (0, 1, 2))
+        got = g(q, k, v)
+    assert _relerr(full, reference(q, k, v)) < TOLERANCE[jnp.bfloat16]
+    qf, kf, vf = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    want = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2), (0, 1, 2))(
+        qf, kf, vf
+    )
+    for a, b in zip(got, want):
+        assert _relerr(a, np.asarray(b, np.float64)) < 3e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_equals_the_window_alone_and_decode(device):
+    """window=W: a query sees its last W positions; its row is the bits of those keys alone (from
+    position 0), in prefill, in decode against a longer cache and packed with segment_ids."""
+    T, W = 150, 40
+    q, k, v = _qkv(2, T, T, 4, 2, 64, jnp.bfloat16)
+    with jax.default_device(_device(device)):
+        full = jaxdet.attention(q, k, v, window=W)
+        for t in (0, W - 1, W, 97, T - 1):
+            lo = max(0, t - W + 1)
+            alone = jaxdet.attention(q[:, t : t + 1], k[:, lo : t + 1], v[:, lo : t + 1], causal=False)
+            assert_bitwise(full[:, t : t + 1], alone)
+            cache = lambda x: jnp.concatenate([x, jnp.full((2, 64) + x.shape[2:], 3.0, x.dtype)], 1)  # noqa: E731
+            step = jaxdet.attention(
+                q[:, t : t + 1],
+                cache(k),
+                cache(v),
+                q_positions=jnp.full((2, 1), t),
+                kv_lengths=jnp.full((2,), t + 1),
+                window=W,
+            )
+            assert_bitwise(step, full[:, t : t + 1])
+        seg = jnp.asarray(np.repeat([0, 1], [60, T - 60])[None].repeat(2, 0), jnp.int32)
+        packed = jaxdet.attention(q, k, v, segment_ids=seg, window=W)
+        assert_bitwise(packed[:, 60:], jaxdet.attention(q[:, 60:], k[:, 60:], v[:, 60:], window=W))
+        i = np.arange(T)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+        assert_bitwise(jaxdet.attention(q, k, v, mask=jnp.asarray(mask)), full)
+    with pytest.raises(TypeError, match="window must be a Python int >= 1"):
+        jaxdet.attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="window needs causal=True"):
+        jaxdet.attention(q, k, v, causal=False, window=4)
+
+
+def test_mask_errors():
+    q, k, v = _qkv(2, 8, 8, 4, 2, 64)
+    with pytest.raises(TypeError, match="mask must be a boolean array"):
+        jaxdet.attention(q, k, v, mask=jnp.ones((8, 8), jnp.float32))
+    with pytest.raises(ValueError, match=r"mask must broadcast to \[B, 1 or N, T, S\]"):
+        jaxdet.attention(q, k, v, mask=jnp.ones((2, 3, 8, 8), bool))
+    with pytest.raises(ValueError, match="segment_ids excludes mask"):
+        jaxdet.attention(q, k, v, mask=jnp.ones((8, 8), bool), segment_ids=jnp.zeros((2, 8), jnp.int32))
+
+
 def test_errors():
     q, k, v = _qkv(2, 8, 8, 4, 2, 64)
     with pytest.raises(TypeError, match="q, k and v must have the same dtype"):
@@ -600,7 +751,7 @@ def test_errors():
     with pytest.raises(ValueError, match="must divide"):
         jaxdet.attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2))
     with pytest.raises(ValueError, match="head dimension"):
-        jaxdet.attention(q[..., :32], k[..., :32], v[..., :32])
+        jaxdet.attention(q[..., :40], k[..., :40], v[..., :40])
     with pytest.raises(ValueError, match="needs q_positions"):
         jaxdet.attention(q[:, :3], k, v)
     with pytest.raises(ValueError, match="excludes"):

@@ -105,6 +105,32 @@ def test_dot_general_chunk_tree_beyond_one_chunk():
     assert_bitwise_equal(padded, got)
 
 
+def _weight_gradient_written_transposed(dtype, device):
+    """JAX's gradient of ``x @ w`` in ``w`` is ``transpose(g^T x)``: the transformation computes
+    ``x^T g`` instead, which writes the transposed result directly, with the same bits."""
+    from jaxdet._src.matmul.dot_general import dot_general
+
+    dn = (((0, 1), (0, 1)), ((), ()))
+    with jax.default_device(jax.devices(device)[0]):
+        for T in (300, 9000):  # one chunk, and chunk partials in the tree
+            x = _normal(50, (2, T, 64), dtype)
+            g = _normal(51, (2, T, 48), dtype)
+            h = jax.jit(invariant(lambda x, g: lax.dot_general(g, x, dn).T))
+            assert "transpose" not in h.lower(x, g).as_text()
+            assert_bitwise_equal(h(x, g), dot_general(g, x, dn).T)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_weight_gradient_written_transposed_keeps_the_bits(dtype):
+    _weight_gradient_written_transposed(dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+def test_gpu_weight_gradient_written_transposed_keeps_the_bits(dtype, on_gpu):
+    _weight_gradient_written_transposed(dtype, "gpu")
+
+
 def test_integer_products_and_sums_are_exact():
     a = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
     f = invariant(lambda a: (a @ a.T).sum(axis=1) + jnp.cumsum(a, axis=1)[:, -1])
@@ -379,6 +405,103 @@ def test_audit_of_the_transformed_step_finds_nothing():
         assert report.ok and not report.findings, str(report)
 
 
+# ---- jax.nn.dot_product_attention on jaxdet's fused kernel (docs/invariant.md, "Attention") ----
+
+
+def _qkv_heads(B, T, S, N, K, H, dtype=jnp.float32, seed=40):
+    return (
+        _normal(seed, (B, T, N, H), dtype),
+        _normal(seed + 1, (B, S, K, H), dtype),
+        _normal(seed + 2, (B, S, K, H), dtype),
+    )
+
+
+def _sdpa(*extra, **kw):
+    """jax.nn.dot_product_attention with these arguments; per-sequence lengths are the last B of
+    the given ones, so the call on a batch's last rows is the same call on those rows."""
+
+    def call(q, k, v):
+        B = q.shape[0]
+        lengths = {n: x[-B:] for n, x in kw.items() if n.endswith("seq_lengths")}
+        return jax.nn.dot_product_attention(q, k, v, *extra, **{**kw, **lengths})
+
+    return call
+
+
+ATTENTION_FORMS = {
+    "causal": _sdpa(is_causal=True),
+    "mask": _sdpa(None, jnp.tril(jnp.ones((1, 1, 24, 24), bool))),
+    "padding": _sdpa(is_causal=True, key_value_seq_lengths=jnp.array([24, 9], jnp.int32)),
+    "query padding": _sdpa(query_seq_lengths=jnp.array([7, 24], jnp.int32)),
+    "window": _sdpa(is_causal=True, local_window_size=(5, 0)),
+    "not causal": _sdpa(),
+}
+
+
+@pytest.mark.parametrize("form", list(ATTENTION_FORMS))
+def test_attention_calls_run_on_the_fused_kernel(form):
+    """Every form of the call runs on jaxdet.attention, matching JAX's XLA implementation."""
+    fn = ATTENTION_FORMS[form]
+    q, k, v = _qkv_heads(2, 24, 24, 4, 2, 64)
+    f = jax.jit(invariant(fn))
+    assert "jaxdet_attention_fwd" in f.lower(q, k, v).as_text()
+    got = f(q, k, v)
+    assert _rel_err(got, fn(q, k, v)) < 1e-5
+    assert_bitwise_equal(f(q[1:], k[1:], v[1:]), got[1:])
+
+
+def test_attention_prefill_and_masked_cache_decode_take_one_path():
+    """`is_causal=True` over the prompt and single-query steps over a full-length cache with a
+    mask (and over left padding) give the same bits: one kernel, one order from the first key."""
+    T, S = 12, 32
+    q, k, v = _qkv_heads(2, T, T, 4, 1, 64, jnp.bfloat16)
+    prefill = jax.jit(invariant(_sdpa(is_causal=True)))(q, k, v)
+    pad = lambda x: jnp.concatenate([x, jnp.zeros((2, S - T) + x.shape[2:], x.dtype)], 1)  # noqa: E731
+    decode = jax.jit(invariant(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m)))
+    for t in range(T):
+        mask = (jnp.arange(S) <= t)[None, None, None, :]
+        assert_bitwise_equal(decode(q[:, t : t + 1], pad(k), pad(v), mask), prefill[:, t : t + 1])
+    shift = lambda x: jnp.concatenate([jnp.ones((2, 3) + x.shape[2:], x.dtype), x], 1)  # noqa: E731
+    left = (jnp.arange(T + 3) >= 3)[None, None, None, :]
+    padded = jax.jit(invariant(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=True)))
+    assert_bitwise_equal(padded(shift(q), shift(k), shift(v), left)[:, 3:], prefill)
+
+
+def test_attention_forms_without_a_fused_kernel_follow_the_rules():
+    """A bias, a head dimension the kernel lacks, or residuals: JAX's XLA implementation,
+    evaluated by the rules (rows still invariant)."""
+    q, k, v = _qkv_heads(3, 16, 16, 4, 2, 16)
+    f = jax.jit(invariant(_sdpa(is_causal=True)))
+    assert "jaxdet_attention_fwd" not in f.lower(q, k, v).as_text()
+    assert_bitwise_equal(f(q[2:], k[2:], v[2:]), f(q, k, v)[2:])
+    q, k, v = _qkv_heads(3, 16, 16, 4, 2, 64)
+    bias = _normal(3, (1, 4, 16, 16))
+    g = jax.jit(invariant(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias)))
+    assert "jaxdet_attention_fwd" not in g.lower(q, k, v).as_text()
+    assert_bitwise_equal(g(q[:1], k[:1], v[:1]), g(q, k, v)[:1])
+    assert _rel_err(g(q, k, v), jax.nn.dot_product_attention(q, k, v, bias)) < 1e-5
+
+
+def test_attention_model_with_a_fused_head_dimension():
+    """The plain-JAX Llama at head dimension 64: rows alone == in batches, decode over the
+    masked full-length cache == the one-pass forward, with the fused kernel in the program."""
+    cfg = L.Config(d_model=128, n_heads=2, n_kv_heads=1, dtype=jnp.bfloat16)
+    params = L.init(cfg, jax.random.key(0))
+    tokens, targets = _batch(cfg, 5, 4, 10)
+    lp = jax.jit(invariant(functools.partial(L.log_probs, cfg)))
+    assert "jaxdet_attention_fwd" in lp.lower(params, tokens, targets).as_text()
+    full = lp(params, tokens, targets)
+    assert_bitwise_equal(lp(params, tokens[2:3], targets[2:3]), full[2:3])
+    logits = jax.jit(invariant(functools.partial(L.forward, cfg)))(params, tokens)
+    step = jax.jit(invariant(functools.partial(L.decode_step, cfg)))
+    cache = L.init_cache(cfg, 4)
+    for t in range(10):
+        out, cache = step(params, cache, tokens[:, t], t)
+        assert_bitwise_equal(out, logits[:, t])
+    grads = jax.jit(jax.grad(invariant(functools.partial(L.loss, cfg=cfg))))
+    jax.tree.map(assert_bitwise_equal, grads(params, tokens, targets), grads(params, tokens, targets))
+
+
 # ---- On the GPU ----
 
 
@@ -405,9 +528,10 @@ def test_gpu_model_rows_decode_and_runs(dtype, on_gpu):
 
 
 @pytest.mark.gpu
-def test_gpu_cudnn_attention_in_user_code_runs_by_the_rules(on_gpu):
+def test_gpu_cudnn_attention_in_user_code_runs_on_jaxdet_attention(on_gpu):
     """`jax.nn.dot_product_attention(..., implementation="cudnn")` in the user's code: the cuDNN
-    call never stays in the transformed program, whose bits equal the XLA implementation's."""
+    call never stays in the transformed program; jaxdet's fused kernel runs it, with the bits of
+    the same call with implementation="xla" and of a masked decode step."""
     q = _normal(30, (4, 128, 8, 64), jnp.bfloat16)
     k = _normal(31, (4, 128, 2, 64), jnp.bfloat16)
     v = _normal(32, (4, 128, 2, 64), jnp.bfloat16)
@@ -416,9 +540,33 @@ def test_gpu_cudnn_attention_in_user_code_runs_by_the_rules(on_gpu):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
     cudnn = jax.jit(invariant(attn("cudnn")))
-    assert "cudnn" not in cudnn.lower(q, k, v).as_text().lower()
-    assert_bitwise_equal(cudnn(q, k, v), jax.jit(invariant(attn("xla")))(q, k, v))
-    assert_bitwise_equal(cudnn(q[:1], k[:1], v[:1]), cudnn(q, k, v)[:1])
+    text = cudnn.lower(q, k, v).as_text()
+    assert "cudnn" not in text.lower() and "jaxdet_attention_fwd" in text
+    full = cudnn(q, k, v)
+    assert_bitwise_equal(full, jax.jit(invariant(attn("xla")))(q, k, v))
+    assert_bitwise_equal(cudnn(q[:1], k[:1], v[:1]), full[:1])
+    decode = jax.jit(
+        invariant(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, implementation="cudnn"))
+    )
+    for t in (0, 63, 127):
+        mask = (jnp.arange(128) <= t)[None, None, None, :]
+        assert_bitwise_equal(decode(q[:, t : t + 1], k, v, mask), full[:, t : t + 1])
+    assert _rel_err(full, jax.nn.dot_product_attention(q, k, v, is_causal=True)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_attention_bound_under_another_name_is_refused(on_gpu):
+    from jax.nn import dot_product_attention as bound  # bound before the transformation
+
+    q = _normal(30, (2, 128, 4, 64), jnp.bfloat16)
+    f = invariant(lambda q: bound(q, q, q, is_causal=True, implementation="cudnn"))
+    with pytest.raises(Unsupported, match="test_invariant.py"):
+        jax.jit(f)(q)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_model_with_a_fused_head_dimension(on_gpu):
+    test_attention_model_with_a_fused_head_dimension()
 
 
 __all__ = ["on_devices"]

@@ -1,5 +1,6 @@
 """Every notebook in notebooks/ runs top to bottom on the CPU (their cells assert what they show)."""
 
+import os
 import pathlib
 
 import pytest
@@ -8,7 +9,8 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 
 
 @pytest.fixture
@@ -16,6 +18,8 @@ def cpu_kernel_env(monkeypatch):
     # The notebook kernel inherits the environment: CPU backend, headless plots.
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # A notebook's helper modules lie beside it (notebooks/rl_toy.py), as when run from its folder.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(NOTEBOOKS_DIR), os.environ.get("PYTHONPATH")])))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

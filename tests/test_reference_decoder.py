@@ -12,7 +12,7 @@ import jaxdet
 from jaxdet.models import decoder
 from jaxdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
 
-CFG = decoder.DecoderConfig(vocab=128, d_model=128, heads=2, layers=2, d_ff=128, max_len=32)
+CFG = decoder.DecoderConfig(vocab=128, d_model=128, n_heads=2, n_layers=2, d_ff=128, max_len=32)
 SEQ = 17  # 16 next-token log-probs per sequence
 SIZES = (1, 4, 16, 64)
 _NEEDS = ("rms_norm", "softmax", "softmax_cross_entropy")
@@ -34,14 +34,14 @@ def _setup(dtype=jnp.float32):
 
 
 def test_config_is_checked():
-    with pytest.raises(ValueError, match="d_model .* must be a multiple of heads"):
-        decoder.DecoderConfig(d_model=65, heads=4)
-    with pytest.raises(ValueError, match="layers must be a positive int"):
-        decoder.DecoderConfig(layers=0)
+    with pytest.raises(ValueError, match="d_model .* must be a multiple of n_heads"):
+        decoder.DecoderConfig(d_model=65, n_heads=4)
+    with pytest.raises(ValueError, match="n_layers must be a positive int"):
+        decoder.DecoderConfig(n_layers=0)
     with pytest.raises(ValueError, match="dtype must be"):
         decoder.DecoderConfig(dtype=jnp.float64)
     with pytest.raises(ValueError, match="head dimension that jaxdet.attention supports"):
-        decoder.DecoderConfig(d_model=64, heads=4)
+        decoder.DecoderConfig(d_model=64, n_heads=4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -81,7 +81,7 @@ def _reference_log_probs(params, tokens, cfg):
     tokens = np.asarray(tokens)
     inp, targets = tokens[:, :-1], tokens[:, 1:]
     b, s = inp.shape
-    h, dh = cfg.heads, cfg.d_model // cfg.heads
+    h, dh = cfg.n_heads, cfg.head_dim
 
     def rms(x, scale):
         return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.eps) * scale

@@ -299,7 +299,8 @@ if asked multi-gpu; then  # nvidia-h200-x2 and larger: the device-count tests an
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md: no multicast
   nvidia-smi topo -m | tee "$LOGS/topology.txt"
   echo "== multi-GPU tests"
-  run_pytest -v -m gpu /tmp/jaxdet-tests/test_parallel.py /tmp/jaxdet-tests/test_multiprocess.py 2>&1 \
+  run_pytest -v -m gpu /tmp/jaxdet-tests/test_parallel.py /tmp/jaxdet-tests/test_multiprocess.py \
+    /tmp/jaxdet-tests/test_invariant_sharding.py 2>&1 \
     | tee "$LOGS/pytest_multi_gpu.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tail -15
   if benching multi-GPU; then
     for b in allreduce_bench sharded_matmul_bench dp_step_bench; do

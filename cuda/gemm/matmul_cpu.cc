@@ -95,38 +95,10 @@ namespace avx512 {
 #define JAXDET_MC 144
 #define JAXDET_KC 256
 #define JAXDET_NC 256
-struct Micro {
-  static void run(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool first) {
-    __m512 c0[JAXDET_MR], c1[JAXDET_MR];
-#pragma GCC unroll 12
-    for (int r = 0; r < JAXDET_MR; ++r) {
-      c0[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc);
-      c1[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16);
-    }
-    for (int64_t k = 0; k < kc; ++k) {
-      const __m512 b0 = _mm512_load_ps(b + k * JAXDET_NR);
-      const __m512 b1 = _mm512_load_ps(b + k * JAXDET_NR + 16);
-      const float* ak = a + k * JAXDET_MR;
-#pragma GCC unroll 12
-      for (int r = 0; r < JAXDET_MR; ++r) {
-        const __m512 av = _mm512_set1_ps(ak[r]);
-        c0[r] = _mm512_fmadd_ps(av, b0, c0[r]);
-        c1[r] = _mm512_fmadd_ps(av, b1, c1[r]);
-      }
-    }
-#pragma GCC unroll 12
-    for (int r = 0; r < JAXDET_MR; ++r) {
-      _mm512_storeu_ps(c + r * ldc, c0[r]);
-      _mm512_storeu_ps(c + r * ldc + 16, c1[r]);
-    }
-  }
-};
+#define JAXDET_VEC __m512
+#define JAXDET_SIMD(name) _mm512_##name
+#include "matmul_cpu_fma_micro.inc"
 #include "matmul_cpu_kernel.inc"
-#undef JAXDET_MR
-#undef JAXDET_NR
-#undef JAXDET_MC
-#undef JAXDET_KC
-#undef JAXDET_NC
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -140,38 +112,10 @@ namespace avx2 {
 #define JAXDET_MC 144
 #define JAXDET_KC 256
 #define JAXDET_NC 256
-struct Micro {
-  static void run(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, bool first) {
-    __m256 c0[JAXDET_MR], c1[JAXDET_MR];
-#pragma GCC unroll 6
-    for (int r = 0; r < JAXDET_MR; ++r) {
-      c0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc);
-      c1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * ldc + 8);
-    }
-    for (int64_t k = 0; k < kc; ++k) {
-      const __m256 b0 = _mm256_load_ps(b + k * JAXDET_NR);
-      const __m256 b1 = _mm256_load_ps(b + k * JAXDET_NR + 8);
-      const float* ak = a + k * JAXDET_MR;
-#pragma GCC unroll 6
-      for (int r = 0; r < JAXDET_MR; ++r) {
-        const __m256 av = _mm256_broadcast_ss(ak + r);
-        c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
-        c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
-      }
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < JAXDET_MR; ++r) {
-      _mm256_storeu_ps(c + r * ldc, c0[r]);
-      _mm256_storeu_ps(c + r * ldc + 8, c1[r]);
-    }
-  }
-};
+#define JAXDET_VEC __m256
+#define JAXDET_SIMD(name) _mm256_##name
+#include "matmul_cpu_fma_micro.inc"
 #include "matmul_cpu_kernel.inc"
-#undef JAXDET_MR
-#undef JAXDET_NR
-#undef JAXDET_MC
-#undef JAXDET_KC
-#undef JAXDET_NC
 }  // namespace avx2
 #pragma GCC pop_options
 #endif
@@ -205,11 +149,6 @@ struct Micro {
   }
 };
 #include "matmul_cpu_kernel.inc"
-#undef JAXDET_MR
-#undef JAXDET_NR
-#undef JAXDET_MC
-#undef JAXDET_KC
-#undef JAXDET_NC
 }  // namespace generic
 
 // ---------------------------------------------------------------------------------------------

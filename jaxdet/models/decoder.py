@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdet
+from jaxdet.models.config import DecoderSizes
 
 __all__ = [
     "DecoderConfig",
@@ -39,26 +40,18 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(DecoderSizes):
     vocab: int = 512
     d_model: int = 256
-    heads: int = 4
-    layers: int = 2
     d_ff: int = 1024
     max_len: int = 64
     eps: float = 1e-6
-    dtype: jnp.dtype = jnp.float32
 
     def __post_init__(self):
-        for name in ("vocab", "d_model", "heads", "layers", "d_ff", "max_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DecoderConfig.{name} must be a positive int, got {value!r}")
-        if self.d_model % self.heads:
-            raise ValueError(f"DecoderConfig.d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
-        if self.d_model // self.heads not in jaxdet.attention.SUPPORTED_HEAD_DIMS:
+        super().__post_init__()
+        if self.head_dim not in jaxdet.attention.SUPPORTED_HEAD_DIMS:
             raise ValueError(
-                f"DecoderConfig.d_model // heads ({self.d_model // self.heads}) must be a head dimension that "
+                f"DecoderConfig.d_model // n_heads ({self.head_dim}) must be a head dimension that "
                 f"jaxdet.attention supports: {jaxdet.attention.SUPPORTED_HEAD_DIMS}"
             )
         if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -67,7 +60,7 @@ class DecoderConfig:
 
 def init(key, cfg: DecoderConfig) -> dict:
     """Parameters: normal(0, 1/sqrt(fan_in)) weights, unit norm scales, in ``cfg.dtype``."""
-    keys = iter(jax.random.split(key, 4 + 4 * cfg.layers))
+    keys = iter(jax.random.split(key, 4 + 4 * cfg.n_layers))
 
     def dense(k, fan_in, fan_out):
         return (jax.random.normal(k, (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)).astype(cfg.dtype)
@@ -80,7 +73,7 @@ def init(key, cfg: DecoderConfig) -> dict:
         "norm": ones,
         "blocks": [],
     }
-    for _ in range(cfg.layers):
+    for _ in range(cfg.n_layers):
         params["blocks"].append(
             {
                 "norm1": ones,
@@ -139,8 +132,8 @@ def _embeddings(params, tokens, positions):
 
 
 def _qkv(x, block, cfg):
-    b, s, d = x.shape
-    qkv = jaxdet.matmul(x, block["qkv"]).reshape(b, s, 3, cfg.heads, d // cfg.heads)
+    b, s, _ = x.shape
+    qkv = jaxdet.matmul(x, block["qkv"]).reshape(b, s, 3, cfg.n_heads, cfg.head_dim)
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [b, s, heads, dh]
 
 
@@ -198,10 +191,10 @@ def token_log_probs(params, tokens, cfg: DecoderConfig):
 
 
 def init_cache(cfg: DecoderConfig, batch: int, capacity: int) -> list:
-    """An empty KV cache: per layer ``(k, v)``, each ``[batch, capacity, heads, d_model // heads]``
+    """An empty KV cache: per layer ``(k, v)``, each ``[batch, capacity, n_heads, head_dim]``
     in ``cfg.dtype``. Positions at or past a sequence's length are never read."""
-    shape = (batch, capacity, cfg.heads, cfg.d_model // cfg.heads)
-    return [(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.layers)]
+    shape = (batch, capacity, cfg.n_heads, cfg.head_dim)
+    return [(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.n_layers)]
 
 
 def _write(cache, new, start):

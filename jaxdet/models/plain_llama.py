@@ -11,22 +11,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxdet.models.config import DecoderSizes
+
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    vocab: int = 97
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
+class Config(DecoderSizes):
     n_kv_heads: int = 2
-    d_ff: int = 128
-    max_len: int = 32
-    dtype: object = jnp.float32
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation ("xla" or "cudnn")
 
-    @property
-    def head_dim(self):
-        return self.d_model // self.n_heads
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"Config.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
 
 
 def init(cfg: Config, key):

@@ -153,31 +153,32 @@ def _pos(x):
     return jnp.abs(x) + 0.01
 
 
+def _unary(f):
+    """A one-operand function as a primitive of the table (w unused)."""
+    return lambda x, w: f(x)
+
+
+# lax's one-operand functions, by name, and the maps of x into the domains of those that need one.
+LAX_UNARY = "exp exp2 log tanh logistic erf erfc erf_inv log1p expm1 sqrt rsqrt cbrt sin cos".split()
+LAX_DOMAINS = {
+    "log": _pos,
+    "erf_inv": lambda x: jnp.tanh(x * 0.3) * 0.999,
+    "log1p": lambda x: jnp.abs(x) - 0.99,
+    "sqrt": _pos,
+    "rsqrt": _pos,
+}
+
 PRIMS = {  # name: (f(x, w), domain map for x or None)
-    "exp": (lambda x, w: lax.exp(x), None),
-    "exp2": (lambda x, w: lax.exp2(x), None),
-    "log": (lambda x, w: lax.log(x), _pos),
-    "tanh": (lambda x, w: lax.tanh(x), None),
-    "logistic": (lambda x, w: lax.logistic(x), None),
-    "erf": (lambda x, w: lax.erf(x), None),
-    "erfc": (lambda x, w: lax.erfc(x), None),
-    "erf_inv": (lambda x, w: lax.erf_inv(x), lambda x: jnp.tanh(x * 0.3) * 0.999),
-    "log1p": (lambda x, w: lax.log1p(x), lambda x: jnp.abs(x) - 0.99),
-    "expm1": (lambda x, w: lax.expm1(x), None),
-    "sqrt": (lambda x, w: lax.sqrt(x), _pos),
-    "rsqrt": (lambda x, w: lax.rsqrt(x), _pos),
-    "cbrt": (lambda x, w: lax.cbrt(x), None),
-    "sin": (lambda x, w: lax.sin(x), None),
-    "cos": (lambda x, w: lax.cos(x), None),
+    **{name: (_unary(getattr(lax, name)), LAX_DOMAINS.get(name)) for name in LAX_UNARY},
     "atan2": (lambda x, w: lax.atan2(x, w), None),
     "div": (lambda x, w: x / w, None),
     "pow": (lambda x, w: lax.pow(x, w), _pos),
     "mul": (lambda x, w: x * w, None),
-    "gelu": (lambda x, w: jax.nn.gelu(x), None),
-    "gelu_exact": (lambda x, w: jax.nn.gelu(x, approximate=False), None),
-    "softplus": (lambda x, w: jax.nn.softplus(x), None),
-    "silu": (lambda x, w: jax.nn.silu(x), None),
-    "log_softmax": (lambda x, w: jax.nn.log_softmax(x), None),  # has a reduction
+    "gelu": (_unary(jax.nn.gelu), None),
+    "gelu_exact": (_unary(lambda x: jax.nn.gelu(x, approximate=False)), None),
+    "softplus": (_unary(jax.nn.softplus), None),
+    "silu": (_unary(jax.nn.silu), None),
+    "log_softmax": (_unary(jax.nn.log_softmax), None),  # has a reduction
 }
 ROWWISE = {"log_softmax"}  # mixes a whole row: length tests do not apply
 

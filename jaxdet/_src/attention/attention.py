@@ -31,11 +31,14 @@ from jaxdet import _native
 from jaxdet._src.core import autodiff, batching, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, check_static_float, float_dtype_of
 
-__all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS", "KERNEL_HEAD_DIMS"]
 
 KV_BLOCK = 64  # kBlock in cuda/attention/attention_math.h
 KV_SPLIT = 512  # kSplit in cuda/attention/attention_math.h
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+KERNEL_HEAD_DIMS = (64, 128, 256)  # the kernels' own (cuda/attention: kHeadDims)
+# Other head dimensions run on the next kernel's: q, k and v padded with zero columns. A zero
+# column adds +0 to each score, which changes no bit, and its output column is dropped.
+SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 16))
 SUPPORTED_DTYPES = FLOAT_DTYPES
 _LOG2E = 1.4426950408889634
 
@@ -246,6 +249,87 @@ def _position_rows(B, T, S, causal, q_positions, kv_lengths):
     return jnp.broadcast_to(pos, (B, T)), kv_len, CAUSAL_POSITIONS
 
 
+def _mask_rows(xp, mask, B, T, S, causal, q_positions, kv_lengths):
+    """(kv_start, limit, ok) per query of a boolean mask ANDed with the causal and length limits,
+    computed with `xp` (jax.numpy in the program, NumPy for a mask known at trace time).
+
+    A row whose visible keys are one contiguous run is read as (its first key, the run's length),
+    exactly the START_LIMIT description: the canonical order counts its blocks from the first
+    visible key, so the row has the bits of the same keys seen from position 0 (a left-padded
+    prompt, a decode step's full-length cache, a packed sequence). ``ok`` is False for a row of any
+    other form, or whose heads disagree: it has no such description."""
+    m = mask
+    while m.ndim < 4:
+        m = m[None]
+    agree = xp.all(m == m[:, :1], axis=(1, 3))  # one description per (b, t) serves every head
+    m = xp.broadcast_to(m[:, 0], (B, T, S))
+    s = xp.arange(S, dtype=np.int32)
+    if causal or kv_lengths is not None:
+        kv_len = xp.full((B,), S, np.int32) if kv_lengths is None else xp.broadcast_to(kv_lengths, (B,))
+        bound = xp.broadcast_to(kv_len.astype(np.int32)[:, None], (B, T))
+        if causal:
+            pos = xp.arange(T, dtype=np.int32) if q_positions is None else q_positions.astype(np.int32)
+            bound = xp.minimum(bound, xp.broadcast_to(pos, (B, T)) + 1)
+        m = m & (s < bound[:, :, None])
+    count = xp.sum(m, axis=-1, dtype=np.int32)
+    start = xp.where(count > 0, xp.argmax(m, axis=-1).astype(np.int32), 0)
+    run = (s >= start[:, :, None]) & (s < (start + count)[:, :, None])
+    ok = xp.all(m == run, axis=-1) & xp.broadcast_to(agree, (B, T))
+    return start, count, ok
+
+
+def _check_mask(mask, B, N, T, S):
+    if not (hasattr(mask, "dtype") and hasattr(mask, "shape")):
+        raise TypeError(f"mask must be a boolean array, got {type(mask).__name__}")
+    if np.dtype(mask.dtype) != np.bool_:
+        raise TypeError(f"mask must be a boolean array (True: the query sees the key), got {np.dtype(mask.dtype).name}")
+    shape = tuple(mask.shape)
+    if len(shape) > 4 or any(d not in (1, f) for d, f in zip(shape[::-1], (B, N, T, S)[::-1])):
+        raise ValueError(
+            f"mask must broadcast to [B, 1 or N, T, S] = {[B, N, T, S]} (each dim 1 or full), got {list(shape)}"
+        )
+
+
+def _concrete(x):
+    return x is None or not isinstance(x, jax.core.Tracer)
+
+
+def _rows_of_mask(mask, B, T, S, causal, q_positions, kv_lengths):
+    """The mask's rows; a mask (and positions) known at trace time with a row of no contiguous
+    form is a ValueError naming the row instead of NaN in the output."""
+    if all(_concrete(x) for x in (mask, q_positions, kv_lengths)):
+        host = [None if x is None else np.asarray(x) for x in (q_positions, kv_lengths)]
+        _, _, ok = _mask_rows(np, np.asarray(mask), B, T, S, causal, *host)
+        if not ok.all():
+            b, t = (int(i) for i in np.argwhere(~ok)[0])
+            raise ValueError(
+                f"mask: the keys query (batch {b}, position {t}) sees are not one contiguous run (or differ "
+                "between heads); jaxdet.attention computes a query over a run of keys, from its first "
+                "visible key to its last"
+            )
+    return _mask_rows(jnp, jnp.asarray(mask), B, T, S, causal, q_positions, kv_lengths)
+
+
+def _windowed(row_a, row_b, row_form, B, T, S, q_positions, segment_ids, window):
+    """START_LIMIT rows of the rows described, each cut to the keys at memory rows
+    ``p - window + 1 .. p`` of its query's row ``p`` (q_positions, else the query's index)."""
+    if row_form == CAUSAL_POSITIONS:
+        seen = jnp.clip(row_a, -1, S - 1) + 1
+        start, limit = jnp.zeros_like(row_a), jnp.minimum(seen, jnp.clip(row_b, 0, S)[:, None])
+    elif row_form == LENGTHS:
+        start = jnp.zeros((B, T), jnp.int32)
+        limit = jnp.broadcast_to(jnp.clip(row_b, 0, S)[:, None], (B, T))
+    else:
+        start = jnp.clip(row_a, 0, S)
+        limit = jnp.clip(row_b, 0, S - start)
+    if segment_ids is None and q_positions is not None:
+        p = jnp.broadcast_to(q_positions.astype(jnp.int32), (B, T))
+    else:
+        p = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    first = jnp.maximum(start, p - (window - 1))
+    return first, jnp.maximum(start + limit - first, 0)
+
+
 # ---- Checks. ----
 
 
@@ -259,14 +343,27 @@ def _check_int_array(x, name, shapes, help_):
     return jnp.asarray(x)
 
 
-def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_lengths=None, segment_ids=None):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    scale=None,
+    q_positions=None,
+    kv_lengths=None,
+    segment_ids=None,
+    mask=None,
+    window=None,
+):
     """Multi-head attention ``softmax(scale * q k^T + mask) v`` with invariant rows.
 
     Args:
       q: ``[B, T, N, D]`` queries (or ``[T, N, D]`` with k and v of rank 3 too).
       k, v: ``[B, S, K, D]`` keys and values; ``K`` divides ``N`` (query head ``n`` uses KV head
         ``n // (N // K)``: multi-head, grouped-query or multi-query attention). Same dtype as q:
-        float32, bfloat16 or float16; ``D`` in ``SUPPORTED_HEAD_DIMS``.
+        float32, bfloat16 or float16; ``D`` in ``SUPPORTED_HEAD_DIMS`` (32 to 256 in steps of 16;
+        other than 64, 128, 256 on the next of those kernels with zero columns).
       causal: query at position ``p`` sees keys at positions ``<= p``; otherwise all keys of its
         sequence.
       scale: a Python float (default ``1 / sqrt(D)``).
@@ -276,7 +373,17 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
       kv_lengths: int ``[B]``: keys at positions ``>= kv_lengths[b]`` are padding (or unused KV
         cache capacity) and are never seen. Default S. Clamped to ``[0, S]``.
       segment_ids: int ``[B, T]`` for packed self-attention (``T == S``): each run of equal ids is
-        its own sequence, with positions starting at 0. Excludes q_positions and kv_lengths.
+        its own sequence, with positions starting at 0. Excludes q_positions, kv_lengths and mask.
+      mask: boolean, broadcastable to ``[B, 1 or N, T, S]`` (True: the query sees the key), ANDed
+        with causal, q_positions and kv_lengths. Each query's visible keys must be one contiguous
+        run (causal, left or right padding, a decode step's full-length cache, prefix-LM, a sliding
+        window); the run is computed as a sequence starting at its first key. A row of any other
+        form (or whose heads differ) gives NaN in the output, or a ValueError when the mask is
+        known at trace time.
+      window: a Python int >= 1 (causal only): a sliding window, each query at memory row ``p``
+        sees at most the keys at rows ``p - window + 1 .. p`` (Mistral, Gemma), with every other
+        limit above; a row is computed from its first visible key, so decode against a long cache
+        gives the windowed prefill's bits.
 
     Returns ``[B, T, N, D]`` in q's dtype. A query that sees no key gets zeros. Reverse-mode
     differentiable in q, k and v (``jax.custom_vjp``; the backward is one jaxdet kernel and is not
@@ -310,6 +417,8 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
             q_positions=unbatched(q_positions),
             kv_lengths=kv1,
             segment_ids=unbatched(segment_ids),
+            mask=mask,
+            window=window,
         )
         return out[0]
     B, T, N, D = q.shape
@@ -321,13 +430,26 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     if K == 0 or N % K:
         raise ValueError(f"the number of KV heads ({K}) must divide the number of query heads ({N})")
     if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dimension D must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+        raise ValueError(f"head dimension D must be 32 to 256 in steps of 16 (SUPPORTED_HEAD_DIMS), got {D}")
     # Symbolic dims (jax.export.symbolic_shape) are checked where the exported function is called.
     if any(isinstance(n, int) and n >= 2**31 - 1 for n in (T, S)):
         raise ValueError(f"sequence lengths must be < 2**31 - 1, got T={T}, S={S}")
     scale = 1.0 / math.sqrt(D) if scale is None else check_static_float(scale, "scale")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    if window is not None:
+        if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise TypeError(
+                f"window must be a Python int >= 1 (the keys a query sees, itself included), got {window!r}"
+            )
+        if not causal:
+            raise ValueError("window needs causal=True (a query sees its last `window` positions)")
+    if mask is not None:
+        if segment_ids is not None:
+            raise ValueError(
+                "segment_ids excludes mask (a packed sequence sees its own segment; AND them into one mask)"
+            )
+        _check_mask(mask, B, N, T, S)
     if segment_ids is not None:
         if q_positions is not None or kv_lengths is not None:
             raise ValueError("segment_ids excludes q_positions and kv_lengths (positions restart in each segment)")
@@ -347,16 +469,29 @@ def attention(q, k, v, *, causal: bool = True, scale=None, q_positions=None, kv_
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if q.size == 0:
         return jnp.zeros(q.shape, q.dtype)
+    ok = None
     if segment_ids is not None:
         row_a, row_b = _segment_rows(segment_ids, causal)
         row_form = START_LIMIT
+    elif mask is not None:
+        row_a, row_b, ok = _rows_of_mask(mask, B, T, S, causal, q_positions, kv_lengths)
+        row_form = START_LIMIT
     else:
         row_a, row_b, row_form = _position_rows(B, T, S, causal, q_positions, kv_lengths)
+    if window is not None:
+        row_a, row_b = _windowed(row_a, row_b, row_form, B, T, S, q_positions, segment_ids, int(window))
+        row_form = START_LIMIT
     G = N // K
+    Dk = next(d for d in KERNEL_HEAD_DIMS if d >= D)
+    if Dk != D:
+        q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, Dk - D)]) for x in (q, k, v))
     out = autodiff.reverse_only(
-        "jaxdet.attention", _attention5, q.reshape(B, T, K, G, D), k, v, row_a, row_b, scale, row_form
+        "jaxdet.attention", _attention5, q.reshape(B, T, K, G, Dk), k, v, row_a, row_b, scale, row_form
     )
-    return out.reshape(B, T, N, D)
+    out = out.reshape(B, T, N, Dk)[..., :D]
+    if ok is not None:
+        out = jnp.where(ok[:, :, None, None], out, jnp.array(np.nan, out.dtype))
+    return out
 
 
 autodiff.refuse_jvp(globals(), lambda params: "jaxdet.attention")
@@ -364,3 +499,4 @@ autodiff.refuse_jvp(globals(), lambda params: "jaxdet.attention")
 # The public function carries its constants (jaxdet.attention.KV_SPLIT, ...).
 attention.KV_BLOCK, attention.KV_SPLIT = KV_BLOCK, KV_SPLIT
 attention.SUPPORTED_HEAD_DIMS, attention.SUPPORTED_DTYPES = SUPPORTED_HEAD_DIMS, SUPPORTED_DTYPES
+attention.KERNEL_HEAD_DIMS = KERNEL_HEAD_DIMS

@@ -66,18 +66,25 @@ def _clip_abstract_eval(max_norm, *leaves, nonfinite):
 # (the public functions drop it): a batched placeholder of its shape stands in for it.
 
 
+def _batched_scratch(norm, leaves):
+    return jnp.zeros(norm.shape + (num_chunks([x.shape[1:] for x in leaves]) + 2,), jnp.float32)
+
+
 def _global_norm_batch(args, dims):
     leaves = batching.to_front(args, dims)[1]
     norm = staged_norm(leaves, batch_dims=1)
-    scratch = jnp.zeros(norm.shape + (num_chunks([x.shape[1:] for x in leaves]) + 2,), jnp.float32)
-    return (norm, scratch), (0, 0)
+    return (norm, _batched_scratch(norm, leaves)), (0, 0)
 
 
 def _clip_batch(args, dims, *, nonfinite):
     max_norm, *leaves = batching.to_front(args, dims)[1]
     norm, clipped = staged_clip(leaves, max_norm, nonfinite, batch_dims=1)
-    scratch = jnp.zeros(norm.shape + (num_chunks([x.shape[1:] for x in leaves]) + 2,), jnp.float32)
-    return (norm, scratch, *clipped), (0,) * (len(clipped) + 2)
+    return (norm, _batched_scratch(norm, leaves), *clipped), (0,) * (len(clipped) + 2)
+
+
+def _nonfinite_attributes(nonfinite):
+    """The FFI attributes of the calls that take the clip decision (fused clip, finalize)."""
+    return dict(nonfinite=np.int32(nonfinite))
 
 
 global_norm_p = ffi.define_primitive(
@@ -94,7 +101,7 @@ global_norm_p = ffi.define_primitive(
 clip_p = ffi.define_primitive(
     "jaxdet_clip_global_norm",
     _clip_abstract_eval,
-    attributes=lambda nonfinite: dict(nonfinite=np.int32(nonfinite)),
+    attributes=_nonfinite_attributes,
     batching_rule=_clip_batch,
     multiple_results=True,
     operand_output_aliases=lambda num_operands: {i: i + 1 for i in range(1, num_operands)},
@@ -175,10 +182,17 @@ def _apply_varying(ctrl, *leaves):
     return tuple(decision | varying.varying_axes(x) for x in leaves)
 
 
+def _partials_attributes(batch_dims):
+    """The partials calls take no attribute: the handlers count the examples from the slots' leading
+    dims (cuda/clip/clip_ffi.h)."""
+    del batch_dims
+    return {}
+
+
 partials_p = ffi.define_primitive(
     "jaxdet_clip_partials",
     _partials_abstract_eval,
-    attributes=lambda batch_dims: {},
+    attributes=_partials_attributes,
     batching_rule=_partials_batch,
 )
 
@@ -189,7 +203,7 @@ partials_p = ffi.define_primitive(
 partials_through_p = ffi.define_primitive(
     "jaxdet_clip_partials",
     _partials_through_abstract_eval,
-    attributes=lambda batch_dims: {},
+    attributes=_partials_attributes,
     batching_rule=_partials_through_batch,
     multiple_results=True,
     operand_output_aliases=lambda num_operands: {i: i + 1 for i in range(num_operands)},
@@ -199,7 +213,7 @@ partials_through_p = ffi.define_primitive(
 finalize_p = ffi.define_primitive(
     "jaxdet_clip_finalize",
     _finalize_abstract_eval,
-    attributes=lambda nonfinite: dict(nonfinite=np.int32(nonfinite)),
+    attributes=_nonfinite_attributes,
     batching_rule=_finalize_batch,
     multiple_results=True,
 )

@@ -86,11 +86,17 @@ def _evaluate(jaxpr, consts, args):
     # compilation paths and not others (a shard_map's partitioned module, a one-element array).
     # They enter the arithmetic through `rules.runtime_value`, which XLA cannot see through.
     env, fixed = {}, set()
+    wanted, partials = _partials_wanted(jaxpr), {}
+    swapped = _products_read_transposed(jaxpr)
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
     for eqn in jaxpr.eqns:
+        if eqn in swapped:
+            eqn = swapped[eqn]
+            if eqn is None:  # a transpose whose value the swapped product already made
+                continue
         known = [is_literal(v) or v in fixed for v in eqn.invars]
         invals = [_literal_or_var(env, v) for v in eqn.invars]
         higher = eqn.primitive.name in _HIGHER_ORDER
@@ -108,12 +114,81 @@ def _evaluate(jaxpr, consts, args):
                 for v, x in zip(eqn.invars, invals)
             ]
             with _user_context(eqn):
-                outs = apply(eqn, invals)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+                outs = _apply_with_partials(eqn, invals, wanted, partials)
         for v, x in zip(eqn.outvars, outs):
             if type(v).__name__ != "DropVar":
                 env[v] = x
     return [_literal_or_var(env, v) for v in jaxpr.outvars]
+
+
+def _products_read_transposed(jaxpr):
+    """`dot_general` equations whose only use is a transpose that swaps the two operands' free
+    dimensions (JAX's derivative of ``x @ w`` with respect to ``w`` is ``transpose(g^T x)``):
+    each maps to the product with its operands swapped, which writes the transposed result
+    directly, and its transpose maps to None. The bits are the same: each element is the same
+    products, folded over the same contracted index by the rule; only the materialised transpose
+    (and a consumer reading it transposed, an optimizer's update) goes."""
+    uses = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not is_literal(v):
+                uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if not is_literal(v):
+            uses[v] = uses.get(v, 0) + 2  # an output is never replaced
+    producers = {eqn.outvars[0]: eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"}
+    swapped = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "transpose" or is_literal(eqn.invars[0]):
+            continue
+        product = producers.get(eqn.invars[0])
+        if product is None or uses.get(eqn.invars[0]) != 1:
+            continue
+        (lc, rc), (lb, rb) = product.params["dimension_numbers"]
+        lhs, rhs = (v.aval.ndim for v in product.invars)
+        nb, nl = len(lb), lhs - len(lc) - len(lb)
+        nr = rhs - len(rc) - len(rb)
+        perm = tuple(range(nb)) + tuple(range(nb + nl, nb + nl + nr)) + tuple(range(nb, nb + nl))
+        if tuple(eqn.params["permutation"]) != perm:
+            continue
+        swapped[product] = product.replace(
+            invars=product.invars[::-1],
+            outvars=eqn.outvars,
+            params={**product.params, "dimension_numbers": ((rc, lc), (rb, lb))},
+        )
+        swapped[eqn] = None
+    return swapped
+
+
+def _partials_wanted(jaxpr):
+    """The variables whose float32 value before rounding a collective sum will continue
+    (rules.unrounded): the operands of psum-like equations, and back through adds, conversions
+    and data movement to the products and sums that make them."""
+    wanted = set()
+    for eqn in reversed(jaxpr.eqns):
+        name = eqn.primitive.name
+        carries = name in rules.CARRIES_PARTIALS or name in rules.MOVES_PARTIALS
+        if name in rules.COLLECTIVE_SUMS or (carries and any(v in wanted for v in eqn.outvars)):
+            wanted.update(v for v in eqn.invars if not is_literal(v))
+    return wanted
+
+
+def _apply_with_partials(eqn, invals, wanted, partials):
+    """`apply`, with a collective sum continuing its operands' float32 partial sums (rounded once
+    after it), and a wanted value's float32 partial kept beside its rounded value."""
+    name = eqn.primitive.name
+    if name in rules.COLLECTIVE_SUMS and any(not is_literal(v) and v in partials for v in eqn.invars):
+        wide = [x if is_literal(v) else partials.get(v, x) for v, x in zip(eqn.invars, invals)]
+        outs = apply(eqn, wide)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        return [o.astype(v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
+    if len(eqn.outvars) == 1 and eqn.outvars[0] in wanted:
+        part = rules.unrounded(eqn, invals, [None if is_literal(v) else partials.get(v) for v in eqn.invars])
+        if part is not None:
+            partials[eqn.outvars[0]] = part
+            return [part.astype(eqn.outvars[0].aval.dtype)]
+    outs = apply(eqn, invals)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def evaluate_closed(closed, *args):

@@ -12,16 +12,14 @@ of a replicated parameter's in `shard_map`) follow the rule too, and
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 
 import jax
 import jax.extend as jex
 import numpy as np
 
 from jaxdet._src.core import graph_state, xla_flags
-from jaxdet._src.invariant import interpreter
+from jaxdet._src.invariant import attention, interpreter
 from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS
 
 
@@ -72,29 +70,6 @@ def _call(jaxpr, n_consts, inputs):
     return call(*inputs)
 
 
-_TRACE_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _attention_in_plain_operations():
-    """While `fn` is traced, `jax.nn.dot_product_attention` runs its XLA implementation whatever
-    `implementation=` asks: the cuDNN call is an opaque kernel with its own order, while the XLA
-    implementation is products, a max, exp and sums, each computed by the rules. Every caller
-    then gets the same bits, with or without a mask (a decode step's full-length cache included)."""
-    original = jax.nn.dot_product_attention
-
-    @functools.wraps(original)
-    def plain(*args, implementation=None, **kwargs):
-        return original(*args, implementation="xla", **kwargs)
-
-    with _TRACE_LOCK:
-        jax.nn.dot_product_attention = plain
-        try:
-            yield
-        finally:
-            jax.nn.dot_product_attention = original
-
-
 def _check_cpu_flags():
     missing = xla_flags.missing()
     if missing and jax.default_backend() == "cpu":
@@ -124,7 +99,7 @@ def _evaluate_invariantly(fn, args, kwargs):
         a, k = jax.tree.unflatten(in_tree, flat)
         return fn(*a, **k)
 
-    with _attention_in_plain_operations():
+    with attention.on_jaxdet_kernels():
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
     out_tree = jax.tree.structure(out_shape)
     consts = list(closed.consts)

@@ -32,10 +32,11 @@ EXACT = frozenset(
     rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
     tan tanh xor zeta
     broadcast_in_dim concatenate dynamic_slice dynamic_update_slice expand_dims gather iota pad
-    reshape rev slice split squeeze transpose
+    reshape rev slice split squeeze transpose stack unstack tile broadcast_to zeros_like mulhi
+    layout_constraint with_memory_space_constraint
     argmax argmin reduce_and reduce_or reduce_xor
     sharding_constraint device_put reshard mesh_cast optimization_barrier name stop_gradient
-    all_gather all_to_all ppermute axis_index pvary pbroadcast pcast
+    all_gather all_gather_invariant all_to_all ppermute axis_index pvary pbroadcast pcast
     random_seed random_wrap random_unwrap random_split random_fold_in
     create_token after_all debug_callback empty2
     """.split()
@@ -295,6 +296,15 @@ def _scatter_add(eqn, operand, indices, updates, unsupported=None):
         # One window per group: each destination element receives at most one update, so the
         # result is one add per element, in no order.
         return _bind(eqn, [operand, indices, updates])
+    return operand + _scatter_add_total(eqn, operand, indices, updates).astype(operand.dtype)
+
+
+def _scatter_add_total(eqn, operand, indices, updates, out_dtype=None):
+    """The sum of the updates per destination element by the canonical segment sum (None: one
+    window per group, nothing summed)."""
+    dn = eqn.params["dimension_numbers"]
+    if _windows_per_group(indices, dn) <= 1:
+        return None
     from jaxdet._src.embed import embed as segments
 
     mode = eqn.params["mode"]
@@ -305,13 +315,15 @@ def _scatter_add(eqn, operand, indices, updates, unsupported=None):
         V = operand.shape[0]
         if not drop:
             ids = jnp.clip(ids, 0, V - 1)
-        total = segments.segment_sum(data, ids, V).reshape(operand.shape)
+        total = segments.segment_sum(data, ids, V, preferred_element_type=out_dtype)
     else:
         # Any other layout: each update element's destination (the same gather on an iota of the
         # operand) as one segment of its own.
         dest = _destinations(operand, indices, updates, dn, drop)
-        total = segments.segment_sum(updates.reshape(-1, 1), dest.reshape(-1), operand.size).reshape(operand.shape)
-    return operand + total.astype(operand.dtype)
+        total = segments.segment_sum(
+            updates.reshape(-1, 1), dest.reshape(-1), operand.size, preferred_element_type=out_dtype
+        )
+    return total.reshape(operand.shape)
 
 
 def _row_scatter(operand, indices, updates, dn):
@@ -408,6 +420,58 @@ FLOAT_REFUSED = {
     "scatter_mul": "is a floating-point scatter-multiply in XLA's order",
 }
 
+# ---- Partial sums that a collective continues: rounded once, after the tree ----
+
+# A half-precision value summed over devices (a replicated parameter's gradient, psum'd) is a sum
+# over chunks of tokens whose tree continues over the devices: rounding each device's partial to
+# half precision first would make the bits depend on the device count. So the products, sums and
+# adds whose value a collective sums keep their float32 value beside the rounded one, and the
+# collective sums those (then rounds once).
+COLLECTIVE_SUMS = frozenset({"psum", "psum_invariant", "reduce_scatter"})
+CARRIES_PARTIALS = frozenset({"add", "add_any", "convert_element_type"})
+MOVES_PARTIALS = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+
+
+def _wide(x, partial):
+    return partial if partial is not None else jnp.asarray(x).astype(jnp.float32)
+
+
+def unrounded(eqn, invals, partials):
+    """The float32 value of `eqn`'s (half-precision) result before its rounding, or None where
+    the equation has none: products, sums and scatter-adds by the rule with a float32 result,
+    adds of such values in float32, a conversion from float32."""
+    name = eqn.primitive.name
+    out = eqn.outvars[0].aval
+    if len(eqn.outvars) != 1 or not is_float(out.dtype) or np.dtype(out.dtype).itemsize >= 4:
+        return None
+    if name == "dot_general" and all(is_float(x.dtype) for x in invals):
+        from jaxdet._src.matmul import dot_general as dg
+
+        lhs, rhs = _operands_as_computed(*invals, eqn.params.get("precision"))
+        return dg.dot_general(lhs, rhs, eqn.params["dimension_numbers"], jnp.float32)
+    if name == "reduce_sum":
+        from jaxdet._src.reduce import reduce as canonical
+
+        return canonical.reduce_sum(invals[0], tuple(eqn.params["axes"]), np.dtype(np.float32))
+    if name in ("scatter-add", "scatter_add"):
+        operand, indices, updates = invals
+        total = _scatter_add_total(eqn, operand, indices, updates, jnp.float32)
+        if total is None:
+            return None
+        return _wide(operand, partials[0]) + _rounded(total)
+    if name in ("add", "add_any"):
+        a, b = (_rounded(_wide(x, part)) for x, part in zip(invals, partials))
+        return a + b
+    if name == "convert_element_type":
+        x = invals[0]
+        if partials[0] is not None:
+            return partials[0]
+        return x if np.dtype(x.dtype) == np.float32 else None
+    if name in MOVES_PARTIALS and partials[0] is not None:
+        return eqn.primitive.bind(partials[0], *invals[1:], **eqn.params)
+    return None
+
+
 RULES = {
     "add": _add,
     "sub": _add,
@@ -449,4 +513,15 @@ def apply(eqn, invals, unsupported):
     raise unsupported(eqn, "is not an operation jaxdet.invariant knows")
 
 
-__all__ = ["EXACT", "FLOAT_REFUSED", "REFUSED", "RULES", "apply", "covers"]
+__all__ = [
+    "CARRIES_PARTIALS",
+    "COLLECTIVE_SUMS",
+    "MOVES_PARTIALS",
+    "EXACT",
+    "FLOAT_REFUSED",
+    "REFUSED",
+    "RULES",
+    "apply",
+    "covers",
+    "unrounded",
+]

@@ -1,0 +1,159 @@
+"""Benchmark: jaxdet.sampling's sampler (decode tokens/s at batch 1, 16 and 64) and the trainer's
+log-prob forward, with jaxdet's modules vs the same Llama with flax's own modules (plain JAX),
+docs/sampling.md.
+
+    python benchmarks/sampler_bench.py                       # GPU: d 2048, 8 layers, vocab 32000, bf16
+    python benchmarks/sampler_bench.py --allow-cpu --small   # smoke test without a GPU
+
+Decode: a `jaxdet.sampling.Sampler` with one slot per request (`--batches`), each request's prompt
+(`--prompt` tokens) fed in one step, then `--decode-steps` steps of one token per slot at
+temperature 1 timed (median of `--reps` windows), host bookkeeping included, as a user runs it;
+tokens/s = batch x steps / seconds. Plain JAX runs the same Sampler over the model built with
+`modules="flax"` (jax.nn.dot_product_attention over the masked cache, with each `--plain`
+implementation: "xla", and "cudnn" on a GPU).
+
+Trainer: `trainer_log_probs` of a padded batch (`--train-batch` x `--seq`) under `nnx.jit`,
+against the flax model's logits through `jax.nn.log_softmax` and a gather (plain JAX).
+
+Ratios: jaxdet over the fastest plain JAX that ran (decode: its tokens/s over plain's; trainer: its
+time over plain's). A cell that fails (out of memory, an implementation this device lacks) prints
+its failure and the rest runs (_timing.guard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+from _timing import failed, guard  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxdet  # noqa: E402
+from jaxdet import sampling  # noqa: E402
+from jaxdet.models.llama import Llama, LlamaConfig  # noqa: E402
+
+
+def make_model(args, modules, attention="xla"):
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_ff=args.d_ff,
+        max_len=max(args.seq, args.prompt + args.decode_steps + 1),
+        dtype=args.dtype,
+        param_dtype=args.dtype,
+        modules=modules,
+        attention=attention,
+    )
+    return Llama(cfg, rngs=nnx.Rngs(0))
+
+
+def decode_tokens_per_second(model, args, batch):
+    """Median tokens/s over `args.reps` windows of `args.decode_steps` decode steps."""
+    capacity = args.prompt + args.decode_steps + 1
+    sampler = sampling.Sampler(model, num_slots=batch, capacity=capacity, prefill_chunk=args.prompt)
+    rng = np.random.default_rng(0)
+    key = jaxdet.random.key(0)
+    rates = []
+    for rep in range(args.reps + 1):  # the first window compiles and warms up
+        for i in range(batch):
+            sampler.add_request(
+                rng.integers(0, args.vocab, args.prompt),
+                max_new_tokens=args.decode_steps + 1,
+                temperature=1.0,
+                key=jaxdet.random.fold_in(key, rep * batch + i),
+            )
+        sampler.step()  # the prompts, in one step; every request draws its first token
+        start = time.perf_counter()
+        for _ in range(args.decode_steps - 1):
+            sampler.step()
+        finished = sampler.step()  # the last step's tokens reach the host: the window is complete
+        seconds = time.perf_counter() - start
+        assert len(finished) == batch and not sampler.has_work(), "every request ends in the window"
+        if rep:
+            rates.append(batch * args.decode_steps / seconds)
+    return statistics.median(rates)
+
+
+def trainer_seconds(model, tokens, reps, plain):
+    if plain:
+
+        @nnx.jit
+        def score(model, tokens):
+            lp = jax.nn.log_softmax(model(tokens)[:, :-1].astype(jnp.float32), axis=-1)
+            return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+    else:
+        score = nnx.jit(sampling.trainer_log_probs)
+    return _timing.timed(score, model, tokens, reps=reps, inner=2)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="d 128, 2 layers, vocab 512, short sequences (CPU smoke)")
+    p.add_argument("--allow-cpu", action="store_true", help="run on the CPU when there is no GPU")
+    p.add_argument("--d-model", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--d-ff", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--plain", nargs="+", default=["xla", "cudnn"], choices=["xla", "cudnn"])
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    if jax.default_backend() == "cpu" and not args.allow_cpu:
+        sys.exit("no GPU: pass --allow-cpu (with --small) for a smoke test")
+    if jax.default_backend() == "cpu":
+        args.plain = [impl for impl in args.plain if impl != "cudnn"]
+    if args.small:
+        args.d_model, args.layers, args.heads, args.kv_heads, args.d_ff, args.vocab = 128, 2, 2, 1, 256, 512
+        args.prompt, args.decode_steps, args.seq, args.train_batch, args.reps = 16, 8, 64, 2, 2
+        args.batches = [b for b in args.batches if b <= 16]
+    args.dtype = jnp.dtype(args.dtype)
+    print(_timing.header(f"sampler_bench: {vars(args)}") + "\n")
+
+    models = {"jaxdet": guard(make_model, args, "jaxdet")}
+    for impl in args.plain:
+        models[f"plain ({impl})"] = guard(make_model, args, "flax", impl)
+    plain_names = [name for name in models if name != "jaxdet"]
+
+    # A Failed cell prints its label under any format spec (_timing.Failed).
+    print("Decode (tokens/s, higher is better; ratio = jaxdet / the fastest plain)\n")
+    print(f"| batch | jaxdet | {' | '.join(plain_names)} | ratio |")
+    print("|---:|---:|" + "---:|" * len(plain_names) + "---:|")
+    for batch in args.batches:
+        rates = {name: guard(decode_tokens_per_second, model, args, batch) for name, model in models.items()}
+        ran = [rates[name] for name in plain_names if not failed(rates[name])]
+        ratio = rates["jaxdet"] / max(ran) if ran else _timing.Failed("-")
+        cells = " | ".join(f"{rates[name]:.0f}" for name in plain_names)
+        print(f"| {batch} | {rates['jaxdet']:.0f} | {cells} | {ratio:.2f} |", flush=True)
+
+    print(f"\nTrainer log-prob forward, {args.train_batch} x {args.seq} tokens (ms, lower is better; ratio as above)\n")
+    tokens = jax.random.randint(jax.random.key(1), (args.train_batch, args.seq), 0, args.vocab)
+    times = {name: guard(trainer_seconds, model, tokens, args.reps, name != "jaxdet") for name, model in models.items()}
+    _, best = _timing.fastest({name: times[name] for name in plain_names})
+    print(f"| jaxdet | {' | '.join(plain_names)} | ratio |")
+    print("|---:|" + "---:|" * len(plain_names) + "---:|")
+    cells = " | ".join(f"{times[name] * 1e3:.2f}" for name in plain_names)
+    print(f"| {times['jaxdet'] * 1e3:.2f} | {cells} | {times['jaxdet'] / best:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
