@@ -396,7 +396,9 @@ def test_gpu_scanned_micro_batches_equal_the_whole_batch(gpu):
     np.testing.assert_array_equal(bits(out), bits(jaxdet.dropout(x, key, 0.5)))
 
 
-def test_forward_mode_names_jaxdet_dropout():
-    x = jnp.ones((4, 8), jnp.float32)
-    with pytest.raises(TypeError, match=r"jaxdet\.dropout supports reverse-mode differentiation to any order"):
-        jax.jvp(lambda x: jaxdet.dropout(x, jr.key(0), 0.5), (x,), (x,))
+def test_forward_mode_applies_the_same_mask():
+    # Dropout is linear in x: its tangent is the same mask applied to the tangent, bit for bit.
+    x, t = jnp.ones((4, 8), jnp.float32), jnp.arange(32, dtype=jnp.float32).reshape(4, 8)
+    key = jaxdet.random.key(3)
+    tangent = jax.jvp(lambda x: jaxdet.dropout(x, key, 0.5), (x,), (t,))[1]
+    np.testing.assert_array_equal(bits(tangent), bits(jaxdet.dropout(t, key, 0.5)))

@@ -274,3 +274,27 @@ def test_attention_sharded_jit_runs_per_shard():
     args = [put(x, m, P("data")) for x in (q, k, v)]
     for got, expected, name in zip(jax.jit(grads)(*args), grads(q, k, v), ("dq", "dk", "dv")):
         assert_bitwise(got, expected, name)
+
+
+# ---- forward mode (docs/derivatives.md) ----------------------------------------------------------
+
+
+@on_devices
+def test_tangents_in_shard_map_and_sharded_jit_equal_one_device():
+    m = mesh()
+    x, w, tx, tw = rand((16, 32), seed=0), rand((32,), seed=1), rand((16, 32), seed=2), rand((32,), seed=3)
+    b = rand((32, 8), seed=4)
+
+    def tangents(x, w, tx, tw):
+        t_norm = jax.jvp(lambda x, w: jaxdet.rms_norm(x, w), (x, w), (tx, tw))[1]
+        t_mm = jax.jvp(lambda x: jaxdet.matmul(x, b), (x,), (tx,))[1]
+        t_sm = jax.jvp(jaxdet.log_softmax, (x,), (tx,))[1]
+        return t_norm, t_mm, t_sm
+
+    want = tangents(x, w, tx, tw)
+    sm = jax.jit(jax.shard_map(tangents, mesh=m, in_specs=(P("data"), P(), P("data"), P()), out_specs=(P("data"),) * 3))
+    for got, exp in zip(sm(put(x, m, P("data")), w, put(tx, m, P("data")), tw), want):
+        assert_bitwise(got, exp)
+    sharded = jax.jit(tangents)(put(x, m, P("data")), w, put(tx, m, P("data")), tw)
+    for got, exp in zip(sharded, want):
+        assert_bitwise(got, exp)

@@ -236,6 +236,12 @@ def _register_partitioned_lowering(prim, local, part: Partitioning, multiple_res
 # ---- Defining primitives. ----
 
 
+def lowers_with_devices(prim) -> None:
+    """`prim`'s lowering may contain custom_partitioning calls that JAX cannot see in the jaxpr (a
+    primitive lowered by a Python function): lower it with the device assignment."""
+    _NEEDS_DEVICES.add(prim)
+
+
 def shaped(shape, dtype):
     """The abstract value of a result: a ShapedArray of `shape` and `dtype`."""
     return jax.core.ShapedArray(tuple(shape), dtype)

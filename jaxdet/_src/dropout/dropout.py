@@ -9,12 +9,12 @@ one ``+0``. Nothing else (dtype, shape, launch grid, device, backend) enters the
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from jaxdet._src.core import autodiff, batching, ffi, tree, varying
 from jaxdet._src.core.checks import (
@@ -164,30 +164,34 @@ dropout_p = ffi.define_primitive(
 )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _dropout(x, key, offsets, params, x_vma):
-    return dropout_p.bind(x, key, offsets, **dict(params))
+# ---- Derivatives: dropout is linear in x (the mask is a function of the key, the offset and the
+# element index), so its tangent is the same mask applied to the tangent and its transpose is the
+# same mask applied to the cotangent: rules of the primitive itself, to any order, forward and
+# reverse. Only the key and the offset (16 bytes) are kept for the backward; no mask is saved. ----
 
 
-def _dropout_fwd(x, key, offsets, params, x_vma):
-    # The only residuals are the key and the offset (16 bytes): the backward regenerates the mask.
-    return _dropout(x, key, offsets, params, x_vma), (key, offsets)
+def _dropout_jvp(primals, tangents, **params):
+    (x, key, offsets), tx = primals, tangents[0]
+    out = dropout_p.bind(x, key, offsets, **params)
+    if type(tx) is ad.Zero:
+        return out, autodiff.zero_tangent(out)
+    return out, dropout_p.bind(tx, key, offsets, **params)
 
 
-def _dropout_bwd(params, x_vma, res, g):
-    # Dropout is linear in x, so its transpose is itself: the same mask applied to the cotangent,
-    # through the custom_vjp function again so that higher derivatives work. Under shard_map, an
-    # x that is invariant over an axis its key or offset varies over gets the canonical-tree sum
-    # of the devices' cotangents (float32, cast once): `x_vma` is x's varying axes.
-    key, offsets = res
+def _dropout_transpose(g, x, key, offsets, **params):
+    # Under shard_map, an x that is invariant over an axis its key or offset varies over gets the
+    # canonical-tree sum of the devices' cotangents (float32, cast once).
+    x_vma = varying.varying_axes(x.aval)
+    if type(g) is ad.Zero:
+        return [ad.Zero(x.aval), None, None]
     if varying.varying_union(g, key, offsets) - x_vma:
-        g32 = g.astype(jnp.float32)
-        dx = _dropout(g32, key, offsets, params, varying.varying_axes(g32))
-        return tree.match_varying(dx, x_vma).astype(g.dtype), None, None
-    return tree.match_varying(_dropout(g, key, offsets, params, varying.varying_axes(g)), x_vma), None, None
+        dx = dropout_p.bind(g.astype(jnp.float32), key, offsets, **params)
+        return [tree.match_varying(dx, x_vma).astype(g.dtype), None, None]
+    return [tree.match_varying(dropout_p.bind(g, key, offsets, **params), x_vma), None, None]
 
 
-_dropout.defvjp(_dropout_fwd, _dropout_bwd)
+ad.primitive_jvps[dropout_p] = _dropout_jvp
+ad.primitive_transposes[dropout_p] = _dropout_transpose
 
 
 def _offset_words(offset):
@@ -231,8 +235,9 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
 
     Under ``jax.vmap`` a batched key gives each example its own mask; an unbatched key (and
     offset) gives every example the same mask (each example is indexed from 0 + offset); a batched
-    offset gives each example its own. Reverse-mode only (``jax.custom_vjp``): the backward applies
-    the same mask to the cotangent, regenerated from the key and offset; no mask or input is saved.
+    offset gives each example its own. Differentiable in x to any order, forward and reverse (it is
+    linear in x): the tangent and the cotangent get the same mask, regenerated from the key and
+    offset; no mask or input is saved.
     Under sharded ``jax.jit``, a sharded ``x`` draws the unsharded mask with no collective
     (docs/sharding.md).
     """
@@ -274,9 +279,7 @@ def dropout(x, key, rate, *, deterministic: bool = False, offset: int = 0, broad
         ("drop_threshold", drop_threshold(rate)),
         ("scale", float(keep_scale(rate))),
     )
-    return autodiff.reverse_only(
-        "jaxdet.dropout", _dropout, x, key, offsets, params, varying.varying_axes(x), higher_order=True
-    )
+    return dropout_p.bind(x, key, offsets, **dict(params))
 
 
 # `jaxdet.dropout` is the function (the package exports it), so the rule's constants are reachable

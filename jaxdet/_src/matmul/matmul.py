@@ -15,8 +15,10 @@ The contracts (docs/matmul.md, proven by tests/test_matmul.py):
   tree), in float32, cast once. Micro-batches of 2^j chunks (the last may be shorter) combined
   with ``tree_sum`` reproduce the full-batch dB bitwise, and so do devices holding such blocks.
   Appending zero rows leaves dB unchanged.
-* Higher derivatives. The backward's products are custom_vjp functions again, so reverse over
-  reverse works to any order (forward mode does not: custom_vjp).
+* Derivatives. The products are bilinear: the tangent is a sum of linear maps whose transposes
+  are the backward products (dA's and dB's kernels), which are differentiable again, so jvp,
+  linearize, grad and their compositions work to any order; every product in a derivative is a
+  jaxdet product (row invariance and the chunk contract hold in tangents too).
 * Many devices (docs/sharding.md, tests/test_sharding.py). Under shard_map, a replicated weight's
   gradient is the canonical tree over the devices (never a psum); under sharded jit, rows, batch
   and columns run per device with no collective, K is never split, and split tokens of dB meet by
@@ -353,15 +355,30 @@ weight_grad_p = ffi.define_composite(
 )
 
 
-# ---- The differentiable 3-D products. Each backward calls these custom_vjp functions again (the
-# products are bilinear), so derivatives of any order work in reverse mode. ----
+# ---- The differentiable 3-D products. Each is bilinear: its tangent is the sum of two linear maps
+# (`autodiff.linear_call`), each the product with one operand's tangent, whose transposes are the
+# backward products (dA's and dB's kernels). Those call these functions again, so derivatives of
+# any order work, forward and reverse. ----
 
 
-def _cotangent(compute, dtype, primal, others):
-    return tree.cotangent(compute, dtype, varying.varying_axes(primal), others)
+def _cotangent(compute, dtype, vma, others):
+    return tree.cotangent(compute, dtype, vma, others)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _bilinear_tangent(out, x, y, tx, ty, term_x, term_y):
+    """The tangent of a bilinear product: ``term_x(x, y, tx) + term_y(x, y, ty)`` for the operands
+    whose tangent is not a symbolic zero."""
+    parts = []
+    if not autodiff.is_zero(tx):
+        parts.append(term_x(x, y, tx))
+    if not autodiff.is_zero(ty):
+        parts.append(term_y(x, y, ty))
+    if not parts:
+        return jnp.zeros_like(out)
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _product(x, y, out_dtype, transpose_b=False, rows=False):
     """x . op(y), op(y) = y or yᵀ (read transposed in place): the forward (nn) and dA's (nt) product.
 
@@ -374,30 +391,54 @@ def _product(x, y, out_dtype, transpose_b=False, rows=False):
     return _gemm(x, y, out_dtype, transpose_b=transpose_b)
 
 
-def _product_fwd(x, y, out_dtype, transpose_b, rows):
-    # The custom_vjp function again, not the primitive: under an outer derivative this forward is
-    # differentiated too.
-    return _product(x, y, out_dtype, transpose_b, rows), (x, y)
+def _product_dx(x, out_dtype, transpose_b, rows):
+    """The transpose in x of ``tx -> tx . op(y)``: ``g . op(y)ᵀ`` (dA's product)."""
+    dtype, vma = x.dtype, varying.varying_axes(x)
+
+    def transpose(y, g):
+        # The cotangent enters the kernels in the input dtype (a float32 cotangent of a bf16/f16
+        # matmul with preferred_element_type=float32 is rounded once to the input dtype).
+        g = g.astype(dtype)
+        return (_cotangent(lambda dt: _product(g, y, dt, not transpose_b, rows), dtype, vma, (g, y)),)
+
+    return transpose
 
 
-def _product_bwd(out_dtype, transpose_b, rows, res, g):
-    x, y = res
-    # The cotangent enters the kernels in the input dtype (a float32 cotangent of a bf16/f16 matmul
-    # with preferred_element_type=float32 is rounded once to the input dtype).
-    g = g.astype(x.dtype)
-    dx = _cotangent(lambda dt: _product(g, y, dt, not transpose_b, rows), x.dtype, x, (g, y))
-    # dy: the chunk-tree weight gradient, cast once: xᵀ.g, or gᵀ.x when op(y) = yᵀ; shared weights
-    # fold every row dimension into tokens.
-    lhs, rhs = (g, x) if transpose_b else (x, g)
-    if rows:
-        lhs, rhs = _tokens(lhs), _tokens(rhs)
-    dy = _cotangent(
-        lambda dt: _weight_grad3(lhs, rhs, dt)[0] if rows else _weight_grad3(lhs, rhs, dt), y.dtype, y, (x, g)
-    )
-    return dx, dy
+def _product_dy(y, out_dtype, transpose_b, rows):
+    """The transpose in y of ``ty -> x . op(ty)``: the chunk-tree weight gradient, cast once:
+    xᵀ.g, or gᵀ.x when op(y) = yᵀ; shared weights fold every row dimension into tokens."""
+    dtype, vma = y.dtype, varying.varying_axes(y)
+
+    def transpose(x, g):
+        g = g.astype(x.dtype)
+        lhs, rhs = (g, x) if transpose_b else (x, g)
+        if rows:
+            lhs, rhs = _tokens(lhs), _tokens(rhs)
+        return (
+            _cotangent(
+                lambda dt: _weight_grad3(lhs, rhs, dt)[0] if rows else _weight_grad3(lhs, rhs, dt), dtype, vma, (x, g)
+            ),
+        )
+
+    return transpose
 
 
-_product.defvjp(_product_fwd, _product_bwd)
+def _product_jvp(out_dtype, transpose_b, rows, primals, tangents):
+    (x, y), (tx, ty) = primals, tangents
+    out = _product(x, y, out_dtype, transpose_b, rows)
+
+    def term_x(x, y, tx):
+        fn = lambda y, tx: (_product(tx, y, out_dtype, transpose_b, rows),)  # noqa: E731
+        return autodiff.linear_call(fn, _product_dx(x, out_dtype, transpose_b, rows), (y,), (tx,))[0]
+
+    def term_y(x, y, ty):
+        fn = lambda x, ty: (_product(x, ty, out_dtype, transpose_b, rows),)  # noqa: E731
+        return autodiff.linear_call(fn, _product_dy(y, out_dtype, transpose_b, rows), (x,), (ty,))[0]
+
+    return out, _bilinear_tangent(out, x, y, tx, ty, term_x, term_y)
+
+
+_product.defjvp(_product_jvp, symbolic_zeros=True)
 
 
 def _matmul3(a3, b3, out_dtype):
@@ -408,25 +449,38 @@ def _matmul3_nt(x3, y3, out_dtype):
     return _product(x3, y3, out_dtype, True, False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _weight_grad3(a3, dc3, out_dtype):
     """a3ᵀ . dc3: a3 [L, T, K], dc3 [L, T, N] -> [L, K, N] (dB's product, `weight_grad_p`)."""
     return weight_grad_p.bind(a3, dc3, out_dtype=np.dtype(out_dtype))
 
 
-def _weight_grad3_fwd(a3, dc3, out_dtype):
-    return _weight_grad3(a3, dc3, out_dtype), (a3, dc3)
+def _weight_grad3_jvp(out_dtype, primals, tangents):
+    (a3, dc3), (ta, tdc) = primals, tangents
+    out = _weight_grad3(a3, dc3, out_dtype)
+
+    def term_a(a3, dc3, ta):
+        dtype, vma = a3.dtype, varying.varying_axes(a3)
+
+        def transpose(dc3, g):
+            g = g.astype(dtype)
+            return (_cotangent(lambda dt: _matmul3_nt(dc3, g, dt), dtype, vma, (dc3, g)),)
+
+        return autodiff.linear_call(lambda dc3, ta: (_weight_grad3(ta, dc3, out_dtype),), transpose, (dc3,), (ta,))[0]
+
+    def term_dc(a3, dc3, tdc):
+        dtype, vma = dc3.dtype, varying.varying_axes(dc3)
+
+        def transpose(a3, g):
+            g = g.astype(a3.dtype)
+            return (_cotangent(lambda dt: _matmul3(a3, g, dt), dtype, vma, (a3, g)),)
+
+        return autodiff.linear_call(lambda a3, tdc: (_weight_grad3(a3, tdc, out_dtype),), transpose, (a3,), (tdc,))[0]
+
+    return out, _bilinear_tangent(out, a3, dc3, ta, tdc, term_a, term_dc)
 
 
-def _weight_grad3_bwd(out_dtype, res, g):
-    a3, dc3 = res
-    g = g.astype(a3.dtype)
-    da = _cotangent(lambda dt: _matmul3_nt(dc3, g, dt), a3.dtype, a3, (dc3, g))
-    ddc = _cotangent(lambda dt: _matmul3(a3, g, dt), dc3.dtype, dc3, (a3, g))
-    return da, ddc
-
-
-_weight_grad3.defvjp(_weight_grad3_fwd, _weight_grad3_bwd)
+_weight_grad3.defjvp(_weight_grad3_jvp, symbolic_zeros=True)
 
 
 def _tokens(x):
@@ -462,8 +516,9 @@ def matmul(a, b, *, preferred_element_type=None):
         arithmetic, never TF32.
 
     Returns ``[..., M, N]``. Row ``i`` of the result is bitwise a function of row ``i`` of ``a`` and
-    of ``b`` only. Reverse-mode differentiable to any order (``jax.custom_vjp``; no forward
-    mode): dA has the same row invariance; dB follows the chunk contract of ``matmul_weight_grad``.
+    of ``b`` only. Differentiable to any order, forward and reverse (docs/matmul.md,
+    "Derivatives"): dA and the tangent have the same row invariance; dB follows the chunk contract
+    of ``matmul_weight_grad``.
     Works inside ``jax.shard_map`` and under sharded ``jax.jit`` (docs/sharding.md).
 
     Raises TypeError for unsupported or mixed dtypes and a bad ``preferred_element_type``,
@@ -493,18 +548,11 @@ def matmul(a, b, *, preferred_element_type=None):
         return tree.match_varying(jnp.zeros(out_shape, out_dtype), varying.varying_union(a, b))
     if all(d == 1 for d in b_shape[:-2]):
         # Shared weights: every row of every batch element is one row of a single GEMM.
-        return autodiff.reverse_only(
-            "jaxdet.matmul",
-            _matmul_rows,
-            jnp.broadcast_to(a, batch + (M, K)),
-            b.reshape(K, N),
-            out_dtype,
-            higher_order=True,
-        )
+        return _matmul_rows(jnp.broadcast_to(a, batch + (M, K)), b.reshape(K, N), out_dtype)
     L = math.prod(batch)
     a3 = jnp.broadcast_to(a, batch + (M, K)).reshape(L, M, K)
     b3 = jnp.broadcast_to(b, batch + (K, N)).reshape(L, K, N)
-    return autodiff.reverse_only("jaxdet.matmul", _matmul3, a3, b3, out_dtype, higher_order=True).reshape(out_shape)
+    return _matmul3(a3, b3, out_dtype).reshape(out_shape)
 
 
 def matmul_weight_grad(a, dc, acc=None):

@@ -9,6 +9,8 @@ The contracts (docs/norm.md, proven by tests/test_norm.py):
 * Parameter gradients: dscale = sum over tokens of g * xhat and dbias = sum of g, by the canonical
   balanced tree over tokens (jaxdet.parallel.tree_sum's tree, one token per leaf), so a device that
   holds an aligned power-of-two block of tokens holds a subtree.
+* Derivatives: the tangent is a linear map transposed by the backward kernels; second derivatives
+  differentiate the kernels through their formulas with jaxdet.sum (docs/derivatives.md).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from jaxdet._src.core import autodiff, batching, checks, ffi, tree, varying
+from jaxdet._src.reduce.reduce import sum as canonical_sum
 
 __all__ = ["rms_norm", "layer_norm", "GRAD_BLOCK_TOKENS"]
 
@@ -283,32 +287,155 @@ norm_grads_p = ffi.define_composite(
 )
 
 
-# ---- The differentiable core: x [..., n], w and b float32 [n]. ----
+# ---- The differentiable core: x [..., n], w and b float32 [n].
+#
+# The tangent of y is linear in (tx, tw, tb): w * S tx + xhat * tw + tb, where S = rstd (I - xhat
+# xhatᵀ / n) (LayerNorm: also minus the mean, rstd (I - 11ᵀ/n - xhat xhatᵀ / n)) is symmetric, so
+# S tx is the backward kernel with a weight of ones. Its transpose in (tx, tw, tb) is the backward
+# itself: dx = the backward kernel (S (w * g)), dscale and dbias the canonical trees over tokens
+# (`_norm_transpose`), so reverse mode runs exactly those kernels. The derivatives of the kernels
+# themselves (second order) are those of their formulas written with jaxdet.sum over the features
+# or the tokens (`_stats_tangent`, `_bwd_formula`, `_grads_formula`). ----
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _row_sum(v):
+    return canonical_sum(v, axis=-1)
+
+
+def _xhat(x, stats):
+    """(x - mean) * rstd in float32, from the row statistics (the forward's xhat, elementwise)."""
+    return (x.astype(_F32) - stats[..., :1]) * stats[..., 1:]
+
+
+def _norm_transpose(x, w, b, center, has_bias, which):
+    """The transpose of the tangent map in the tangents named by `which` (a subset of "x", "w", "b")."""
+    vmas = {k: varying.varying_axes(v) for k, v in (("x", x), ("w", w), ("b", b))}
+
+    def transpose(x, w, stats, g):
+        out = []
+        if "x" in which:
+            # Under shard_map, a parameter invariant over axes the activations vary over gets the
+            # canonical-tree sum of the devices' gradients (match_varying: tree_psum, never psum).
+            out.append(tree.match_varying(norm_rows_bwd_p.bind(x, w, stats, g, center=center), vmas["x"]))
+        if "w" in which or "b" in which:
+            n = x.shape[-1]
+            grads = norm_grads_p.bind(x.reshape(-1, n), stats.reshape(-1, 2), g.reshape(-1, n), has_bias=has_bias)
+            if "w" in which:
+                out.append(tree.match_varying(grads[0], vmas["w"]))
+            if "b" in which:
+                out.append(tree.match_varying(grads[1], vmas["b"]))
+        return tuple(out)
+
+    return transpose
+
+
+def _norm_tangent(x, w, b, stats, tangents, center, has_bias):
+    """w * S tx + xhat * tw + tb (the tangents that are None are zero), as a `linear_call`."""
+    which = tuple(k for k, t in zip("xwb", tangents) if t is not None)
+    lin = tuple(t for t in tangents if t is not None)
+
+    def fn(x, w, stats, *lin):
+        t = dict(zip(which, lin))
+        acc = []
+        if "x" in t:
+            ones = jnp.ones_like(w)
+            acc.append(w * norm_rows_bwd_p.bind(x, ones, stats, t["x"], center=center).astype(_F32))
+        if "w" in t:
+            acc.append(_xhat(x, stats) * t["w"])
+        if "b" in t:
+            acc.append(jnp.broadcast_to(t["b"], x.shape))
+        return (autodiff.rounded_sum(acc).astype(x.dtype),)
+
+    return autodiff.linear_call(fn, _norm_transpose(x, w, b, center, has_bias, which), (x, w, stats), lin)[0]
+
+
+def _stats_formula(x, *, eps, center):
+    """(mean, rstd) of docs/norm.md's formulas, with jaxdet.sum over the features: differentiated
+    for the statistics' tangent (its value is not used)."""
+    n = x.shape[-1]
+    xf = x.astype(_F32)
+    mean = _row_sum(xf) / n if center else jnp.zeros(x.shape[:-1], _F32)
+    xc = xf - mean[..., None]
+    rstd = jax.lax.rsqrt(_row_sum(xc * xc) / n + np.float32(eps))
+    return jnp.stack([mean, rstd], axis=-1)
+
+
+def _fwd_jvp(primals, tangents, *, eps, center, has_bias):
+    x, w, b = primals
+    y, stats = norm_rows_fwd_p.bind(x, w, b, eps=eps, center=center, has_bias=has_bias)
+    present = tuple(None if type(t) is ad.Zero else t for t in tangents)
+    if all(t is None for t in present):
+        return (y, stats), [autodiff.zero_tangent(y), autodiff.zero_tangent(stats)]
+    ty = _norm_tangent(x, w, b, stats, present, center, has_bias)
+    if present[0] is None:
+        tstats = autodiff.zero_tangent(stats)
+    else:
+        # Through jax.jvp, so that jaxdet.sum's own derivative rule makes the tangent a linear map.
+        tstats = jax.jvp(lambda x: _stats_formula(x, eps=eps, center=center), (x,), (present[0],))[1]
+    return (y, stats), [ty, tstats]
+
+
+def _bwd_formula(x, w, stats, g, *, center):
+    n = x.shape[-1]
+    xhat, gw = _xhat(x, stats), g.astype(_F32) * w
+    mb = _row_sum(gw * xhat)[..., None] / n
+    if center:
+        ma = _row_sum(gw)[..., None] / n
+        return stats[..., 1:] * ((gw - xhat * mb) - ma)
+    return stats[..., 1:] * (gw - xhat * mb)
+
+
+def _grads_formula(x, stats, g, *, has_bias):
+    gf = g.astype(_F32)
+    dw = canonical_sum(gf * _xhat(x, stats), axis=0)
+    return [dw, canonical_sum(gf, axis=0)] if has_bias else [dw]
+
+
+# The kernels on groups [G, R, n] with parameters [1 or G, n], which the batching rules bind for
+# per-example parameters: only second and higher derivatives reach them, through their formulas.
+
+
+def _grouped_fwd_formula(x, w, b, *, eps, center):
+    stats = _stats_formula(x, eps=eps, center=center)
+    y = _xhat(x, stats) * w[:, None, :]
+    return [y + b[:, None, :] if b.size else y, stats]
+
+
+def _grouped_bwd_formula(x, w, stats, g, *, center):
+    return _bwd_formula(x, w[:, None, :], stats, g, center=center)
+
+
+def _grouped_grads_formula(x, stats, g, *, has_bias):
+    gf = g.astype(_F32)
+    dw = canonical_sum(gf * _xhat(x, stats), axis=1)
+    db = canonical_sum(gf, axis=1) if has_bias else jnp.zeros((x.shape[0], 0), _F32)
+    ws = _pg_abstract_eval(x, stats, g, has_bias=has_bias)[2:]
+    return [dw, db] + [jnp.zeros(a.shape, a.dtype) for a in ws]  # the workspaces: no tangent
+
+
+ad.primitive_jvps[norm_rows_fwd_p] = _fwd_jvp
+autodiff.jvp_of_formula(norm_rows_bwd_p, _bwd_formula)
+autodiff.jvp_of_formula(norm_grads_p, _grads_formula)
+autodiff.jvp_of_formula(norm_fwd_p, _grouped_fwd_formula)
+autodiff.jvp_of_formula(norm_bwd_p, _grouped_bwd_formula)
+autodiff.jvp_of_formula(norm_param_grad_p, _grouped_grads_formula)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
 def _norm(x, w, b, eps, center, has_bias):
     return norm_rows_fwd_p.bind(x, w, b, eps=eps, center=center, has_bias=has_bias)[0]
 
 
-def _norm_fwd(x, w, b, eps, center, has_bias):
+def _norm_jvp(eps, center, has_bias, primals, tangents):
+    x, w, b = primals
     y, stats = norm_rows_fwd_p.bind(x, w, b, eps=eps, center=center, has_bias=has_bias)
-    return y, (x, w, b, stats)
+    present = tuple(None if autodiff.is_zero(t) else t for t in tangents)
+    if all(t is None for t in present):
+        return y, jnp.zeros_like(y)
+    return y, _norm_tangent(x, w, b, stats, present, center, has_bias)
 
 
-def _norm_bwd(eps, center, has_bias, res, g):
-    x, w, b, stats = res
-    # Under shard_map, a parameter invariant over axes the activations vary over gets the
-    # canonical-tree sum of the devices' gradients (match_varying: tree_psum, never psum).
-    dx = tree.match_varying(norm_rows_bwd_p.bind(x, w, stats, g, center=center), varying.varying_axes(x))
-    n = x.shape[-1]
-    grads = norm_grads_p.bind(x.reshape(-1, n), stats.reshape(-1, 2), g.reshape(-1, n), has_bias=has_bias)
-    dw = tree.match_varying(grads[0], varying.varying_axes(w))
-    db = tree.match_varying(grads[1] if has_bias else jnp.zeros_like(b), varying.varying_axes(b))
-    return dx, dw, db
-
-
-_norm.defvjp(_norm_fwd, _norm_bwd)
+_norm.defjvp(_norm_jvp, symbolic_zeros=True)
 
 
 def _check_param(p, name, n):
@@ -332,8 +459,7 @@ def _apply(x, scale, bias, eps, center):
     # float32 tree sums and are rounded once to the parameter dtype by the astype's transpose.
     w = jnp.ones((n,), _F32) if scale is None else scale.astype(_F32)
     b = jnp.zeros((n,), _F32) if bias is None else bias.astype(_F32)
-    public = "jaxdet.layer_norm" if center else "jaxdet.rms_norm"
-    return autodiff.reverse_only(public, _norm, x, w, b, eps, center, bias is not None)
+    return _norm(x, w, b, eps, center, bias is not None)
 
 
 def rms_norm(x, scale, eps: float = 1e-6):
@@ -347,8 +473,9 @@ def rms_norm(x, scale, eps: float = 1e-6):
     Returns ``y`` with x's shape and dtype. Statistics and arithmetic are float32 (x and scale
     widened exactly), each operation rounded once, in the order of docs/norm.md; y is rounded once
     to x's dtype. A row's bits depend only on that row and ``scale``, and equal on CPU and GPU.
-    Reverse-mode differentiable (``jax.custom_vjp``): dx is row-invariant too; dscale is the
-    canonical tree over tokens of ``g * xhat`` in float32, rounded once to scale's dtype.
+    Differentiable to any order, forward and reverse (docs/derivatives.md): dx and the tangent are
+    row-invariant too; dscale is the canonical tree over tokens of ``g * xhat`` in float32, rounded
+    once to scale's dtype.
     """
     return _apply(x, scale, None, eps, center=False)
 
@@ -366,14 +493,6 @@ def layer_norm(x, scale, bias, eps: float = 1e-6):
     """
     return _apply(x, scale, bias, eps, center=True)
 
-
-def _norm_public(params):
-    if "center" in params:
-        return "jaxdet.layer_norm" if params["center"] else "jaxdet.rms_norm"
-    return "jaxdet.rms_norm (and jaxdet.layer_norm)"
-
-
-autodiff.refuse_jvp(globals(), _norm_public)
 
 # The public functions carry their constants (jaxdet.rms_norm.GRAD_BLOCK_TOKENS, ...).
 rms_norm.GRAD_BLOCK_TOKENS = layer_norm.GRAD_BLOCK_TOKENS = GRAD_BLOCK_TOKENS

@@ -21,7 +21,6 @@ sharded ``jax.jit``.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 
@@ -137,9 +136,10 @@ sum_p = ffi.define_composite(
 )
 
 
-# ---- The differentiable core: the sum and the broadcast are each other's transposes (custom_vjp
-# functions), so the cotangent of a sum is a broadcast (no reduction) and the cotangent of that
-# broadcast (a second derivative) is the canonical sum again. ----
+# ---- The differentiable core: the sum and the broadcast are linear maps and each other's
+# transposes (`autodiff.linear_call`), so the cotangent of a sum is a broadcast (no reduction), the
+# cotangent of that broadcast (a second derivative) is the canonical sum again, and the tangent of
+# a sum (forward mode) is the canonical sum of the tangent. ----
 
 
 def _moved_together(x, axes):
@@ -167,55 +167,34 @@ def _sum_of(x, axes, out_dtype):
     return sum_p.bind(x, k_axis=k_axis, out_dtype=np.dtype(out_dtype))
 
 
-def _shape_of(proxy):
-    """A zero-size residual that carries a primal's shape (proxy.shape[1:]), dtype and varying axes."""
-    return proxy.shape[1:], proxy.dtype
-
-
 def _proxy(x):
+    """A zero-size residual that carries a primal's shape (proxy.shape[1:]), dtype and varying axes."""
     return x[None][:0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _sum(x, axes, out_dtype):
     """x summed over `axes` (sorted, non-empty) by the rule, to out_dtype; x non-empty, K > 0."""
-    return _sum_of(x, axes, out_dtype)
+    shape, dtype, vma = x.shape, x.dtype, varying.varying_axes(x)
+
+    def transpose(g):
+        # The cotangent in x's dtype (a float32 cotangent of a bfloat16/float16 sum rounded once),
+        # broadcast over the reduced axes: no reduction.
+        return (tree.match_varying(_broadcast(g.astype(dtype), axes, shape), vma),)
+
+    return autodiff.linear_call(lambda x: (_sum_of(x, axes, out_dtype),), transpose, (), (x,))[0]
 
 
-def _sum_fwd(x, axes, out_dtype):
-    return _sum(x, axes, out_dtype), _proxy(x)
-
-
-def _sum_bwd(axes, out_dtype, proxy, g):
-    shape, dtype = _shape_of(proxy)
-    # The cotangent in x's dtype (a float32 cotangent of a bfloat16/float16 sum rounded once),
-    # broadcast over the reduced axes: no reduction.
-    dx = _broadcast(g.astype(dtype), axes, shape)
-    return (tree.match_varying(dx, varying.varying_axes(proxy)),)
-
-
-_sum.defvjp(_sum_fwd, _sum_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _broadcast(g, axes, shape):
     """g (shaped as `shape` without `axes`) broadcast over `axes` to `shape`."""
     kept = tuple(i for i in range(len(shape)) if i not in axes)
-    return jax.lax.broadcast_in_dim(g, shape, kept)
+    dtype, vma = g.dtype, varying.varying_axes(g)
 
+    def transpose(ct):
+        # The transpose of a broadcast is the sum over the broadcast axes: the canonical one.
+        dg = _sum(ct.astype(dtype), axes, dtype) if math.prod(shape) else jnp.zeros(g.shape, dtype)
+        return (tree.match_varying(dg, vma),)
 
-def _broadcast_fwd(g, axes, shape):
-    return _broadcast(g, axes, shape), _proxy(g)
-
-
-def _broadcast_bwd(axes, shape, proxy, ct):
-    # The transpose of a broadcast is the sum over the broadcast axes: the canonical one.
-    _, dtype = _shape_of(proxy)
-    dg = _sum(ct.astype(dtype), axes, dtype) if math.prod(shape) else jnp.zeros(proxy.shape[1:], dtype)
-    return (tree.match_varying(dg, varying.varying_axes(proxy)),)
-
-
-_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+    return autodiff.linear_call(lambda g: (jax.lax.broadcast_in_dim(g, shape, kept),), transpose, (), (g,))[0]
 
 
 # ---- Checks and the public functions. ----
@@ -261,7 +240,7 @@ def reduce_sum(x, axes, out_dtype):
       out_dtype: x's dtype, or float32.
 
     Returns x summed over `axes` (the axes removed), by the rule of docs/reduce.md, rounded once to
-    out_dtype. No axes: x cast to out_dtype (nothing is added). Reverse-mode differentiable, and
+    out_dtype. No axes: x cast to out_dtype (nothing is added). Differentiable (forward and reverse), and
     works under jit, vmap, remat, scan, ``jax.shard_map`` and sharded ``jax.jit`` (docs/reduce.md).
     """
     x_dtype = _float_input(x, "x", "jaxdet reduce_sum")
@@ -281,7 +260,7 @@ def reduce_sum(x, axes, out_dtype):
     out_shape = tuple(d for i, d in enumerate(x.shape) if i not in axes)
     if x.size == 0:  # no outputs, or nothing to add: +0
         return tree.match_varying(jnp.zeros(out_shape, out_dtype), varying.varying_axes(x))
-    return autodiff.reverse_only("jaxdet.sum", _sum, x, axes, out_dtype)
+    return _sum(x, axes, out_dtype)
 
 
 def sum(x, axis=None, dtype=None, keepdims=False):  # jnp.sum's name, on purpose
@@ -298,8 +277,8 @@ def sum(x, axis=None, dtype=None, keepdims=False):  # jnp.sum's name, on purpose
     chunks of ``jaxdet.sum.CHUNK_TOKENS`` (8192); each chunk is added in ascending order in float32
     from +0; the chunk partials are combined by ``jaxdet.parallel.tree_sum``'s tree; the result is
     rounded once to `dtype` (docs/reduce.md). An output's bits depend on its own elements only.
-    Reverse-mode differentiable to any order (``jax.custom_vjp``: the cotangent is broadcast, and
-    the cotangent of that broadcast is this sum again); no forward mode.
+    Differentiable to any order, forward and reverse (a linear map: the tangent is this sum of the
+    tangent; the cotangent is broadcast, and the cotangent of that broadcast is this sum again).
     """
     x_dtype = _float_input(x, "x", "jaxdet.sum")
     axes = _normalize_axes(axis, len(x.shape))
@@ -372,7 +351,7 @@ def bias_add(x, b):
     return autodiff.reverse_only("jaxdet.bias_add", _bias_add, jnp.asarray(x), jnp.asarray(b))
 
 
-autodiff.refuse_jvp(globals(), lambda params: "jaxdet.sum")
+autodiff.refuse_jvp(globals(), lambda params: "jaxdet.bias_add")
 
 # The public function carries its constants (jaxdet.sum.CHUNK_TOKENS).
 sum.CHUNK_TOKENS = CHUNK_TOKENS

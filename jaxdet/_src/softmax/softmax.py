@@ -10,6 +10,8 @@ The contracts (docs/softmax.md, proven by tests/test_softmax.py):
   log from one header compiled for both (cuda/common/det_math.h).
 * ``label_log_probs(x, labels) == -softmax_cross_entropy_with_integer_labels(x, labels)`` and
   ``== take_along_axis(log_softmax(x), labels)`` (float32 x), bit for bit.
+* Derivatives: each tangent is a linear map transposed by the backward kernel; second derivatives
+  differentiate the kernels through their formulas with jaxdet.sum (docs/derivatives.md).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from jaxdet._src.core import autodiff, batching, checks, ffi, tree, varying
+from jaxdet._src.reduce.reduce import sum as canonical_sum
 
 __all__ = [
     "softmax",
@@ -308,47 +312,143 @@ xent_rows_bwd_p = _composite(
 )
 
 
-# ---- Differentiable cores on x [..., n] (the class axis last). ----
+# ---- Differentiable cores on x [..., n] (the class axis last).
+#
+# Each tangent is a linear map (`autodiff.linear_call`) whose transpose is the existing backward
+# kernel, so reverse mode runs exactly that kernel:
+# * softmax: J = diag(p) - p pᵀ is symmetric, so the tangent J t is the backward kernel on t;
+# * log_softmax: J t = t - sum(p * t) (a jaxdet.sum over the classes, p the softmax kernel's output);
+# * cross-entropy: d loss = sum((p - onehot) * t), (p - onehot) the backward kernel with a unit
+#   cotangent, the sum a jaxdet.sum over the classes (label_log_probs: its negation).
+# The row statistics are a cache of x: every derivative is taken through x (the kernels' own
+# derivatives, for second order, are their formulas with p = jaxdet.softmax(x)), so the statistics'
+# tangent is zero. ----
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _class_sum(v):
+    return canonical_sum(v, axis=-1)
+
+
+def _probs(x):
+    """softmax(x) in float32 (the kernel's result, rounded to x's dtype, widened), differentiable."""
+    return _softmax_rows(x, _MODES["softmax"]).astype(_F32)
+
+
+def _softmax_transpose(x, mode):
+    vma = varying.varying_axes(x)
+
+    def transpose(x, stats, g):
+        # The probabilities are recomputed from x and the row statistics in float32 (never from a
+        # bfloat16/float16 output), exactly as the forward computed them.
+        return (tree.match_varying(softmax_rows_bwd_p.bind(x, stats, g, mode=mode), vma),)
+
+    return transpose
+
+
+def _softmax_tangent_fn(mode):
+    def fn(x, stats, t):
+        if mode == _MODES["softmax"]:
+            return (softmax_rows_bwd_p.bind(x, stats, t, mode=mode),)
+        tf = t.astype(_F32)
+        return ((tf - _class_sum(_probs(x) * tf)[..., None]).astype(x.dtype),)
+
+    return fn
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _softmax_rows(x, mode):
     return softmax_rows_p.bind(x, mode=mode)[0]
 
 
-def _softmax_rows_fwd(x, mode):
+def _softmax_tangent(x, stats, tx, mode):
+    return autodiff.linear_call(_softmax_tangent_fn(mode), _softmax_transpose(x, mode), (x, stats), (tx,))[0]
+
+
+def _softmax_rows_jvp(mode, primals, tangents):
+    (x,), (tx,) = primals, tangents
     y, stats = softmax_rows_p.bind(x, mode=mode)
-    return y, (x, stats)
+    if autodiff.is_zero(tx):
+        return y, jnp.zeros_like(y)
+    return y, _softmax_tangent(x, stats, tx, mode)
 
 
-def _softmax_rows_bwd(mode, res, g):
-    x, stats = res
-    # The probabilities are recomputed from x and the row statistics in float32 (never from a
-    # bfloat16/float16 output), exactly as the forward computed them.
-    return (tree.match_varying(softmax_rows_bwd_p.bind(x, stats, g, mode=mode), varying.varying_axes(x)),)
+_softmax_rows.defjvp(_softmax_rows_jvp, symbolic_zeros=True)
 
 
-_softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
+def _softmax_fwd_jvp(primals, tangents, *, mode):
+    (x,), (tx,) = primals, tangents
+    y, stats = softmax_rows_p.bind(x, mode=mode)
+    ty = autodiff.zero_tangent(y) if type(tx) is ad.Zero else _softmax_tangent(x, stats, tx, mode)
+    return (y, stats), [ty, autodiff.zero_tangent(stats)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _softmax_bwd_formula(x, stats, g, *, mode):
+    p, gf = _probs(x), g.astype(_F32)
+    if mode == _MODES["softmax"]:
+        return p * (gf - _class_sum(gf * p)[..., None])
+    return gf - p * _class_sum(gf)[..., None]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _xent_rows(x, labels, log_prob):
     return xent_rows_p.bind(x, labels, log_prob=log_prob)[0]
 
 
-def _xent_rows_fwd(x, labels, log_prob):
+def _xent_transpose(x, log_prob):
+    vma = varying.varying_axes(x)
+
+    def transpose(x, labels, stats, g):
+        # d(log p_label) = -d(loss): negating the cotangent is exact.
+        return (tree.match_varying(xent_rows_bwd_p.bind(x, labels, stats, -g if log_prob else g), vma),)
+
+    return transpose
+
+
+def _xent_tangent_fn(log_prob):
+    def fn(x, labels, stats, t):
+        # p - onehot(label), in x's dtype: the backward kernel with a unit cotangent.
+        d = xent_rows_bwd_p.bind(x, labels, stats, jnp.ones(labels.shape, _F32)).astype(_F32)
+        out = _class_sum(d * t.astype(_F32))
+        return (-out if log_prob else out,)
+
+    return fn
+
+
+def _xent_tangent(x, labels, stats, tx, log_prob):
+    return autodiff.linear_call(_xent_tangent_fn(log_prob), _xent_transpose(x, log_prob), (x, labels, stats), (tx,))[0]
+
+
+def _xent_rows_jvp(log_prob, primals, tangents):
+    (x, labels), (tx, _) = primals, tangents
     out, stats = xent_rows_p.bind(x, labels, log_prob=log_prob)
-    return out, (x, labels, stats)
+    if autodiff.is_zero(tx):
+        return out, jnp.zeros_like(out)
+    return out, _xent_tangent(x, labels, stats, tx, log_prob)
 
 
-def _xent_rows_bwd(log_prob, res, g):
-    x, labels, stats = res
-    # d(log p_label) = -d(loss): negating the cotangent is exact.
-    dx = xent_rows_bwd_p.bind(x, labels, stats, -g if log_prob else g)
-    return tree.match_varying(dx, varying.varying_axes(x)), np.zeros(labels.shape, jax.dtypes.float0)
+_xent_rows.defjvp(_xent_rows_jvp, symbolic_zeros=True)
 
 
-_xent_rows.defvjp(_xent_rows_fwd, _xent_rows_bwd)
+def _xent_fwd_jvp(primals, tangents, *, log_prob):
+    (x, labels), (tx, _) = primals, tangents
+    out, stats = xent_rows_p.bind(x, labels, log_prob=log_prob)
+    t = autodiff.zero_tangent(out) if type(tx) is ad.Zero else _xent_tangent(x, labels, stats, tx, log_prob)
+    return (out, stats), [t, autodiff.zero_tangent(stats)]
+
+
+def _xent_bwd_formula(x, labels, stats, g):
+    # g * (p - onehot): the value is the kernel's p - onehot, the derivative in x that of
+    # p = jaxdet.softmax(x) (the one-hot part does not depend on x).
+    sg = jax.lax.stop_gradient
+    d = xent_rows_bwd_p.bind(sg(x), labels, sg(stats), jnp.ones(labels.shape, _F32)).astype(_F32)
+    p = _probs(x)
+    return g.astype(_F32)[..., None] * (jax.lax.stop_gradient(d - p) + p)
+
+
+ad.primitive_jvps[softmax_rows_p] = _softmax_fwd_jvp
+ad.primitive_jvps[xent_rows_p] = _xent_fwd_jvp
+autodiff.jvp_of_formula(softmax_rows_bwd_p, _softmax_bwd_formula)
+autodiff.jvp_of_formula(xent_rows_bwd_p, _xent_bwd_formula)
 
 
 # ---- Public functions. ----
@@ -367,7 +467,7 @@ def _softmax_like(x, axis, mode):
     moved, axis = _rows_of(x, axis, "x")
     if moved.size == 0:
         return tree.match_varying(jnp.zeros(x.shape, x.dtype), varying.varying_axes(x))
-    y = autodiff.reverse_only(f"jaxdet.{mode}", _softmax_rows, moved, _MODES[mode])
+    y = _softmax_rows(moved, _MODES[mode])
     return jnp.moveaxis(y, -1, axis) if axis != x.ndim - 1 else y
 
 
@@ -375,8 +475,9 @@ def softmax(x, axis: int = -1):
     """``exp(x - max) / sum(exp(x - max))`` along ``axis``, batch-invariant and CPU == GPU bitwise.
 
     x: float32, bfloat16 or float16. The statistics and arithmetic are float32, in the order of
-    docs/softmax.md; the result is rounded once to x's dtype. Reverse-mode differentiable: the
-    backward recomputes the float32 probabilities and reduces ``g * p`` in the same canonical order.
+    docs/softmax.md; the result is rounded once to x's dtype. Differentiable to any order, forward
+    and reverse (docs/derivatives.md): the backward recomputes the float32 probabilities and reduces
+    ``g * p`` in the same canonical order; the tangent is that backward applied to the tangent.
     A non-last ``axis`` costs a transpose.
     """
     return _softmax_like(x, axis, "softmax")
@@ -416,8 +517,7 @@ def _xent(logits, labels, axis, log_prob):
     labels = _labels_int32(labels, n, moved.shape[:-1])
     if moved.size == 0:
         return tree.match_varying(jnp.zeros(labels.shape, _F32), varying.varying_union(moved, labels))
-    public = "jaxdet.label_log_probs" if log_prob else "jaxdet.softmax_cross_entropy"
-    return autodiff.reverse_only(public, _xent_rows, moved, labels, log_prob)
+    return _xent_rows(moved, labels, log_prob)
 
 
 def softmax_cross_entropy_with_integer_labels(logits, labels, axis: int = -1):
@@ -430,8 +530,9 @@ def softmax_cross_entropy_with_integer_labels(logits, labels, axis: int = -1):
     Returns float32 losses of labels' shape, computed as ``log(S) - (x_label - M)`` with the row's
     statistics (M, S) of docs/softmax.md (the same as log_softmax's). A label outside
     ``[0, n)`` gives a NaN loss (no clamping); its logits gradient is NaN, or zero where the loss's
-    cotangent is zero (a masked token). Reverse-mode differentiable in ``logits``: the gradient is
-    ``g * (softmax(logits) - one_hot(label))``, elementwise, with the softmax recomputed in float32.
+    cotangent is zero (a masked token). Differentiable in ``logits`` to any order, forward and reverse
+    (docs/derivatives.md): the gradient is ``g * (softmax(logits) - one_hot(label))``, elementwise,
+    with the softmax recomputed in float32.
     """
     return _xent(logits, labels, axis, log_prob=False)
 
@@ -459,7 +560,9 @@ def _softmax_public(params):
     return "jaxdet.softmax_cross_entropy"
 
 
-autodiff.refuse_jvp(globals(), _softmax_public)
+# Reached only by differentiating an internal kernel directly (every primitive the public
+# functions bind under a derivative has a rule above).
+autodiff.refuse_jvp(globals(), _softmax_public, lambda public: f"{public}: this derivative is not supported")
 
 # The public functions carry their constants (jaxdet.softmax.SEGMENT, ...).
 for _fn in (softmax, log_softmax, softmax_cross_entropy, softmax_cross_entropy_with_integer_labels, label_log_probs):
