@@ -103,7 +103,8 @@ export PYTHONPATH=/tmp/jaxdet-site${PYTHONPATH:+:$PYTHONPATH}
 # The tests run from /tmp; a session beside it may be running them, so only the modes that run
 # tests copy. (No test imports or runs anything of benchmarks/.)
 if has tests || asked buckets || asked multi-gpu; then
-  rm -rf /tmp/jaxdet-tests && cp -r tests /tmp/jaxdet-tests && cp pyproject.toml README.md /tmp/
+  rm -rf /tmp/jaxdet-tests /tmp/notebooks && cp -r tests /tmp/jaxdet-tests && cp -r notebooks /tmp/notebooks \
+    && cp pyproject.toml README.md /tmp/  # tests/test_rl.py imports notebooks/rl_toy.py
 fi
 # From /tmp so that the installed package (not the source folder) is imported.
 run_pytest() { (cd /tmp && python3 -m pytest -q -rs -p no:cacheprovider -c /tmp/pyproject.toml "$@"); }
