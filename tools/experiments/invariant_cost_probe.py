@@ -39,19 +39,24 @@ def as_is(eqn, *xs, unsupported=None):
     return eqn.primitive.bind(*xs, **eqn.params)
 
 
+def bench_model(small, attention):
+    """(config, batch, tokens) of benchmarks/invariant_bench.py's model (small: a CPU smoke size)."""
+    if small:
+        cfg = L.Config(vocab=512, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=512, max_len=64)
+        B, T = 2, 64
+    else:
+        cfg = L.Config(vocab=32000, d_model=2048, n_layers=8, n_heads=16, n_kv_heads=8, d_ff=8192, max_len=2048)
+        B, T = 4, 2048
+    return dataclasses.replace(cfg, dtype=jnp.bfloat16, attention=attention), B, T
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true")
     p.add_argument("--attention", default="cudnn", choices=["cudnn", "xla"])
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
-    if args.small:
-        cfg = L.Config(vocab=512, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=512, max_len=64)
-        B, T = 2, 64
-    else:
-        cfg = L.Config(vocab=32000, d_model=2048, n_layers=8, n_heads=16, n_kv_heads=8, d_ff=8192, max_len=2048)
-        B, T = 4, 2048
-    cfg = dataclasses.replace(cfg, dtype=jnp.bfloat16, attention=args.attention)
+    cfg, B, T = bench_model(args.small, args.attention)
     t = jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg.vocab)
     tokens, targets = t[:, :-1], t[:, 1:]
     plain = invariant_bench.measure(cfg, False, tokens, targets, args.reps)[0]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import functools
 import os
 import sys
@@ -25,6 +24,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import _timing  # noqa: E402
+import invariant_cost_probe  # noqa: E402  (beside this file)
 
 from jaxdet._src.core import jaxprs  # noqa: E402
 from jaxdet._src.matmul.dot_general import dot_general  # noqa: E402
@@ -66,13 +66,7 @@ def main():
     p.add_argument("--small", action="store_true")
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
-    if args.small:
-        cfg = L.Config(vocab=512, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=512, max_len=64)
-        B, T = 2, 64
-    else:
-        cfg = L.Config(vocab=32000, d_model=2048, n_layers=8, n_heads=16, n_kv_heads=8, d_ff=8192, max_len=2048)
-        B, T = 4, 2048
-    cfg = dataclasses.replace(cfg, dtype=jnp.bfloat16, attention="cpu" == jax.default_backend() and "xla" or "cudnn")
+    cfg, B, T = invariant_cost_probe.bench_model(args.small, "xla" if jax.default_backend() == "cpu" else "cudnn")
     params = L.init(cfg, jax.random.key(0))
     tokens = jnp.zeros((B, T), jnp.int32)
     closed = jax.make_jaxpr(jax.value_and_grad(functools.partial(L.loss, cfg=cfg)))(params, tokens, tokens)

@@ -153,6 +153,22 @@ def _normalize(x, scale, bias, *, center, eps, reduction_axes, feature_axes, dty
     return y.astype(out_dtype)
 
 
+def _normalize_as(module, x, scale, bias, *, center, mask):
+    """`_normalize` with a flax norm module's configuration (epsilon, axes, dtype, axis_name)."""
+    return _normalize(
+        x,
+        scale,
+        bias,
+        center=center,
+        eps=module.epsilon,
+        reduction_axes=module.reduction_axes,
+        feature_axes=module.feature_axes,
+        dtype=module.dtype,
+        axis_name=module.axis_name,
+        mask=mask,
+    )
+
+
 class LayerNorm(nnx.LayerNorm):
     """``flax.nnx.LayerNorm`` on jaxdet's ops: the same arguments, parameters (``scale``, ``bias``
     ``[num_features]``) and dtypes, ``mask=`` included; outputs equal flax's to rounding (module
@@ -162,18 +178,7 @@ class LayerNorm(nnx.LayerNorm):
         scale = self.scale[...] if self.scale is not None else None
         bias = self.bias[...] if self.bias is not None else None
         x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        return _normalize(
-            x,
-            scale,
-            bias,
-            center=True,
-            eps=self.epsilon,
-            reduction_axes=self.reduction_axes,
-            feature_axes=self.feature_axes,
-            dtype=self.dtype,
-            axis_name=self.axis_name,
-            mask=mask,
-        )
+        return _normalize_as(self, x, scale, bias, center=True, mask=mask)
 
 
 class RMSNorm(nnx.RMSNorm):
@@ -184,15 +189,4 @@ class RMSNorm(nnx.RMSNorm):
     def __call__(self, x, mask=None):
         scale = self.scale[...] if self.scale is not None else None
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-        return _normalize(
-            x,
-            scale,
-            None,
-            center=False,
-            eps=self.epsilon,
-            reduction_axes=self.reduction_axes,
-            feature_axes=self.feature_axes,
-            dtype=self.dtype,
-            axis_name=self.axis_name,
-            mask=mask,
-        )
+        return _normalize_as(self, x, scale, None, center=False, mask=mask)
