@@ -14,6 +14,7 @@ import contextlib
 import functools
 
 import jax
+import numpy as np
 from jax import lax
 
 from jaxdet._src.core.jaxprs import is_literal
@@ -182,13 +183,17 @@ def _apply_with_partials(eqn, invals, wanted, partials):
         outs = apply(eqn, wide)
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
         return [o.astype(v.aval.dtype) for o, v in zip(outs, eqn.outvars)]
-    if len(eqn.outvars) == 1 and eqn.outvars[0] in wanted:
+    out = eqn.outvars[0]
+    if len(eqn.outvars) == 1 and out in wanted:
         part = rules.unrounded(eqn, invals, [None if is_literal(v) else partials.get(v) for v in eqn.invars])
         if part is not None:
-            partials[eqn.outvars[0]] = part
-            return [part.astype(eqn.outvars[0].aval.dtype)]
+            partials[out] = part
+            return [part.astype(out.aval.dtype)]
     outs = apply(eqn, invals)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    if len(eqn.outvars) == 1 and out in wanted and name in rules.SUMS and out.aval.dtype == np.float32:
+        partials[out] = outs[0]  # a float32 sum by the rule is its own partial
+    return outs
 
 
 def evaluate_closed(closed, *args):

@@ -436,38 +436,44 @@ def _wide(x, partial):
     return partial if partial is not None else jnp.asarray(x).astype(jnp.float32)
 
 
+SUMS = frozenset({"dot_general", "reduce_sum", "scatter-add", "scatter_add"})
+
+
 def unrounded(eqn, invals, partials):
-    """The float32 value of `eqn`'s (half-precision) result before its rounding, or None where
-    the equation has none: products, sums and scatter-adds by the rule with a float32 result,
-    adds of such values in float32, a conversion from float32."""
+    """The float32 value of `eqn`'s result before its rounding, or None where it has none.
+
+    A partial sum is born in a product, sum or scatter-add by the rule (its float32 result before
+    the cast to half precision; a float32 result is its own, see the interpreter) and carried by
+    adds of partials, conversions of partials and data movement. A value that is not such a sum
+    (data the function casts and sums over devices) has none: its rounding is the function's."""
     name = eqn.primitive.name
     out = eqn.outvars[0].aval
-    if len(eqn.outvars) != 1 or not is_float(out.dtype) or np.dtype(out.dtype).itemsize >= 4:
+    if len(eqn.outvars) != 1 or not is_float(out.dtype):
         return None
-    if name == "dot_general" and all(is_float(x.dtype) for x in invals):
+    half = np.dtype(out.dtype).itemsize < 4
+    if name == "dot_general" and half and all(is_float(x.dtype) for x in invals):
         from jaxdet._src.matmul import dot_general as dg
 
         lhs, rhs = _operands_as_computed(*invals, eqn.params.get("precision"))
         return dg.dot_general(lhs, rhs, eqn.params["dimension_numbers"], jnp.float32)
-    if name == "reduce_sum":
+    if name == "reduce_sum" and half:
         from jaxdet._src.reduce import reduce as canonical
 
         return canonical.reduce_sum(invals[0], tuple(eqn.params["axes"]), np.dtype(np.float32))
-    if name in ("scatter-add", "scatter_add"):
+    if name in ("scatter-add", "scatter_add") and half:
         operand, indices, updates = invals
         total = _scatter_add_total(eqn, operand, indices, updates, jnp.float32)
         if total is None:
             return None
         return _wide(operand, partials[0]) + _rounded(total)
+    if all(p is None for p in partials):
+        return None
     if name in ("add", "add_any"):
         a, b = (_rounded(_wide(x, part)) for x, part in zip(invals, partials))
         return a + b
     if name == "convert_element_type":
-        x = invals[0]
-        if partials[0] is not None:
-            return partials[0]
-        return x if np.dtype(x.dtype) == np.float32 else None
-    if name in MOVES_PARTIALS and partials[0] is not None:
+        return partials[0]
+    if name in MOVES_PARTIALS:
         return eqn.primitive.bind(partials[0], *invals[1:], **eqn.params)
     return None
 
