@@ -31,13 +31,14 @@ def normal(seed, shape, dtype=jnp.float32):
 # ---- The namespace. ----
 
 
-def test_import_jaxdet_does_not_import_flax_and_a_missing_flax_names_pip_install():
+def test_import_jaxdet_does_not_import_flax_and_a_missing_flax_names_pip_install(tmp_path):
     code = (
         "import sys; import jaxdet; assert 'flax' not in sys.modules, 'import jaxdet imported flax'\n"
         "sys.modules['flax'] = None\n"
         "try:\n    import jaxdet.nnx\nexcept ImportError as e:\n    print(e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    # From another directory: in a source checkout's root, `import jaxdet` finds the source folder.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "pip install flax" in out.stdout, out.stdout
 
