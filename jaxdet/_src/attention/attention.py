@@ -261,7 +261,8 @@ def _mask_rows(xp, mask, B, T, S, causal, q_positions, kv_lengths):
     m = mask
     while m.ndim < 4:
         m = m[None]
-    agree = xp.all(m == m[:, :1], axis=(1, 3))  # one description per (b, t) serves every head
+    # One description per (b, t) serves every head: a per-head mask must agree across heads.
+    agree = xp.all(m == m[:, :1], axis=(1, 3)) if m.shape[1] > 1 else None
     m = xp.broadcast_to(m[:, 0], (B, T, S))
     s = xp.arange(S, dtype=np.int32)
     if causal or kv_lengths is not None:
@@ -274,7 +275,9 @@ def _mask_rows(xp, mask, B, T, S, causal, q_positions, kv_lengths):
     count = xp.sum(m, axis=-1, dtype=np.int32)
     start = xp.where(count > 0, xp.argmax(m, axis=-1).astype(np.int32), 0)
     run = (s >= start[:, :, None]) & (s < (start + count)[:, :, None])
-    ok = xp.all(m == run, axis=-1) & xp.broadcast_to(agree, (B, T))
+    ok = xp.all(m == run, axis=-1)
+    if agree is not None:
+        ok = ok & xp.broadcast_to(agree, (B, T))
     return start, count, ok
 
 

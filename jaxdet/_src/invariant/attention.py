@@ -44,7 +44,7 @@ def fused_form(query, key, value, bias, scale, return_residual):
 
 
 def _window_mask(T, S, local_window_size):
-    left, right = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
+    left, right = local_window_size
     t = jnp.arange(T)[:, None]
     s = jnp.arange(S)[None, :]
     return (t <= s + left) & (t >= s - right)
@@ -91,9 +91,14 @@ def dot_product_attention(
     q, k, v = (x[None] if rank3 else x for x in (query, key, value))
     B, T = q.shape[:2]
     S = k.shape[1]
+    window = None
     if local_window_size is not None:
-        window = _window_mask(T, S, local_window_size)
-        mask = window if mask is None else jnp.logical_and(mask, window)
+        left, right = (local_window_size,) * 2 if isinstance(local_window_size, int) else local_window_size
+        if is_causal and left >= 0 and right >= 0:  # keys t - left .. t: jaxdet.attention's window
+            window = int(left) + 1
+        else:
+            visible = _window_mask(T, S, (left, right))
+            mask = visible if mask is None else jnp.logical_and(mask, visible)
     kv_lengths = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
     out = fused_attention(
         q,
@@ -104,6 +109,7 @@ def dot_product_attention(
         q_positions=jnp.arange(T, dtype=jnp.int32) if is_causal and T != S else None,
         kv_lengths=kv_lengths,
         mask=None if mask is None else jnp.asarray(mask),
+        window=window,
     )
     if query_seq_lengths is not None:
         valid = jnp.arange(T)[None, :] < jnp.asarray(query_seq_lengths)[:, None]
