@@ -215,14 +215,21 @@ def test_attention_in_shard_map_keeps_the_unsharded_bits():
 
 @on_devices
 def test_attention_in_shard_map_every_row_form():
-    # The lengths form (not causal; a negative length is none) and packed segments, split with the
-    # batch inside jax.shard_map: the forward and jax.grad keep the unsharded bits.
+    # The lengths form (not causal; a negative length is none), packed segments, a mask and a
+    # sliding window, split with the batch inside jax.shard_map: the forward and jax.grad keep the
+    # unsharded bits.
     q, k, v, w = _attention_inputs()
     m = mesh()
     _, kv_lengths, segment_ids = _attention_rows()
     forms = {
         "lengths": (lambda q, k, v, rows: jaxdet.attention(q, k, v, causal=False, kv_lengths=rows), kv_lengths),
         "segments": (lambda q, k, v, rows: jaxdet.attention(q, k, v, segment_ids=rows), segment_ids),
+        # a per-sequence left-padding mask [B, 1, 1, S] (sequence b starts at key b), and a window
+        "mask": (
+            lambda q, k, v, rows: jaxdet.attention(q, k, v, mask=rows),
+            (jnp.arange(48)[None, :] >= jnp.arange(8)[:, None])[:, None, None, :],
+        ),
+        "window": (lambda q, k, v, rows: jaxdet.attention(q, k, v, q_positions=rows, window=9), _attention_rows()[0]),
     }
     for name, (form, rows) in forms.items():
 

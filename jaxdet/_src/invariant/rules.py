@@ -289,14 +289,12 @@ def _windows_per_group(indices, dn):
 
 
 def _scatter_add(eqn, operand, indices, updates, unsupported=None):
-    if not is_float(operand.dtype):
+    total = _scatter_add_total(eqn, operand, indices, updates) if is_float(operand.dtype) else None
+    if total is None:
+        # Not floating point, or one window per group: each destination element receives at most
+        # one update, so the result is one add per element, in no order.
         return _bind(eqn, [operand, indices, updates])
-    dn = eqn.params["dimension_numbers"]
-    if _windows_per_group(indices, dn) <= 1:
-        # One window per group: each destination element receives at most one update, so the
-        # result is one add per element, in no order.
-        return _bind(eqn, [operand, indices, updates])
-    return operand + _scatter_add_total(eqn, operand, indices, updates).astype(operand.dtype)
+    return operand + total.astype(operand.dtype)
 
 
 def _scatter_add_total(eqn, operand, indices, updates, out_dtype=None):
