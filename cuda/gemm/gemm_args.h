@@ -6,8 +6,10 @@
 // Every launcher computes, for l < L, m < M, n < N:
 //   D[l](m, n) = sum_{k ascending in fixed tiles} opA[l](m, k) * opB[l](k, n)   (f32 accumulate)
 //                (+ C[l](m, n) when beta == 1)
-// with the reduction order fixed by the launcher's compile-time configuration alone: no split-K,
-// no stream-K, no atomics, nothing chosen from M, N, K or L at run time.
+// with the reduction order fixed by the launcher's compile-time configuration alone: no stream-K,
+// no atomics, nothing chosen from M, N, K or L at run time. The cooperative Hopper launchers also
+// take `chunk` (below): then each chunk of K is such a sum from zero and the chunks meet by the
+// canonical tree, however the units are dealt to CTAs.
 //
 // A kernel set (one entry of the list in kernels.cmake) holds one launcher per output tile shape.
 // Its tiles differ only in how the output is cut into tiles and how tiles go to CTAs: they share
@@ -41,6 +43,12 @@ struct GemmArgs {
   float beta = 0.0f;
   void* d = nullptr;
   int64_t ldd = 0, batch_d = 0;
+  // The chunk rule inside one launch (Hopper's cooperative tiles, gemm_sm90_chunks.cuh): K is cut
+  // into chunks of `chunk` elements (a multiple of the K tile) whose float32 partials meet by the
+  // canonical tree; 0: one chunk. The workspace holds the partials (and split-K's flags).
+  int64_t chunk = 0;
+  void* chunk_workspace = nullptr;
+  size_t chunk_workspace_bytes = 0;
 };
 
 // Empty string on success, otherwise a message (the caller prefixes the FFI target's name).

@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <limits>
@@ -29,6 +30,7 @@
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "gemm_args.h"
+#include "gemm_sm90_chunks.cuh"
 
 namespace jaxdet {
 namespace gemm {
@@ -44,7 +46,6 @@ namespace sm90 {
 // alternate). Either way each output element is one accumulator fed by the same wgmma K steps in
 // the same order, so the tile decides only which CTA computes an element, never its bits.
 constexpr int kTileK = 64;
-using TileSchedulerTag = cutlass::gemm::PersistentScheduler;
 
 // ElementC = void: D = acc (no source read). ElementC = float: D = acc + beta * C. LayoutD_ is
 // column-major only for the swapped operands of the few-row tile (launch, below).
@@ -84,16 +85,20 @@ struct Config {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
+  // The cooperative (128-row) tiles take jaxdet's chunk scheduler (gemm_sm90_chunks.cuh: the chunk
+  // rule in one launch, data-parallel with one chunk); the ping-pong tiles the data-parallel
+  // persistent scheduler (a chunked call with them runs chunk by chunk, matmul_cuda.cu). Never
+  // CUTLASS's stream-K or split-K, whose reductions follow the SM count and the problem's shape.
+  using TileSchedulerTag = std::conditional_t<kCooperative, ChunkedScheduler, cutlass::gemm::PersistentScheduler>;
+  static constexpr bool kChunked = kCooperative;
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, TileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  // The contract: a data-parallel persistent scheduler, never stream-K or split-K.
-  static_assert(std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::PersistentScheduler>,
-                "jaxdet GEMM must use the data-parallel PersistentScheduler (no stream-K/split-K)");
-  static_assert(
-      std::is_same_v<typename Kernel::TileScheduler, cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90>,
-      "jaxdet GEMM tile scheduler must be PersistentTileSchedulerSm90 (data-parallel)");
+  static_assert(std::is_same_v<typename Kernel::TileScheduler,
+                               std::conditional_t<kCooperative, ChunkedTileScheduler,
+                                                  cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90>>,
+                "jaxdet GEMM: the chunk scheduler (cooperative tiles) or the data-parallel one (ping-pong)");
   static_assert(!std::is_same_v<typename Kernel::TileSchedulerTag, cutlass::gemm::StreamKScheduler>,
                 "stream-K breaks batch invariance");
   // What every tile of a kernel set must share (docs/matmul_cuda.md, "M buckets"): the mainloop
@@ -162,6 +167,39 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
       hw};
   args.scheduler.max_swizzle_size = kSwizzle;  // which CTA takes which tile: not the numerics
   args.scheduler.raster_order = Cfg::kRasterOrder;                 // the same
+  const int64_t k_tiles = (g.k + kTileK - 1) / kTileK;
+  if (g.chunk > 0 && k_tiles * kTileK > g.chunk) {
+    if constexpr (!Cfg::kChunked) {
+      return "internal error: a chunked K reached a kernel without the chunk scheduler";
+    } else {
+      if (g.chunk % kTileK != 0) return "the chunk must be a multiple of the K tile (64)";
+      const int chunk_k_tiles = static_cast<int>(g.chunk / kTileK);
+      const int32_t chunks = ChunkedTileScheduler::chunk_count(k_tiles, chunk_k_tiles);
+      const int64_t tile_m = cute::size<0>(typename Kernel::TileShape{});
+      const int64_t tile_n = cute::size<1>(typename Kernel::TileShape{});
+      const int64_t tiles = g.l * ((g.m + tile_m - 1) / tile_m) * ((g.n + tile_n - 1) / tile_n);
+      const int64_t tile_floats = tile_m * tile_n;
+      // Split-K when the tiles alone leave SMs idle; otherwise each CTA walks its tiles' chunks.
+      const bool split = tiles < g.sm_count;
+      const int64_t grid = std::min<int64_t>(tiles, g.sm_count);
+      const int64_t floats = split ? (chunks - 1) * tiles * tile_floats
+                                   : grid * ChunkedTileScheduler::stack_depth(chunks) * tile_floats;
+      const int64_t flags = split ? (chunks - 1) * tiles : 0;
+      const size_t need = static_cast<size_t>(floats) * sizeof(float) + static_cast<size_t>(flags) * sizeof(int32_t);
+      if (g.chunk_workspace == nullptr || g.chunk_workspace_bytes < need) {
+        return "internal error: the chunk workspace is smaller than the kernel needs";
+      }
+      args.scheduler.max_swizzle_size = 1;  // tiles exactly as many as the output has (the workspace's)
+      args.scheduler.chunk_k_tiles = chunk_k_tiles;
+      args.scheduler.split = split;
+      args.scheduler.partials = static_cast<float*>(g.chunk_workspace);
+      args.scheduler.flags = reinterpret_cast<int32_t*>(static_cast<float*>(g.chunk_workspace) + floats);
+      if (split) {
+        const cudaError_t e = cudaMemsetAsync(args.scheduler.flags, 0, flags * sizeof(int32_t), stream);
+        if (e != cudaSuccess) return std::string("cudaMemsetAsync: ") + cudaGetErrorString(e);
+      }
+    }
+  }
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = g.beta;
 

@@ -168,6 +168,34 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
   return *smallest;
 }
 
+// The tile of a Hopper call whose K spans `chunks` chunks, among the set's cooperative (128-row)
+// tiles, the ones that run the chunk tree in one launch (gemm_sm90_chunks.cuh); null when the
+// testing switch forces another tile (the call then runs chunk by chunk: the same bits). Beyond
+// kBucketMaxRows rows the set's first tile; at fewer, the largest whose units (tiles, times the
+// chunks when the tiles alone leave SMs idle and the chunks are split over CTAs) give at least 4/5
+// as many CTAs as SMs, else the one with the most units.
+const TileKernel* choose_chunked_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l,
+                                      int64_t chunks) {
+  if (d.force_m != 0) {
+    for (int i = 0; i < set.count; ++i) {
+      const TileKernel& t = set.tiles[i];
+      if (t.tile_m == d.force_m && t.tile_n == d.force_n) return t.tile_m == 128 ? &t : nullptr;
+    }
+    return nullptr;
+  }
+  const TileKernel* best = nullptr;
+  for (int i = 0; i < set.count; ++i) {
+    const TileKernel& t = set.tiles[i];
+    if (t.tile_m != 128) continue;
+    if (m > kBucketMaxRows) return &t;
+    const int64_t tiles = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
+    const int64_t units = tiles < d.sms ? tiles * chunks : tiles;
+    best = &t;
+    if (5 * units >= 4 * int64_t{d.sms}) return best;
+  }
+  return best;
+}
+
 // A forced tile (JAXDET_TESTING=gemm_tile) that `set` does not have: an error naming its tiles.
 ffi::Error check_forced_tile(const char* op, const KernelSet& set, const DeviceInfo& d) {
   if (d.force_m == 0 || set.count == 1) return ffi::Error::Success();
@@ -265,9 +293,110 @@ ffi::Error launch(const char* op, Launcher fn, const GemmArgs& g, cudaStream_t s
   return ffi::Error::Success();
 }
 
+// The canonical tree of `n` float32 chunk partials, element by element, cast once (RNE) to Out:
+// out[i] = cast(tree(p[0][i], ..., p[n-1][i])), p[c] = partials + c * count. The tree is the balanced
+// binary tree over the chunk index, lower index first, padded to a power of two with absent leaves
+// (jaxdet.parallel.tree_sum's), evaluated as a binary counter: each full pair of equal subtrees is
+// merged as soon as it exists; what is left, aligned subtrees of decreasing size, joins right to left.
+template <typename Out>
+__global__ void ChunkTreeKernel(const float* __restrict__ partials, int64_t n, int64_t count, Out* __restrict__ out) {
+  constexpr int kMaxDepth = 64;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    float value[kMaxDepth];
+    int64_t size[kMaxDepth];
+    int depth = 0;
+    for (int64_t c = 0; c < n; ++c) {
+      value[depth] = partials[c * count + i];
+      size[depth] = 1;
+      ++depth;
+      while (depth > 1 && size[depth - 1] == size[depth - 2]) {
+        value[depth - 2] = __fadd_rn(value[depth - 2], value[depth - 1]);
+        size[depth - 2] *= 2;
+        --depth;
+      }
+    }
+    float root = value[depth - 1];
+    for (int j = depth - 2; j >= 0; --j) root = __fadd_rn(value[j], root);
+    if constexpr (std::is_same_v<Out, float>) {
+      out[i] = root;
+    } else if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
+      out[i] = __float2bfloat16_rn(root);
+    } else {
+      out[i] = __float2half_rn(root);
+    }
+  }
+}
+
+ffi::Error chunk_tree(cudaStream_t stream, const char* op, ffi::DataType odt, const float* partials, int64_t n,
+                      int64_t count, void* out) {
+  const unsigned grid =
+      static_cast<unsigned>(std::min<int64_t>((count + 255) / 256, int64_t{current_sm_count()} * 16));
+  switch (odt) {
+    case ffi::F32: ChunkTreeKernel<<<grid, 256, 0, stream>>>(partials, n, count, static_cast<float*>(out)); break;
+    case ffi::BF16:
+      ChunkTreeKernel<<<grid, 256, 0, stream>>>(partials, n, count, static_cast<__nv_bfloat16*>(out));
+      break;
+    default: ChunkTreeKernel<<<grid, 256, 0, stream>>>(partials, n, count, static_cast<__half*>(out)); break;
+  }
+  return last_launch_error(op);
+}
+
+// The float32 partials of the chunks of K (chunk c covers k in [c * chunk, min((c + 1) * chunk, K)),
+// each from 0 with the same kernels as an unchunked call of that K range) into `partials`
+// [n, L, M, N], then their canonical tree into `out`. The full chunks are one batched launch (their
+// operands are the same matrices at a fixed offset along K), the short last chunk a second one.
+ffi::Error chunked_gemm(cudaStream_t stream, const char* op, const DeviceInfo& d, const GemmArgs& g, int64_t chunk,
+                        bool transpose_a, bool transpose_b, ffi::DataType dt, ffi::DataType odt, float* partials,
+                        void* out) {
+  const int64_t n = (g.k + chunk - 1) / chunk, full = g.k / chunk;
+  const int64_t count = g.l * g.m * g.n;  // one partial's elements
+  const size_t esize = dt == ffi::F32 ? 4 : 2;
+  // Element offsets of one chunk along K: A row-major [M, K] or column-major ([K, M] stored); B
+  // row-major [K, N] or column-major ([N, K] stored).
+  const int64_t step_a = transpose_a ? chunk * g.lda : chunk;
+  const int64_t step_b = transpose_b ? chunk : chunk * g.ldb;
+  const KernelSet set = pick_gemm(d, dt, transpose_a, transpose_b, /*out_f32=*/true);
+  if (auto err = check_forced_tile(op, set, d); err.failure()) return err;
+  auto chunk_args = [&](int64_t c, int64_t k) {
+    GemmArgs gc = g;
+    gc.k = k;
+    gc.a = static_cast<const char*>(g.a) + static_cast<size_t>(c * step_a) * esize;
+    gc.b = static_cast<const char*>(g.b) + static_cast<size_t>(c * step_b) * esize;
+    gc.d = partials + c * count;
+    gc.c = gc.d;
+    gc.beta = 0.0f;
+    return gc;
+  };
+  if (full > 0) {
+    GemmArgs gc = chunk_args(0, chunk);
+    if (g.l == 1) {  // every full chunk in one launch: chunk c is batch c
+      gc.l = full;
+      gc.batch_a = step_a;
+      gc.batch_b = step_b;
+      gc.batch_d = gc.batch_c = count;
+      if (auto err = launch(op, choose_tile(set, d, gc.m, gc.n, gc.l).launch, gc, stream); err.failure()) return err;
+    } else {
+      for (int64_t c = 0; c < full; ++c) {
+        gc = chunk_args(c, chunk);
+        if (auto err = launch(op, choose_tile(set, d, gc.m, gc.n, gc.l).launch, gc, stream); err.failure()) {
+          return err;
+        }
+      }
+    }
+  }
+  if (full < n) {
+    const GemmArgs gc = chunk_args(full, g.k - full * chunk);
+    if (auto err = launch(op, choose_tile(set, d, gc.m, gc.n, gc.l).launch, gc, stream); err.failure()) return err;
+  }
+  return chunk_tree(stream, op, odt, partials, n, count, out);
+}
+
 ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
-                    bool transpose_a, bool transpose_b) {
+                    ffi::Result<ffi::AnyBuffer> workspace, bool transpose_a, bool transpose_b, int64_t chunk) {
   constexpr const char* op = "jaxdet_gemm";
+  if (chunk <= 0 || chunk % 64 != 0) {
+    return invalid(op, "chunk must be a positive multiple of 64 elements, got " + std::to_string(chunk));
+  }
   const ffi::DataType dt = a.element_type();
   if (dt != ffi::F32 && dt != ffi::BF16 && dt != ffi::F16) {
     return invalid(op, "a must be float32, bfloat16 or float16");
@@ -335,6 +464,31 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     g.m = L * M;
     g.l = 1;
     g.batch_a = g.batch_b = g.batch_c = g.batch_d = 0;
+  }
+  if (K > chunk) {
+    // The workspace bound is jaxdet/_src/matmul/matmul.py's gemm_workspace_bytes.
+    const int64_t n = (K + chunk - 1) / chunk;
+    const size_t need = static_cast<size_t>(n * L * M * N) * sizeof(float);
+    auto base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+    const uintptr_t aligned = (base + 255) & ~uintptr_t{255};
+    if (workspace->size_bytes() < need + (aligned - base)) {
+      return invalid(op, "the workspace is smaller than the float32 partials of the " + std::to_string(n) +
+                             " chunks of K need");
+    }
+    if (use_sm90(d) && !transpose_a && dt != ffi::F32) {
+      // Hopper's cooperative tiles run the chunks and their tree in one launch.
+      const KernelSet set = pick_gemm(d, dt, transpose_a, transpose_b, out_f32);
+      if (auto err = check_forced_tile(op, set, d); err.failure()) return err;
+      const TileKernel* t = choose_chunked_tile(set, d, g.m, g.n, g.l, n);
+      if (t != nullptr) {
+        g.chunk = chunk;
+        g.chunk_workspace = reinterpret_cast<void*>(aligned);
+        g.chunk_workspace_bytes = workspace->size_bytes() - (aligned - base);
+        return launch(op, t->launch, g, stream);
+      }
+    }
+    return chunked_gemm(stream, op, d, g, chunk, transpose_a, transpose_b, dt, odt, reinterpret_cast<float*>(aligned),
+                        out->untyped_data());
   }
   const KernelSet set = pick_gemm(d, dt, transpose_a, transpose_b, out_f32);
   if (auto err = check_forced_tile(op, set, d); err.failure()) return err;
@@ -569,8 +723,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cuda, GemmCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
-                                  .Attr<bool>("transpose_b"),
+                                  .Attr<bool>("transpose_b")
+                                  .Attr<int64_t>("chunk"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cuda, GemmWgradCuda,
