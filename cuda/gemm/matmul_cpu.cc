@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -248,9 +249,10 @@ ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi
   const size_t b_esize = p.b.dtype == GemmDtype::kF32 ? 4 : 2;
   struct Subtree {
     int64_t leaves;
-    std::vector<float> sum;
+    std::unique_ptr<float[]> sum;  // every element written by the chunk's GEMM before it is read
   };
   std::vector<Subtree> stack;
+  std::vector<std::unique_ptr<float[]>> spare;  // buffers of merged subtrees, reused
   for (int64_t k0 = 0; k0 < p.K; k0 += chunk) {
     GemmProblem c = p;
     c.K = std::min(chunk, p.K - k0);
@@ -260,25 +262,33 @@ ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi
     const int64_t b_off = p.b.trans ? k0 : k0 * p.b.ld;
     c.a.ptr = static_cast<const char*>(p.a.ptr) + a_esize * a_off;
     c.b.ptr = static_cast<const char*>(p.b.ptr) + b_esize * b_off;
-    stack.push_back(Subtree{1, std::vector<float>(count)});
-    c.out = stack.back().sum.data();
+    std::unique_ptr<float[]> buffer;
+    if (spare.empty()) {
+      buffer.reset(new float[count]);
+    } else {
+      buffer = std::move(spare.back());
+      spare.pop_back();
+    }
+    stack.push_back(Subtree{1, std::move(buffer)});
+    c.out = stack.back().sum.get();
     c.out_dtype = GemmDtype::kF32;
     c.out_batch_stride = p.M * p.N;
     c.accumulate = false;
     if (auto err = gemm(op, c, pool); err.failure()) return err;
     while (stack.size() > 1 && stack[stack.size() - 1].leaves == stack[stack.size() - 2].leaves) {
-      float* left = stack[stack.size() - 2].sum.data();
-      const float* right = stack.back().sum.data();
+      float* left = stack[stack.size() - 2].sum.get();
+      const float* right = stack.back().sum.get();
       parallel_elements(pool, count, [left, right](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; ++i) left[i] = left[i] + right[i];
       });
       stack[stack.size() - 2].leaves *= 2;
+      spare.push_back(std::move(stack.back().sum));
       stack.pop_back();
     }
   }
-  float* root = stack.back().sum.data();
+  float* root = stack.back().sum.get();
   for (size_t s = stack.size() - 1; s-- > 0;) {
-    const float* left = stack[s].sum.data();
+    const float* left = stack[s].sum.get();
     parallel_elements(pool, count, [left, root](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) root[i] = left[i] + root[i];
     });

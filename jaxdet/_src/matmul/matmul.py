@@ -546,10 +546,11 @@ def matmul(a, b, *, preferred_element_type=None):
         for bf16/f16 inputs). Accumulation is always float32; float32 inputs use true float32
         arithmetic, never TF32.
 
-    Returns ``[..., M, N]``. Row ``i`` of the result is bitwise a function of row ``i`` of ``a`` and
-    of ``b`` only. Differentiable to any order, forward and reverse (docs/matmul.md,
-    "Derivatives"): dA and the tangent have the same row invariance; dB follows the chunk contract
-    of ``matmul_weight_grad``.
+    Returns ``[..., M, N]``. K is reduced by the chunk rule: float32 folds within chunks of
+    ``GEMM_CHUNK`` elements, combined by the canonical tree, cast once. Row ``i`` of the result is
+    bitwise a function of row ``i`` of ``a`` and of ``b`` only. Differentiable to any order, forward
+    and reverse (docs/matmul.md, "Derivatives"): dA and the tangent have the same row invariance;
+    dB follows the chunk contract of ``matmul_weight_grad``.
     Works inside ``jax.shard_map`` and under sharded ``jax.jit`` (docs/sharding.md).
 
     Raises TypeError for unsupported or mixed dtypes and a bad ``preferred_element_type``,
