@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import failed, guard, header, pair_or_each  # noqa: E402
 
 import jaxdet  # noqa: E402
-import jaxdet._src.matmul.matmul as matmul_impl  # noqa: E402  (WGRAD_CHUNK_TOKENS, read when dB is traced)
+import jaxdet._src.matmul.matmul as matmul_impl  # noqa: E402  (GEMM_CHUNK, read when a product is traced)
 from jaxdet._src.core.switches import TESTING_ENV, parse_testing_overrides  # noqa: E402
 from jaxdet._src.matmul.raw import gemm, wgrad, wgrad_init  # noqa: E402
 
@@ -87,8 +87,9 @@ def parse():
         "--chunk-tokens",
         type=int,
         default=0,
-        help="measure dB with this WGRAD_CHUNK_TOKENS instead of the library's (an experiment: "
-        "it changes dB's bits and its micro-batch granularity)",
+        help="measure with this GEMM_CHUNK (= WGRAD_CHUNK_TOKENS) instead of the library's (an experiment: "
+        "it changes the bits of every product with more than that many contracted elements, and dB's "
+        "micro-batch granularity)",
     )
     p.add_argument("--hbm-tbs", type=float, default=3.35, help="peak HBM bandwidth, TB/s (H100 SXM: 3.35)")
     p.add_argument("--tile-sweep", default="", help="'all' or tiles (64x128,...): time every forced tile")
@@ -430,9 +431,9 @@ def main():
     if args.chunk_tokens:
         if not isinstance(matmul_impl, types.ModuleType):  # (a function of that name would take the setting)
             raise SystemExit(f"--chunk-tokens: jaxdet._src.matmul.matmul is not the module ({matmul_impl!r})")
-        # read when the dB function is traced, so set it before anything is jitted
-        matmul_impl.WGRAD_CHUNK_TOKENS = args.chunk_tokens
-    chunk_tokens = matmul_impl.WGRAD_CHUNK_TOKENS if use_api else 2048
+        # read when a product is traced, so set it before anything is jitted
+        matmul_impl.GEMM_CHUNK = matmul_impl.WGRAD_CHUNK_TOKENS = args.chunk_tokens
+    chunk_tokens = matmul_impl.GEMM_CHUNK if use_api else 2048
     dt = jnp.bfloat16
     head = (
         "# matmul benchmark: jaxdet vs jnp.dot, bfloat16\n\n"

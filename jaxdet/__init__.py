@@ -43,7 +43,7 @@ from jaxdet._src.core.ffi import WITH_CUDA, CudaNotBuiltError
 from jaxdet._src.dropout.dropout import dropout
 from jaxdet._src.embed.embed import embed, segment_sum
 from jaxdet._src.invariant.invariant import invariant
-from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
+from jaxdet._src.matmul.matmul import GEMM_CHUNK, WGRAD_CHUNK_TOKENS, matmul, matmul_weight_grad
 from jaxdet._src.norm.norm import layer_norm, rms_norm
 from jaxdet._src.reduce.reduce import bias_add, sum
 from jaxdet._src.softmax.softmax import (
@@ -61,6 +61,7 @@ __all__ = [
     "segment_sum",
     "matmul",
     "matmul_weight_grad",
+    "GEMM_CHUNK",
     "WGRAD_CHUNK_TOKENS",
     "clip_by_global_norm",
     "global_norm",

@@ -32,7 +32,7 @@ import pytest
 
 import jaxdet
 from jaxdet import _native
-from jaxdet._src.matmul.matmul import gemm_p
+from jaxdet._src.matmul.matmul import GEMM_CHUNK, gemm_p
 from jaxdet.testing import assert_bitwise_equal, bits, count_bit_differences
 
 SCRIPT = os.path.abspath(__file__)
@@ -42,7 +42,9 @@ HALF = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 
 def _gemm(a, b, transpose_b, out_dtype):
     """The raw target: a [L, M, K] @ op(b) with b [Lb, K, N] or [Lb, N, K]; out [L, M, N]."""
-    return gemm_p.bind(a, b, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype))
+    return gemm_p.bind(
+        a, b, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype), chunk=GEMM_CHUNK
+    )
 
 
 def _subprocess(args, testing):

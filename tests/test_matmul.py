@@ -21,7 +21,7 @@ from jax.test_util import check_grads
 import jaxdet
 from jaxdet import _native
 from jaxdet._src.matmul import contracts
-from jaxdet._src.matmul.matmul import gemm_p, wgrad_p
+from jaxdet._src.matmul.matmul import GEMM_CHUNK, gemm_p, wgrad_p
 
 # K, N: not multiples of any register/cache tile, and K above the CPU K block (256).
 K, N = 600, 70
@@ -114,16 +114,19 @@ def test_cpu_variants_agree(tmp_path):
 def test_gemm_primitive_transposed_operands_read_in_place():
     a = rand((2, 50, 300), jnp.float32, 21)
     b = rand((2, 300, 40), jnp.float32, 22)
-    ref = gemm_p.bind(a, b, transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32))
+    ref = gemm_p.bind(a, b, transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32), chunk=GEMM_CHUNK)
     at = jnp.swapaxes(a, 1, 2)
     bt = jnp.swapaxes(b, 1, 2)
     for x, y, ta, tb in ((at, b, True, False), (a, bt, False, True), (at, bt, True, True)):
-        out = gemm_p.bind(x, y, transpose_a=ta, transpose_b=tb, out_dtype=np.dtype(np.float32))
+        out = gemm_p.bind(x, y, transpose_a=ta, transpose_b=tb, out_dtype=np.dtype(np.float32), chunk=GEMM_CHUNK)
         assert_bitwise(out, ref)
     # Lb = 1 broadcasts b over L
-    out = gemm_p.bind(a, b[:1], transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32))
+    out = gemm_p.bind(a, b[:1], transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32), chunk=GEMM_CHUNK)
     assert_bitwise(
-        out[1], gemm_p.bind(a[1:], b[:1], transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32))[0]
+        out[1],
+        gemm_p.bind(
+            a[1:], b[:1], transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32), chunk=GEMM_CHUNK
+        )[0],
     )
 
 
@@ -143,6 +146,7 @@ def test_wgrad_primitive_is_the_chunk_sequence(dtype):
             transpose_a=True,
             transpose_b=False,
             out_dtype=np.dtype(np.float32),
+            chunk=GEMM_CHUNK,
         )
         ref = ref + np.asarray(part)  # one float32 add per element
     assert_bitwise(out, ref)
@@ -280,7 +284,8 @@ def test_errors():
 
 
 def test_chunk_size_constant():
-    assert jaxdet.WGRAD_CHUNK_TOKENS == jaxdet.matmul.WGRAD_CHUNK_TOKENS == 8192
+    assert jaxdet.GEMM_CHUNK == jaxdet.matmul.GEMM_CHUNK == 8192
+    assert jaxdet.WGRAD_CHUNK_TOKENS == jaxdet.matmul.WGRAD_CHUNK_TOKENS == jaxdet.GEMM_CHUNK
 
 
 # ---- GPU: the same invariance checks on the GPU device (`pytest -m gpu`) ----

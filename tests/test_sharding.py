@@ -282,6 +282,24 @@ def test_matmul_split_contraction_is_all_gathered_not_summed():
 
 
 @on_devices
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+def test_gemm_chunks_sharded_jit(shardy):
+    # K beyond one chunk (the GEMM primitive with chunks of 48, docs/matmul.md): rows and the batch
+    # split per device, a split K all-gathered: the bits of one device.
+    from jaxdet._src.matmul.matmul import gemm_p
+
+    def f(a, b):
+        return gemm_p.bind(a, b, transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32), chunk=48)
+
+    m = mesh()
+    a, b = rand((8, 16, 200), seed=40), rand((8, 200, 24), seed=41)
+    ref = f(a, b)
+    with partitioner(shardy):
+        for sa, sb in ((P("data"), P("data")), (P(None, "data"), P()), (P(None, None, "data"), P(None, "data"))):
+            assert_bitwise(jax.jit(f)(put(a, m, sa), put(b, m, sb)), ref, f"{sa} @ {sb}")
+
+
+@on_devices
 def test_matmul_gradients_sharded_jit():
     m = mesh()
     x, w = rand((64, 96), seed=18), rand((96, 40), seed=19)

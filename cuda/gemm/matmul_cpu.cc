@@ -16,10 +16,17 @@
 //
 // Threads: the output tiles are handed out from one shared counter to the calling thread and to
 // tasks on XLA's intra-op thread pool (common/parallel.h); each tile is computed whole by one thread.
+//
+// Chunks of K (jaxdet_gemm's `chunk` attribute, GEMM_CHUNK in jaxdet/_src/matmul/matmul.py): for
+// K <= chunk the sum above is the result. Otherwise chunk c covers k in [c*chunk, min((c+1)*chunk, K));
+// its float32 partial is the same sequential sum over that range alone, from 0, and the partials are
+// combined by the canonical tree over the chunk index (balanced, lower index first, padded to a power
+// of two with absent leaves), then rounded once to the output dtype.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -218,9 +225,92 @@ bool to_gemm_dtype(ffi::DataType t, GemmDtype* out) {
   }
 }
 
+// Elementwise passes over n floats (tree adds, the final rounding) in blocks of kElemBlock, on the
+// pool: each element is computed by one thread with one operation, so the split never changes a bit.
+constexpr int64_t kElemBlock = int64_t{1} << 16;
+
+template <typename Body>
+void parallel_elements(ffi::ThreadPool& pool, int64_t n, const Body& body) {
+  const int64_t blocks = (n + kElemBlock - 1) / kElemBlock;
+  parallel_for(pool, blocks, std::min<int64_t>(pool.num_threads(), blocks), [&body, n](int64_t blk) {
+    const int64_t lo = blk * kElemBlock;
+    body(lo, std::min(n, lo + kElemBlock));
+  });
+}
+
+// `p` over K > chunk: the float32 partial of each chunk of K (p's kernel on that K range alone, from
+// 0), combined by the canonical tree, rounded once into p.out. The tree is evaluated as a binary
+// counter: the stack holds the roots of aligned subtrees of decreasing size (at most log2(n) + 1
+// partials live); what is left at the end joins right to left, as absent padding leaves do.
+ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi::ThreadPool& pool) {
+  const int64_t count = p.L * p.M * p.N;
+  if (count == 0) return ffi::Error::Success();
+  const size_t a_esize = p.a.dtype == GemmDtype::kF32 ? 4 : 2;
+  const size_t b_esize = p.b.dtype == GemmDtype::kF32 ? 4 : 2;
+  struct Subtree {
+    int64_t leaves;
+    std::unique_ptr<float[]> sum;  // every element written by the chunk's GEMM before it is read
+  };
+  std::vector<Subtree> stack;
+  std::vector<std::unique_ptr<float[]>> spare;  // buffers of merged subtrees, reused
+  for (int64_t k0 = 0; k0 < p.K; k0 += chunk) {
+    GemmProblem c = p;
+    c.K = std::min(chunk, p.K - k0);
+    // op(A) element (i, k) sits at [k*ld + i] (transposed) or [i*ld + k]; op(B) (k, j) at [j*ld + k]
+    // (transposed) or [k*ld + j]: the chunk's operands are the same layouts from an offset pointer.
+    const int64_t a_off = p.a.trans ? k0 * p.a.ld : k0;
+    const int64_t b_off = p.b.trans ? k0 : k0 * p.b.ld;
+    c.a.ptr = static_cast<const char*>(p.a.ptr) + a_esize * a_off;
+    c.b.ptr = static_cast<const char*>(p.b.ptr) + b_esize * b_off;
+    std::unique_ptr<float[]> buffer;
+    if (spare.empty()) {
+      buffer.reset(new float[count]);
+    } else {
+      buffer = std::move(spare.back());
+      spare.pop_back();
+    }
+    stack.push_back(Subtree{1, std::move(buffer)});
+    c.out = stack.back().sum.get();
+    c.out_dtype = GemmDtype::kF32;
+    c.out_batch_stride = p.M * p.N;
+    c.accumulate = false;
+    if (auto err = gemm(op, c, pool); err.failure()) return err;
+    while (stack.size() > 1 && stack[stack.size() - 1].leaves == stack[stack.size() - 2].leaves) {
+      float* left = stack[stack.size() - 2].sum.get();
+      const float* right = stack.back().sum.get();
+      parallel_elements(pool, count, [left, right](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) left[i] = left[i] + right[i];
+      });
+      stack[stack.size() - 2].leaves *= 2;
+      spare.push_back(std::move(stack.back().sum));
+      stack.pop_back();
+    }
+  }
+  float* root = stack.back().sum.get();
+  for (size_t s = stack.size() - 1; s-- > 0;) {
+    const float* left = stack[s].sum.get();
+    parallel_elements(pool, count, [left, root](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) root[i] = left[i] + root[i];
+    });
+  }
+  if (p.out_dtype == GemmDtype::kF32) {
+    std::memcpy(p.out, root, sizeof(float) * count);
+    return ffi::Error::Success();
+  }
+  uint16_t* dst = static_cast<uint16_t*>(p.out);
+  const bool bf16 = p.out_dtype == GemmDtype::kBF16;
+  parallel_elements(pool, count, [dst, root, bf16](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) dst[i] = bf16 ? f32_to_bf16(root[i]) : f32_to_f16(root[i]);
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error GemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
-                   bool transpose_a, bool transpose_b) {
+                   bool transpose_a, bool transpose_b, int64_t chunk) {
   const char* op = "jaxdet_gemm";
+  if (chunk <= 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": chunk must be > 0, got " + std::to_string(chunk));
+  }
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   if (ad.size() != 3 || bd.size() != 3 || od.size() != 3) {
     return ffi::Error::InvalidArgument(std::string(op) + ": a, b and out must be rank 3 ([L, ., .])");
@@ -255,7 +345,8 @@ ffi::Error GemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   p.out_dtype = ot;
   p.out_batch_stride = M * N;
   p.accumulate = false;
-  return gemm(op, p, pool);
+  if (K <= chunk) return gemm(op, p, pool);
+  return gemm_chunked(op, p, chunk, pool);
 }
 
 // The weight-gradient chunk sequence into `dst` [L, K, N]. `acc` null: chunk 0's partial is
@@ -380,7 +471,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cpu, jaxdet::matmul_cpu::GemmCpu,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
-                                  .Attr<bool>("transpose_b"));
+                                  .Attr<bool>("transpose_b")
+                                  .Attr<int64_t>("chunk"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_wgrad_cpu, jaxdet::matmul_cpu::GemmWgradCpu,
                               xla::ffi::Ffi::Bind()

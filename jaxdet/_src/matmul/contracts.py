@@ -13,7 +13,7 @@ import numpy as np
 import jaxdet
 from jaxdet._src.core.testing import assert_bitwise_equal, bits
 from jaxdet._src.core.testing import count_bit_differences as _count_diff
-from jaxdet._src.matmul.matmul import WGRAD_CHUNK_TOKENS
+from jaxdet._src.matmul.matmul import GEMM_CHUNK, WGRAD_CHUNK_TOKENS, gemm_p
 
 # K, N: not multiples of any register/cache tile, and K above the CPU K block (256).
 K, N = 600, 70
@@ -171,6 +171,82 @@ def check_db_chunk_tree(dtype, k=20, n=12):
         assert_bitwise_equal(jax.jit(_db)(a[:t], b, g[:t]), full)
     a3, g3 = a.reshape(4, 2 * c, k), g.reshape(4, 2 * c, n)
     assert_bitwise_equal(_db(a3, b, g3), _db(a, b, g))
+
+
+def _gemm(a, b, chunk, out_dtype, transpose_b=False):
+    """The jaxdet_gemm primitive: a [L, M, K] . op(b), b [Lb, K, N] (or [Lb, N, K]), chunks of `chunk`."""
+    return gemm_p.bind(a, b, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype), chunk=chunk)
+
+
+def _short_chunk(chunk):
+    """A last chunk shorter than `chunk`, a multiple of 8 (bf16/f16 rows stay 16-byte aligned on the GPU)."""
+    return max(8, chunk // 3 // 8 * 8)
+
+
+def _chunk_tree_of(a, b, chunk, transpose_b):
+    """The rule computed from its parts: the float32 product of each chunk of K alone (the same
+    primitive, one chunk), combined by the NumPy tree."""
+    K = a.shape[-1]
+    parts = []
+    for lo in range(0, K, chunk):
+        hi = min(lo + chunk, K)
+        bk = b[..., lo:hi] if transpose_b else b[:, lo:hi]
+        parts.append(np.asarray(_gemm(a[..., lo:hi], bk, chunk, jnp.float32, transpose_b)))
+    return _tree_reference(parts)
+
+
+def check_gemm_chunk_rule(dtype, chunk=48, m=5, n=24, counts=(2, 3, 4, 5, 8)):
+    """The GEMM is the canonical tree of its K chunks' float32 partials, cast once.
+
+    For 2, 3, 4, 5 and 8 chunks, whole and with a short last one; a batched and a shared b,
+    b read transposed; the result in the input dtype and in float32. The tree is not the single
+    fold over K (so this check can fail)."""
+    out_dtype = np.dtype(dtype)
+    for count in counts:
+        for last in (chunk, _short_chunk(chunk)):
+            k = (count - 1) * chunk + last
+            a = rand((2, m, k), dtype, 60 + count)
+            b = rand((2, k, n), dtype, 70 + count)
+            for bb, transpose_b in ((b, False), (b[:1], False), (jnp.swapaxes(b, 1, 2), True)):
+                tree = _chunk_tree_of(a, bb, chunk, transpose_b)
+                assert_bitwise_equal(_gemm(a, bb, chunk, dtype, transpose_b), tree.astype(out_dtype))
+                if out_dtype != np.dtype(np.float32):
+                    assert_bitwise_equal(_gemm(a, bb, chunk, jnp.float32, transpose_b), tree)
+            fold = np.asarray(_gemm(a, b, k, jnp.float32))
+            assert not np.array_equal(bits(fold), bits(_chunk_tree_of(a, b, chunk, False))), (
+                f"{count} chunks: the tree equals the single fold, so the check cannot tell them apart"
+            )
+
+
+def check_gemm_appended_zeros(dtype, chunk=48, m=5, n=24):
+    """Zeros appended to K change no bit: inside the last chunk, and adding whole new chunks
+    (5 chunks become 6, 8 and 10)."""
+    k = 4 * chunk + _short_chunk(chunk)
+    a = rand((1, m, k), dtype, 80)
+    b = rand((1, k, n), dtype, 81)
+    for out_dtype in (dtype, jnp.float32):
+        ref = _gemm(a, b, chunk, out_dtype)
+        for padded in (5 * chunk, 6 * chunk - 8, 8 * chunk, 9 * chunk + 8):
+            ap = jnp.pad(a, ((0, 0), (0, 0), (0, padded - k)))
+            bp = jnp.pad(b, ((0, 0), (0, padded - k), (0, 0)))
+            assert_bitwise_equal(_gemm(ap, bp, chunk, out_dtype), ref)
+            assert_bitwise_equal(_gemm(ap, jnp.swapaxes(bp, 1, 2), chunk, out_dtype, True), ref)
+
+
+def check_matmul_chunk_rule(dtype, m=3, n=16):
+    """jaxdet.matmul with K = 2 * GEMM_CHUNK + 300 (three chunks, the last short) is the tree of
+    the matmuls of its chunks in float32, (p0 + p1) + p2, cast once."""
+    c = GEMM_CHUNK
+    k = 2 * c + 300
+    a = rand((m, k), dtype, 90)
+    b = rand((k, n), dtype, 91)
+    parts = [
+        np.asarray(jaxdet.matmul(a[:, lo : lo + c], b[lo : lo + c], preferred_element_type=jnp.float32))
+        for lo in range(0, k, c)
+    ]
+    tree = (parts[0] + parts[1]) + parts[2]
+    assert_bitwise_equal(jaxdet.matmul(a, b), tree.astype(np.dtype(dtype)))
+    assert_bitwise_equal(jaxdet.matmul(a, b, preferred_element_type=jnp.float32), tree)
 
 
 def check_rows_around_warpgroup_boundaries(dtype, k=1024, n=512):
@@ -339,5 +415,6 @@ def report_checks():
         ("matmul dB micro-batch accumulation bitwise", _db_microbatch),
         ("matmul dB unchanged by appended zero rows", _db_padding),
         ("matmul dB canonical chunk tree (bf16)", _passes(check_db_chunk_tree, jnp.bfloat16)),
+        ("matmul K chunks by the canonical tree (bf16)", _passes(check_gemm_chunk_rule, jnp.bfloat16)),
         ("matmul vmap equals per-example calls", _vmap_loop),
     ]

@@ -1,7 +1,7 @@
 """`lax.dot_general` with any dimension numbers on jaxdet's GEMM kernels, by the chunk rule.
 
 The rule (docs/invariant.md): the contracted index k (the contracting dimensions flattened in the
-order the dimension numbers list them) is cut into chunks of ``WGRAD_CHUNK_TOKENS``; each output
+order the dimension numbers list them) is cut into chunks of ``GEMM_CHUNK``; each output
 element folds its chunk in ascending k in float32 from 0, and the chunk partials are combined by
 the canonical tree, in float32, cast once. Row bits never depend on other rows; appending zeros
 to the contracted dimension changes no bit; pieces of 2^j whole chunks combined by the tree
@@ -10,8 +10,7 @@ reproduce the whole.
 How it runs: the operands are brought to ``[L, M, K]`` / ``[L, K, N]`` and read as they lie
 where a kernel can: ``lhs [L, K, M]`` with ``rhs [L, K, N]`` (the weight-gradient layout, tokens
 contracted) is the chunk-tree weight-gradient product; ``rhs [L, N, K]`` is the forward kernel
-reading it transposed. Otherwise one transposed copy. With more than one chunk, the forward
-kernel runs once per chunk (float32 partials) and the partials meet in the tree.
+reading it transposed. Otherwise one transposed copy. Every kernel applies the chunk rule itself.
 """
 
 from __future__ import annotations
@@ -21,11 +20,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdet._src.core import checks, tree
+from jaxdet._src.core import checks
 from jaxdet._src.matmul.matmul import (
-    _F32,
     SUPPORTED_DTYPES,
-    WGRAD_CHUNK_TOKENS,
     _product,
     _weight_grad3,
 )
@@ -45,23 +42,6 @@ def _arrange(x, batch, first, second):
     if not _is_identity(perm):
         x = jnp.transpose(x, perm)
     return x.reshape(L, F, S)
-
-
-def _chunked_product(a, b, out_dtype, transpose_b, rows):
-    """a [..., K] . op(b) by the rule: one fold up to a chunk, else the tree of chunk partials.
-
-    rows=False: a [L, M, K], b [L, K, N] (or [L, N, K]); rows=True: a [*R, K], b [K, N] (or [N, K]).
-    """
-    K = a.shape[-1]
-    c = WGRAD_CHUNK_TOKENS
-    if K <= c:
-        return _product(a, b, out_dtype, transpose_b, rows)
-    parts = []
-    for lo in range(0, K, c):
-        hi = min(lo + c, K)
-        bk = b[..., lo:hi] if transpose_b else b[..., lo:hi, :]
-        parts.append(_product(a[..., lo:hi], bk, _F32, transpose_b, rows))
-    return tree.tree_sum(parts).astype(out_dtype)
 
 
 def dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None):
@@ -104,9 +84,9 @@ def dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None):
         perm = lf + lc
         a = lhs if _is_identity(perm) else jnp.transpose(lhs, perm)
         a = a.reshape(lf_shape + (K,))
-        return _chunked_product(a, b3[0], out_dtype, transpose_b, True).reshape(out_shape)
+        return _product(a, b3[0], out_dtype, transpose_b, True).reshape(out_shape)
     a3 = _arrange(lhs, lb, lf, lc)
-    return _chunked_product(a3, b3, out_dtype, transpose_b, False).reshape(out_shape)
+    return _product(a3, b3, out_dtype, transpose_b, False).reshape(out_shape)
 
 
 __all__ = ["dot_general"]

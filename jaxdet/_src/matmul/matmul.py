@@ -2,19 +2,20 @@
 
 The contracts (docs/matmul.md, proven by tests/test_matmul.py):
 
+* The chunk rule, one for every product (forward, dA, dB). The contracted dimension is cut into
+  chunks of ``GEMM_CHUNK`` elements; each output element folds its chunk in index order in float32
+  from 0, and the chunk partials are combined by the canonical balanced binary tree (lower index
+  first, padded to a power of two with absent leaves: ``jaxdet.parallel.tree_sum``'s tree), in
+  float32, cast once (RNE). Up to one chunk this is a single ascending fold.
 * Row invariance. The bits of an output row of ``matmul(a, b)`` depend only on that row of ``a``
-  and on ``b``: not on M, the row's position, the other rows, padding, batch dims, vmap or jit.
-  Each output element is one float32 accumulator reduced over K in a fixed ascending order, with
-  operations that depend on (dtype, layout, device) only (on the GPU the output tile may depend on
-  M, never what a tile computes: docs/matmul_cuda.md, "M buckets"). The same holds for
-  ``dA = dC . B^T`` in the backward pass (B is read transposed in place).
-* dB chunk contract. ``dB = A^T . dC`` reduces over tokens (the rows of ``a``, all batch dims
-  folded in). The tokens are cut into chunks of ``WGRAD_CHUNK_TOKENS``; each chunk is one GEMM
-  from 0 in float32, and the chunk partials are combined by the canonical balanced binary tree
-  (lower index first, padded to a power of two with absent leaves: ``jaxdet.parallel.tree_sum``'s
-  tree), in float32, cast once. Micro-batches of 2^j chunks (the last may be shorter) combined
-  with ``tree_sum`` reproduce the full-batch dB bitwise, and so do devices holding such blocks.
-  Appending zero rows leaves dB unchanged.
+  and on ``b``: not on M, the row's position, the other rows, padding, batch dims, vmap or jit
+  (on the GPU the output tile may depend on M, never what a tile computes: docs/matmul_cuda.md,
+  "M buckets"). The same holds for ``dA = dC . B^T`` in the backward pass (B is read transposed
+  in place). Appending zeros to K changes no bit.
+* dB. ``dB = A^T . dC`` reduces over tokens (the rows of ``a``, all batch dims folded in) by the
+  same rule. Micro-batches of 2^j chunks (the last may be shorter) combined with ``tree_sum``
+  reproduce the full-batch dB bitwise, and so do devices holding such blocks. Appending zero rows
+  leaves dB unchanged.
 * Derivatives. The products are bilinear: the tangent is a sum of linear maps whose transposes
   are the backward products (dA's and dB's kernels), which are differentiable again, so jvp,
   linearize, grad and their compositions work to any order; every product in a derivative is a
@@ -37,19 +38,23 @@ import numpy as np
 from jaxdet._src.core import autodiff, batching, checks, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, float_dtype_of
 
-__all__ = ["matmul", "matmul_weight_grad", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
+__all__ = ["matmul", "matmul_weight_grad", "GEMM_CHUNK", "WGRAD_CHUNK_TOKENS", "SUPPORTED_DTYPES"]
 
-# Tokens per chunk GEMM of the weight gradient (the same on CPU and GPU): the leaves of dB's
-# canonical tree. Micro-batches (or devices) holding 2^j chunks each reproduce the full-batch dB
-# bitwise (see matmul_weight_grad).
-WGRAD_CHUNK_TOKENS = 8192
+# Elements of the contracted dimension per chunk, for every product (forward, dA, dB; the same on
+# CPU and GPU): the leaves of the canonical tree. Micro-batches (or devices) holding 2^j chunks of
+# tokens each reproduce the full-batch dB bitwise (see matmul_weight_grad); on the GPU the chunks
+# are the split-K units.
+GEMM_CHUNK = 8192
+# dB's name for the same constant (its chunks are chunks of tokens).
+WGRAD_CHUNK_TOKENS = GEMM_CHUNK
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 _F32 = np.dtype(jnp.float32)
 
 
 # ---- Primitive 1: jaxdet_gemm. a [L, M, K] (or [L, K, M] with transpose_a), b [Lb, K, N] (or
-# [Lb, N, K] with transpose_b), Lb in {1, L}; out [L, M, N] of dtype out_dtype. ----
+# [Lb, N, K] with transpose_b), Lb in {1, L}; out [L, M, N] of dtype out_dtype, by the chunk rule
+# with chunks of `chunk` elements of K (GEMM_CHUNK on every public path). ----
 
 
 def _gemm_dims(a_shape, b_shape, transpose_a, transpose_b):
@@ -59,15 +64,38 @@ def _gemm_dims(a_shape, b_shape, transpose_a, transpose_b):
     return L, M, K, N
 
 
-def _gemm_abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype):
+def gemm_workspace_bytes(L, M, N, K, chunk):
+    """Device bytes the CUDA kernels need for a chunked K: float32 partials of every chunk for every output
+    tile (tiles padded up to 128 x 256) plus one int32 flag per (chunk, tile) (tiles of at least 16 x 16)."""
+    n = -(-K // chunk)
+    if n <= 1:
+        return 0
+    partials = n * L * (M + 127) * (N + 255) * 4
+    flags = n * L * (-(-M // 16)) * (-(-N // 16)) * 4
+    return partials + flags + 1024
+
+
+def _check_chunk(chunk):
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int (elements of K per chunk), got {chunk!r}")
+
+
+def _gemm_abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, chunk):
+    _check_chunk(chunk)
     L, M, _, N = _gemm_dims(a.shape, b.shape, transpose_a, transpose_b)
     return jax.core.ShapedArray((L, M, N), out_dtype)
 
 
-def _gemm_batch(args, dims, *, transpose_a, transpose_b, out_dtype):
+def _gemm_workspace(avals, *, transpose_a, transpose_b, out_dtype, chunk):
+    a, b = avals
+    L, M, K, N = _gemm_dims(a.shape, b.shape, transpose_a, transpose_b)
+    return gemm_workspace_bytes(L, M, N, K, chunk)
+
+
+def _gemm_batch(args, dims, *, transpose_a, transpose_b, out_dtype, chunk):
     a, b = args
     a_dim, b_dim = dims
-    params = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+    params = dict(transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype, chunk=chunk)
     if batching.not_mapped(b_dim) and not transpose_a:
         # Shared b: the vmapped axis of a folds into M (rows are independent, so the bits of every
         # row are those of the per-example call).
@@ -103,11 +131,12 @@ def _gemm_factors(params, shapes):
 gemm_p = ffi.define_primitive(
     "jaxdet_gemm",
     _gemm_abstract_eval,
-    attributes=lambda transpose_a, transpose_b, out_dtype: dict(
-        transpose_a=bool(transpose_a), transpose_b=bool(transpose_b)
+    attributes=lambda transpose_a, transpose_b, out_dtype, chunk: dict(
+        transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), chunk=np.int64(chunk)
     ),
     batching_rule=_gemm_batch,
     partitioning=ffi.Partitioning(_gemm_factors, replicated=frozenset({"k"})),
+    cuda_workspace=_gemm_workspace,
 )
 
 
@@ -205,7 +234,9 @@ def _gemm(a3, b3, out_dtype, transpose_b=False):
     Kp, Np = _padded(K, a3.dtype), _padded(N, a3.dtype)
     a3 = _pad_last2(a3, M, Kp)
     b3 = _pad_last2(b3, Np, Kp) if transpose_b else _pad_last2(b3, Kp, Np)
-    out = gemm_p.bind(a3, b3, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype))
+    out = gemm_p.bind(
+        a3, b3, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype), chunk=GEMM_CHUNK
+    )
     return out if Np == N else out[..., :N]
 
 
@@ -216,7 +247,7 @@ def _chunk_tree(a3, dc3):
     pairs are then merged by XLA adds in binary-counter order: the stack holds aligned subtrees
     of decreasing size, so at most log2(chunks) + 1 partials are live.
     """
-    c = WGRAD_CHUNK_TOKENS
+    c = GEMM_CHUNK
     T = a3.shape[1]
     stack = []  # [(chunks in the subtree, float32 root)]
     for lo in range(0, T, 2 * c):
@@ -248,15 +279,15 @@ def _wgrad(acc3, a3, dc3, out_dtype=_F32):
     N = dc3.shape[-1]
     Kp, Np = _padded(K, a3.dtype), _padded(N, a3.dtype)
     a3, dc3 = _pad_last2(a3, T, Kp), _pad_last2(dc3, T, Np)
-    chunks = -(-T // WGRAD_CHUNK_TOKENS)
+    chunks = -(-T // GEMM_CHUNK)
     if acc3 is not None and chunks <= 1:
-        out = wgrad_p.bind(_pad_last2(acc3, Kp, Np), a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS)
+        out = wgrad_p.bind(_pad_last2(acc3, Kp, Np), a3, dc3, chunk_tokens=GEMM_CHUNK)
     else:
         if chunks <= 3:
             # The tree of up to 3 leaves, (p0 + p1) + p2, is the kernel's own chunk sequence (a
             # half dB is cast in the last chunk's epilogue).
             tree_dtype = _F32 if acc3 is not None else np.dtype(out_dtype)
-            out, _ = wgrad_init_p.bind(a3, dc3, chunk_tokens=WGRAD_CHUNK_TOKENS, out_dtype=tree_dtype)
+            out, _ = wgrad_init_p.bind(a3, dc3, chunk_tokens=GEMM_CHUNK, out_dtype=tree_dtype)
         else:
             out = _chunk_tree(a3, dc3)
             if acc3 is None:
@@ -346,7 +377,7 @@ def _weight_grad_local(params, axes, shapes):
 
 
 # A split of the reduced dimension only along whole subtrees of its chunk tree.
-_TOKEN_SPLIT = tree.whole_chunk_split("t", WGRAD_CHUNK_TOKENS)
+_TOKEN_SPLIT = tree.whole_chunk_split("t", GEMM_CHUNK)
 weight_grad_p = ffi.define_composite(
     "jaxdet_weight_grad",
     _weight_grad_abstract_eval,
@@ -515,10 +546,11 @@ def matmul(a, b, *, preferred_element_type=None):
         for bf16/f16 inputs). Accumulation is always float32; float32 inputs use true float32
         arithmetic, never TF32.
 
-    Returns ``[..., M, N]``. Row ``i`` of the result is bitwise a function of row ``i`` of ``a`` and
-    of ``b`` only. Differentiable to any order, forward and reverse (docs/matmul.md,
-    "Derivatives"): dA and the tangent have the same row invariance; dB follows the chunk contract
-    of ``matmul_weight_grad``.
+    Returns ``[..., M, N]``. K is reduced by the chunk rule: float32 folds within chunks of
+    ``GEMM_CHUNK`` elements, combined by the canonical tree, cast once. Row ``i`` of the result is
+    bitwise a function of row ``i`` of ``a`` and of ``b`` only. Differentiable to any order, forward
+    and reverse (docs/matmul.md, "Derivatives"): dA and the tangent have the same row invariance;
+    dB follows the chunk contract of ``matmul_weight_grad``.
     Works inside ``jax.shard_map`` and under sharded ``jax.jit`` (docs/sharding.md).
 
     Raises TypeError for unsupported or mixed dtypes and a bad ``preferred_element_type``,
@@ -563,7 +595,7 @@ def matmul_weight_grad(a, dc, acc=None):
       dc: ``[..., N]`` output cotangents with the same leading dims, in a's dtype.
       acc: float32 ``[K, N]`` to add the result to (once), or None.
 
-    The tokens are cut into chunks of ``WGRAD_CHUNK_TOKENS`` (the last may be shorter); each chunk
+    The tokens are cut into chunks of ``GEMM_CHUNK`` (the last may be shorter); each chunk
     sums its tokens in ascending order in float32 from 0, and the chunk partials are combined by
     the canonical balanced binary tree (``jaxdet.parallel.tree_sum``'s: lower index first, padded
     to a power of two with absent leaves). Returns ``acc + tree`` (or the tree).
@@ -605,5 +637,6 @@ def matmul_weight_grad(a, dc, acc=None):
 
 
 # `jaxdet.matmul` is the function (the package exports it), so the chunk size is reachable from it too.
+matmul.GEMM_CHUNK = GEMM_CHUNK
 matmul.WGRAD_CHUNK_TOKENS = WGRAD_CHUNK_TOKENS
 matmul.SUPPORTED_DTYPES = SUPPORTED_DTYPES

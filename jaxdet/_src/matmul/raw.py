@@ -9,21 +9,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdet._src.core import ffi  # noqa: F401  (registers the FFI targets)
-from jaxdet._src.matmul.matmul import wgrad_init_shapes
+from jaxdet._src.matmul.matmul import GEMM_CHUNK, gemm_workspace_bytes, wgrad_init_shapes
 
 
-def gemm(a, b, transpose_a=False, transpose_b=False, out_dtype=None):
-    """out[L,M,N] = op(a) @ op(b); a [L,M,K] or [L,K,M]; b [Lb,K,N] or [Lb,N,K], Lb in {1, L}."""
+def gemm(a, b, transpose_a=False, transpose_b=False, out_dtype=None, chunk=GEMM_CHUNK):
+    """out[L,M,N] = op(a) @ op(b) by the chunk rule with chunks of `chunk` elements of K;
+    a [L,M,K] or [L,K,M]; b [Lb,K,N] or [Lb,N,K], Lb in {1, L}."""
     squeeze = a.ndim == 2
     if squeeze:
         a = a[None]
     if b.ndim == 2:
         b = b[None]
     L = a.shape[0]
-    M = a.shape[2] if transpose_a else a.shape[1]
+    M, K = (a.shape[2], a.shape[1]) if transpose_a else (a.shape[1], a.shape[2])
     N = b.shape[1] if transpose_b else b.shape[2]
     out = jax.ShapeDtypeStruct((L, M, N), out_dtype or a.dtype)
-    r = jax.ffi.ffi_call("jaxdet_gemm", out)(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b))
+    attrs = dict(transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), chunk=np.int64(chunk))
+
+    def on_cpu(a, b):
+        return jax.ffi.ffi_call("jaxdet_gemm", out)(a, b, **attrs)
+
+    def on_cuda(a, b):
+        # The CUDA handler takes one more result: its workspace (the primitive's cuda_workspace).
+        workspace = jax.ShapeDtypeStruct((max(gemm_workspace_bytes(L, M, N, K, chunk), 1),), jnp.uint8)
+        return jax.ffi.ffi_call("jaxdet_gemm", (out, workspace))(a, b, **attrs)[0]
+
+    r = jax.lax.platform_dependent(a, b, cpu=on_cpu, cuda=on_cuda)
     return r[0] if squeeze else r
 
 

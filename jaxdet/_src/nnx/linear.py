@@ -58,7 +58,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     Pass it where flax takes a ``dot_general`` (``nnx.Linear``, ``nnx.LinearGeneral``,
     ``nnx.MultiHeadAttention``'s ``qkv_dot_general`` / ``out_dot_general``, linen's ``nn.Dense``).
     Operands: float32, bfloat16 or float16, of one dtype; any dimension numbers. The contracted
-    index is folded in ascending order in float32 in chunks of ``jaxdet.WGRAD_CHUNK_TOKENS``
+    index is folded in ascending order in float32 in chunks of ``jaxdet.GEMM_CHUNK``
     combined by the canonical tree (docs/invariant.md), so an output row's bits depend on that row
     only; the weight gradient is the canonical tree over tokens. ``precision`` is checked and
     every value gives this result (float32 accumulation of the operands as given, never TF32);
