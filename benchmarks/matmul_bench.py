@@ -23,7 +23,7 @@ computes), or the VJP of jnp.dot when jaxdet.matmul is used.
 calls of every GEMM kernel family through the raw targets: edge tiles in every dimension (M, N, K
 not multiples of the tiles), M <= 64 (one tile whose second consumer warpgroup holds no row),
 batches, b broadcast, the chunked weight gradient (accumulating, and from nothing in every result
-dtype), and every tile of the M-bucketed kernel sets (a row count for which the bucket rule picks
+dtype), K beyond one chunk (split over CTAs and walked), and every tile of the M-bucketed kernel sets (a row count for which the bucket rule picks
 it, with partial edge tiles). Prints the worst relative error; the sanitizer reports memory errors.
 Run it again with JAXDET_TESTING=gemm=sm80 for the sm_80 kernels.
 
@@ -413,6 +413,17 @@ def sanitize():
                         worst = max(worst, _relerr(gemm(a, b, False, tb, out), ref))
                     covered.add(f"{tile[0]}x{tile[1]}@M={M}")
         print("bucket tiles covered:", " ".join(sorted(covered)), flush=True)
+    # K beyond one chunk (chunks of 128, the last short): on Hopper the cooperative tiles' chunk
+    # scheduler, split over CTAs (few tiles) and walked by each CTA (1536 x 3072: more tiles than
+    # SMs); elsewhere chunk by chunk and the tree kernel.
+    for dt in (jnp.bfloat16, jnp.float32):
+        for tb in (False, True):
+            for M, K, N in ((24, 600, 264), (300, 600, 1000), (1536, 392, 3072)):
+                key, k1, k2 = jax.random.split(key, 3)
+                a = jax.random.normal(k1, (1, M, K)).astype(dt)
+                b = jax.random.normal(k2, (1, N, K) if tb else (1, K, N)).astype(dt)
+                ref = _f64(a) @ (np.swapaxes(_f64(b), 1, 2) if tb else _f64(b))
+                worst = max(worst, _relerr(gemm(a, b, False, tb, dt, chunk=128), ref))
     print(f"memcheck run done; worst relerr {worst:.2e}", flush=True)
 
 

@@ -40,11 +40,9 @@ FAMILIES = {"default": "", "sm80": "gemm=sm80"}
 HALF = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
-def _gemm(a, b, transpose_b, out_dtype):
+def _gemm(a, b, transpose_b, out_dtype, chunk=GEMM_CHUNK):
     """The raw target: a [L, M, K] @ op(b) with b [Lb, K, N] or [Lb, N, K]; out [L, M, N]."""
-    return gemm_p.bind(
-        a, b, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype), chunk=GEMM_CHUNK
-    )
+    return gemm_p.bind(a, b, transpose_a=False, transpose_b=transpose_b, out_dtype=np.dtype(out_dtype), chunk=chunk)
 
 
 def _subprocess(args, testing):
@@ -79,6 +77,19 @@ SHAPES = [
     (2, 1, 33, 520, 8),
 ]
 KINDS = ("wide", "special", "cancel")
+# K beyond one chunk, with small chunks (chunk, L, Lb, M, K, N): on Hopper the cooperative tiles run
+# the chunks and their tree in one launch (split over CTAs when the tiles leave SMs idle, walked by
+# each CTA otherwise: the 1536 x 3072 output with 128 x 256 tiles has more tiles than an H100 has
+# SMs), the other tiles chunk by chunk; all must give the same bits. Chunk counts 2 to 17, short
+# last chunks, a batched and a folded shared b.
+CHUNK_SHAPES = [
+    (256, 1, 1, 1, 4104, 1000),
+    (256, 1, 1, 300, 1000, 1000),
+    (128, 3, 3, 17, 264, 136),
+    (128, 2, 1, 33, 520, 8),
+    (256, 1, 1, 200, 4096, 1024),
+    (128, 1, 1, 1536, 392, 3072),
+]
 
 
 def _values(rng, shape, kind, dtype):
@@ -111,11 +122,15 @@ def _values(rng, shape, kind, dtype):
 
 
 def tile_cases():
-    """(name, a, b, transpose_b, out_dtype) for every shape, value kind, half dtype, layout (nn:
-    the forward; nt: dA) and output dtype."""
-    for si, (L, Lb, M, K, N) in enumerate(SHAPES):
+    """(name, a, b, transpose_b, out_dtype, chunk) for every shape (one chunk, then several),
+    value kind, half dtype, layout (nn: the forward; nt: dA) and output dtype. The largest chunked
+    output runs one kind and dtype (its outputs are most of the dumps' size)."""
+    shapes = [(GEMM_CHUNK, *s) for s in SHAPES] + CHUNK_SHAPES
+    for si, (chunk, L, Lb, M, K, N) in enumerate(shapes):
         for kind in KINDS:
             for dname, dtype in HALF.items():
+                if M * N > 1 << 20 and (kind != "wide" or dname != "bf16"):
+                    continue
                 rng = np.random.default_rng([si, KINDS.index(kind), list(HALF).index(dname)])
                 a = _values(rng, (L, M, K), kind, dtype)
                 b = _values(rng, (Lb, K, N), kind, dtype)
@@ -126,8 +141,11 @@ def tile_cases():
                 for tb in (False, True):
                     bb = np.swapaxes(b, 1, 2).copy() if tb else b
                     for out in ("half", "f32"):
-                        name = f"{dname} {'nt' if tb else 'nn'} out={out} {kind} L={L} Lb={Lb} M={M} K={K} N={N}"
-                        yield name, a, bb, tb, dtype if out == "half" else jnp.float32
+                        name = (
+                            f"{dname} {'nt' if tb else 'nn'} out={out} {kind} L={L} Lb={Lb} M={M} K={K} N={N}"
+                            f" chunk={chunk}"
+                        )
+                        yield name, a, bb, tb, dtype if out == "half" else jnp.float32, chunk
 
 
 def dump_tile_outputs(path, tile):
@@ -135,9 +153,9 @@ def dump_tile_outputs(path, tile):
     `path`. (The forward sets on Hopper have a tile that the dA sets lack.)"""
     sets = kernel_tiles()
     outs = {}
-    for name, a, b, tb, odt in tile_cases():
+    for name, a, b, tb, odt, chunk in tile_cases():
         if tile in sets[set_key(np.dtype(a.dtype).name, tb, odt == jnp.float32)]:
-            outs[name] = bits(_gemm(jnp.asarray(a), jnp.asarray(b), tb, odt))
+            outs[name] = bits(_gemm(jnp.asarray(a), jnp.asarray(b), tb, odt, chunk))
     np.savez(path, **outs)
 
 
@@ -223,7 +241,9 @@ def check_bucket_boundaries():
 
 def check_random_m(count=8, seed=2026):
     """Random M (`count` in [1, 20000] and `count` in [1, 300], where the buckets are): every row
-    equals that row of the 20000-row batch, and row 0 equals row 0 computed alone (M = 1)."""
+    equals that row of the 20000-row batch, and row 0 equals row 0 computed alone (M = 1); with K
+    in one chunk and in four (chunks of 256: on Hopper the chunks are split over CTAs or walked by
+    each, as M decides)."""
     rng = np.random.default_rng(seed)
     ms = sorted(set(rng.integers(1, M_MAX + 1, count).tolist() + rng.integers(1, 301, count).tolist()))
     for dname, dtype, tb, out_f32, n in _bucket_configs():
@@ -231,13 +251,15 @@ def check_random_m(count=8, seed=2026):
             continue
         a, b = _operands(dtype, tb, n, M_MAX, seed=[7, tb, out_f32])
         odt = jnp.float32 if out_f32 else dtype
-        ref = _gemm(a, b, tb, odt)
-        one = _gemm(a[:, :1], b, tb, odt)
-        assert_bitwise_equal(one, ref[:, :1], f"{dname} tb={tb} M=1")
-        for m in ms:
-            got = _gemm(a[:, :m], b, tb, odt)
-            assert_bitwise_equal(got, ref[:, :m], f"{dname} tb={tb} out_f32={out_f32} M={m}")
-            assert_bitwise_equal(got[:, :1], one, f"{dname} tb={tb} out_f32={out_f32} M={m}: row 0 vs M=1")
+        for chunk in (GEMM_CHUNK, 256):
+            ref = _gemm(a, b, tb, odt, chunk)
+            one = _gemm(a[:, :1], b, tb, odt, chunk)
+            where = f"{dname} tb={tb} out_f32={out_f32} chunk={chunk}"
+            assert_bitwise_equal(one, ref[:, :1], f"{where} M=1")
+            for m in ms:
+                got = _gemm(a[:, :m], b, tb, odt, chunk)
+                assert_bitwise_equal(got, ref[:, :m], f"{where} M={m}")
+                assert_bitwise_equal(got[:, :1], one, f"{where} M={m}: row 0 vs M=1")
     return ms
 
 
@@ -272,9 +294,16 @@ def check_command_buffers():
         return acc
 
     report = []
+    xs = jnp.asarray(rng.standard_normal((4, 200, 1000)), jnp.bfloat16)  # K in four chunks of 256
+    w = jnp.asarray(rng.standard_normal((1, 1000, 512)) / 32, jnp.bfloat16)
+
+    def chunked(xs, w):
+        return [_gemm(x[None], w, False, jnp.bfloat16, 256) for x in xs]
+
     cases = (
         (jax.value_and_grad(_loss, argnums=(0, 1)), (x, ws), ("jaxdet_gemm", "jaxdet_gemm_wgrad_init")),
         (acc_steps, (acc0, x, dc), ("jaxdet_gemm_wgrad",)),
+        (chunked, (xs, w), ("jaxdet_gemm",)),
     )
     for fn, args, targets in cases:
         inside = command_buffers.check_in_command_buffers(fn, args, targets)

@@ -46,23 +46,23 @@ def test_matmul_beyond_one_chunk_is_the_tree(dtype):
 def test_raw_target_takes_the_chunk():
     a = rand((1, 5, 200), jnp.float32, 1)
     b = rand((1, 200, 24), jnp.float32, 2)
-    assert_bitwise(raw.gemm(a, b, chunk=48), _gemm(a, b, 48, jnp.float32))
+    assert_bitwise(raw.gemm(a, b, chunk=64), _gemm(a, b, 64, jnp.float32))
     assert_bitwise(raw.gemm(a, b), _gemm(a, b, GEMM_CHUNK, jnp.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rows_invariant_beyond_one_chunk(dtype):
-    """Forward (the primitive with chunks of 48; jaxdet.matmul with K > GEMM_CHUNK) and dA (the
+    """Forward (the primitive with chunks of 64; jaxdet.matmul with K > GEMM_CHUNK) and dA (the
     gradient of jaxdet.matmul, which contracts N > GEMM_CHUNK): a row alone, inside M = 200 and
     permuted, has the same bits."""
     m = 200
     perm = np.random.default_rng(3).permutation(m)
     a = rand((1, m, 232), dtype, 4)
     b = rand((1, 232, 24), dtype, 5)
-    full = _gemm(a, b, 48, dtype)
+    full = _gemm(a, b, 64, dtype)
     for i in (0, 77, m - 1):
-        assert_bitwise(_gemm(a[:, i : i + 1], b, 48, dtype), full[:, i : i + 1])
-    assert_bitwise(_gemm(a[:, perm], b, 48, dtype), full[:, perm])
+        assert_bitwise(_gemm(a[:, i : i + 1], b, 64, dtype), full[:, i : i + 1])
+    assert_bitwise(_gemm(a[:, perm], b, 64, dtype), full[:, perm])
 
     contracts.check_row_invariance_forward(dtype, k=K_PUBLIC, n=16, m=m)
 
@@ -97,10 +97,10 @@ def test_transformations_equal_eager_beyond_one_chunk(dtype):
     # the primitive under vmap: a vmapped a folds into M, a vmapped b is a batched GEMM
     x = rand((3, 1, 5, 200), dtype, 12)
     y = rand((3, 1, 200, 24), dtype, 13)
-    loop = jnp.stack([_gemm(x[i], y[0], 48, dtype) for i in range(3)])
-    assert_bitwise(jax.vmap(lambda x: _gemm(x, y[0], 48, dtype))(x), loop)
-    loop_b = jnp.stack([_gemm(x[i], y[i], 48, dtype) for i in range(3)])
-    assert_bitwise(jax.jit(jax.vmap(lambda x, y: _gemm(x, y, 48, dtype)))(x, y), loop_b)
+    loop = jnp.stack([_gemm(x[i], y[0], 64, dtype) for i in range(3)])
+    assert_bitwise(jax.vmap(lambda x: _gemm(x, y[0], 64, dtype))(x), loop)
+    loop_b = jnp.stack([_gemm(x[i], y[i], 64, dtype) for i in range(3)])
+    assert_bitwise(jax.jit(jax.vmap(lambda x, y: _gemm(x, y, 64, dtype)))(x, y), loop_b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -116,10 +116,10 @@ def test_accuracy_beyond_one_chunk(dtype):
 def test_bad_chunk_is_refused():
     a = rand((1, 4, 100), jnp.float32, 30)
     b = rand((1, 100, 8), jnp.float32, 31)
-    for chunk in (0, -1, 2.5):
-        with pytest.raises(ValueError, match="chunk must be a positive int"):
+    for chunk in (0, -1, 2.5, 48):
+        with pytest.raises(ValueError, match="chunk must be a positive int multiple of 64"):
             _gemm(a, b, chunk, jnp.float32)
-    with pytest.raises(Exception, match="chunk must be > 0"):
+    with pytest.raises(Exception, match="chunk must be a positive multiple of 64"):
         raw.gemm(a, b, chunk=0).block_until_ready()
 
 

@@ -284,12 +284,12 @@ def test_matmul_split_contraction_is_all_gathered_not_summed():
 @on_devices
 @pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
 def test_gemm_chunks_sharded_jit(shardy):
-    # K beyond one chunk (the GEMM primitive with chunks of 48, docs/matmul.md): rows and the batch
+    # K beyond one chunk (the GEMM primitive with chunks of 64, docs/matmul.md): rows and the batch
     # split per device, a split K all-gathered: the bits of one device.
     from jaxdet._src.matmul.matmul import gemm_p
 
     def f(a, b):
-        return gemm_p.bind(a, b, transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32), chunk=48)
+        return gemm_p.bind(a, b, transpose_a=False, transpose_b=False, out_dtype=np.dtype(np.float32), chunk=64)
 
     m = mesh()
     a, b = rand((8, 16, 200), seed=40), rand((8, 200, 24), seed=41)

@@ -75,9 +75,21 @@ def gemm_workspace_bytes(L, M, N, K, chunk):
     return partials + flags + 1024
 
 
+# Chunk boundaries fall on the GPU kernels' K tiles (64 elements on Hopper, 32 on sm_80), so a chunk
+# is a whole number of them and each chunk's partial is an ordinary product of its K range.
+CHUNK_MULTIPLE = 64
+
+
 def _check_chunk(chunk):
-    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
-        raise ValueError(f"chunk must be a positive int (elements of K per chunk), got {chunk!r}")
+    if (
+        isinstance(chunk, bool)
+        or not isinstance(chunk, (int, np.integer))
+        or chunk <= 0
+        or chunk % CHUNK_MULTIPLE != 0
+    ):
+        raise ValueError(
+            f"chunk must be a positive int multiple of {CHUNK_MULTIPLE} (elements of K per chunk), got {chunk!r}"
+        )
 
 
 def _gemm_abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, chunk):
