@@ -97,8 +97,11 @@ def bits_check():
                     diff = int(np.sum(got.view(u) != want.view(u)))
                     vs_one = int(np.sum(got.view(u) != one.view(u)))
                     name = f"L={L} M={M} K={K} N={N} chunk={chunk} {np.dtype(dt).name} tb={tb} out={np.dtype(odt).name}"
-                    print(f"{'OK ' if diff == 0 else 'BAD'} {name}: {diff} differ from the definition "
-                          f"({vs_one} from one fold)", flush=True)
+                    print(
+                        f"{'OK ' if diff == 0 else 'BAD'} {name}: {diff} differ from the definition "
+                        f"({vs_one} from one fold)",
+                        flush=True,
+                    )
                     bad += diff != 0
     print("BITS", "OK" if bad == 0 else f"FAILED {bad}")
     return bad == 0
@@ -119,8 +122,13 @@ def timed(fn, args, reps=15, inner=5):
 def time_check(chunks):
     rng = np.random.default_rng(1)
     # (op, K, N): fwd a[M,K] @ b[K,N]; dA dc[M,K'] @ b[N,K']^T (K' is the layer's output width)
-    layers = [("fwd", 14336, 4096), ("dA", 14336, 4096), ("dA", 128256, 4096), ("fwd", 4096, 4096),
-              ("dA", 4096, 14336 // 4 * 4)]
+    layers = [
+        ("fwd", 14336, 4096),
+        ("dA", 14336, 4096),
+        ("dA", 128256, 4096),
+        ("fwd", 4096, 4096),
+        ("dA", 4096, 14336 // 4 * 4),
+    ]
     ms = [1, 16, 64, 128, 256, 1024, 4096]
     calls = 8
     print("| op | K | N | M | jnp us | one fold | " + " | ".join(f"C={c}" for c in chunks) + " |")

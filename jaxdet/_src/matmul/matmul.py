@@ -81,12 +81,7 @@ CHUNK_MULTIPLE = 64
 
 
 def _check_chunk(chunk):
-    if (
-        isinstance(chunk, bool)
-        or not isinstance(chunk, (int, np.integer))
-        or chunk <= 0
-        or chunk % CHUNK_MULTIPLE != 0
-    ):
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0 or chunk % CHUNK_MULTIPLE != 0:
         raise ValueError(
             f"chunk must be a positive int multiple of {CHUNK_MULTIPLE} (elements of K per chunk), got {chunk!r}"
         )
