@@ -24,7 +24,8 @@ calls of every GEMM kernel family through the raw targets: edge tiles in every d
 not multiples of the tiles), M <= 64 (one tile whose second consumer warpgroup holds no row),
 batches, b broadcast, the chunked weight gradient (accumulating, and from nothing in every result
 dtype), K beyond one chunk (split over CTAs and walked), and every tile of the M-bucketed kernel
-sets (a row count for which the bucket rule picks it, with partial edge tiles). Prints the worst relative error; the sanitizer reports memory errors.
+sets (a row count for which the bucket rule picks it, with partial edge tiles). Prints the worst
+relative error; the sanitizer reports memory errors.
 Run it again with JAXDET_TESTING=gemm=sm80 for the sm_80 kernels.
 
 Timing: one jitted program runs `--calls` products in sequence (each on its own copy of the
