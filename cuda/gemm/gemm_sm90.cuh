@@ -185,7 +185,8 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
       const int64_t floats = split ? (chunks - 1) * tiles * tile_floats
                                    : grid * ChunkedTileScheduler::stack_depth(chunks) * tile_floats;
       const int64_t flags = split ? (chunks - 1) * tiles : 0;
-      const size_t need = static_cast<size_t>(floats) * sizeof(float) + static_cast<size_t>(flags) * sizeof(int32_t);
+      const size_t need =
+          static_cast<size_t>(floats) * sizeof(float) + static_cast<size_t>(flags) * sizeof(int32_t);
       if (g.chunk_workspace == nullptr || g.chunk_workspace_bytes < need) {
         return "internal error: the chunk workspace is smaller than the kernel needs";
       }

@@ -109,8 +109,9 @@ class ChunkedTileScheduler {
 
   // K tiles and chunks of a problem (host and device).
   static int32_t chunk_count(int64_t k_tiles, int chunk_k_tiles) {
-    return chunk_k_tiles <= 0 || k_tiles <= chunk_k_tiles ? 1
-                                                           : static_cast<int32_t>((k_tiles + chunk_k_tiles - 1) / chunk_k_tiles);
+    return chunk_k_tiles <= 0 || k_tiles <= chunk_k_tiles
+               ? 1
+               : static_cast<int32_t>((k_tiles + chunk_k_tiles - 1) / chunk_k_tiles);
   }
   // The most subtrees a walk keeps pending: after leaf c it holds popcount(c + 1) of them, and the
   // last leaf is never stored, so at most the bit length of chunks - 1.
@@ -142,7 +143,9 @@ class ChunkedTileScheduler {
     return p;
   }
 
-  static bool can_implement(Arguments const& args) { return args.max_swizzle_size >= 0 && args.chunk_k_tiles >= 0; }
+  static bool can_implement(Arguments const& args) {
+    return args.max_swizzle_size >= 0 && args.chunk_k_tiles >= 0;
+  }
 
   template <class ProblemShape, class ElementAccumulator>
   static size_t get_workspace_size(Arguments const&, ProblemShape, cutlass::KernelHardwareInfo const&, uint32_t,
@@ -268,7 +271,7 @@ class ChunkedTileScheduler {
     cutlass::arch::NamedBarrier::sync(threads, cutlass::arch::ReservedNamedBarriers::StreamkBarrier0);
     const float* src = params.partials + slot_base + tid;
     CUTLASS_PRAGMA_UNROLL  // acc(i) with a constant i: the accumulators stay in registers
-    for (int i = 0; i < kElems; ++i) {
+        for (int i = 0; i < kElems; ++i) {
       TreeStack tree;
       for (int c = 0; c < params.chunks - 1; ++c) tree.push(c, __ldcg(src + c * chunk_stride + i * threads));
       tree.push(params.chunks - 1, acc(i));

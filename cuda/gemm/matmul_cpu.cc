@@ -309,8 +309,8 @@ ffi::Error GemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
                    bool transpose_a, bool transpose_b, int64_t chunk) {
   const char* op = "jaxdet_gemm";
   if (chunk <= 0 || chunk % 64 != 0) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": chunk must be a positive multiple of 64 elements, got " +
-                                       std::to_string(chunk));
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": chunk must be a positive multiple of 64 elements, got " + std::to_string(chunk));
   }
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   if (ad.size() != 3 || bd.size() != 3 || od.size() != 3) {

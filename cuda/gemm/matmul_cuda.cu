@@ -299,9 +299,11 @@ ffi::Error launch(const char* op, Launcher fn, const GemmArgs& g, cudaStream_t s
 // (jaxdet.parallel.tree_sum's), evaluated as a binary counter: each full pair of equal subtrees is
 // merged as soon as it exists; what is left, aligned subtrees of decreasing size, joins right to left.
 template <typename Out>
-__global__ void ChunkTreeKernel(const float* __restrict__ partials, int64_t n, int64_t count, Out* __restrict__ out) {
+__global__ void ChunkTreeKernel(const float* __restrict__ partials, int64_t n, int64_t count,
+                                Out* __restrict__ out) {
   constexpr int kMaxDepth = 64;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
     float value[kMaxDepth];
     int64_t size[kMaxDepth];
     int depth = 0;
@@ -374,7 +376,8 @@ ffi::Error chunked_gemm(cudaStream_t stream, const char* op, const DeviceInfo& d
       gc.batch_a = step_a;
       gc.batch_b = step_b;
       gc.batch_d = gc.batch_c = count;
-      if (auto err = launch(op, choose_tile(set, d, gc.m, gc.n, gc.l).launch, gc, stream); err.failure()) return err;
+      if (auto err = launch(op, choose_tile(set, d, gc.m, gc.n, gc.l).launch, gc, stream); err.failure())
+        return err;
     } else {
       for (int64_t c = 0; c < full; ++c) {
         gc = chunk_args(c, chunk);
@@ -487,8 +490,8 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
         return launch(op, t->launch, g, stream);
       }
     }
-    return chunked_gemm(stream, op, d, g, chunk, transpose_a, transpose_b, dt, odt, reinterpret_cast<float*>(aligned),
-                        out->untyped_data());
+    return chunked_gemm(stream, op, d, g, chunk, transpose_a, transpose_b, dt, odt,
+                        reinterpret_cast<float*>(aligned), out->untyped_data());
   }
   const KernelSet set = pick_gemm(d, dt, transpose_a, transpose_b, out_f32);
   if (auto err = check_forced_tile(op, set, d); err.failure()) return err;
