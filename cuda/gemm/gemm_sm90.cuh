@@ -182,9 +182,9 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
       // Split-K when the tiles alone leave SMs idle; otherwise each CTA walks its tiles' chunks.
       const bool split = tiles < g.sm_count;
       const int64_t grid = std::min<int64_t>(tiles, g.sm_count);
-      const int64_t floats = split ? (chunks - 1) * tiles * tile_floats
-                                   : grid * ChunkedTileScheduler::stack_depth(chunks) * tile_floats;
-      const int64_t flags = split ? (chunks - 1) * tiles : 0;
+      // The pending subtrees of each tile (split) or each CTA (walking), and one flag per tile.
+      const int64_t floats = (split ? tiles : grid) * ChunkedTileScheduler::stack_depth(chunks) * tile_floats;
+      const int64_t flags = split ? tiles : 0;
       const size_t need =
           static_cast<size_t>(floats) * sizeof(float) + static_cast<size_t>(flags) * sizeof(int32_t);
       if (g.chunk_workspace == nullptr || g.chunk_workspace_bytes < need) {

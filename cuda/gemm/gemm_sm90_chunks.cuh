@@ -9,11 +9,13 @@
 //     pending subtrees in its own slice of the workspace (the binary counter: at most
 //     log2(chunks) + 1 live). Each thread reads back only what it wrote, so no synchronisation.
 //   - split (fewer tiles than SMs: split-K): units are dealt chunk-major, so every chunk of every
-//     tile runs at once; a unit of a non-final chunk stores its partial and raises its flag, the
-//     final chunk's unit waits for the flags of its tile, then evaluates the tree in registers and
-//     runs the epilogue. A CTA only ever waits for units of lower index, which never wait, and a
-//     persistent grid holds at most one CTA per SM, so all run: no deadlock. No atomics touch the
-//     data; flags are plain release stores and acquire loads.
+//     tile runs at once; after its mainloop, the unit of chunk c waits until the tile's flag
+//     counts c chunks, merges its partial into the tile's pending subtrees, and raises the flag
+//     (merges in chunk order, mainloops side by side); the final chunk's unit ends with the root
+//     and runs the epilogue. A CTA only ever waits for units of lower index of its tile, whose
+//     chain ends at chunk 0, which never waits, and a persistent grid holds at most one CTA per
+//     SM, so all run: no deadlock. No atomics touch the data; flags are plain release stores and
+//     acquire loads.
 // With one chunk (K <= chunk, or no chunk given) it is the data-parallel persistent scheduler.
 #pragma once
 
@@ -34,25 +36,6 @@ namespace sm90 {
 // The tag that selects ChunkedTileScheduler in CUTLASS's GemmUniversal.
 struct ChunkedScheduler {};
 
-// The canonical tree's running evaluation: the pending subtrees of a binary counter.
-struct TreeStack {
-  static constexpr int kMaxDepth = 32;  // chunks < 2^31
-  float value[kMaxDepth];
-  int depth = 0;
-  // Leaf `index` (0, 1, 2, ... in order): each completed pair of equal subtrees merges, left + right.
-  CUTLASS_DEVICE void push(int index, float leaf) {
-    float v = leaf;
-    for (int bits = index; bits & 1; bits >>= 1) v = __fadd_rn(value[--depth], v);
-    value[depth++] = v;
-  }
-  // After the last leaf: the aligned subtrees left, of decreasing size, join right to left.
-  CUTLASS_DEVICE float root() {
-    float v = value[--depth];
-    while (depth > 0) v = __fadd_rn(value[--depth], v);
-    return v;
-  }
-};
-
 struct ChunkedSchedulerArguments {
   int max_swizzle_size = 1;
   cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions raster_order =
@@ -60,7 +43,7 @@ struct ChunkedSchedulerArguments {
   int chunk_k_tiles = 0;  // K tiles per chunk; 0: one chunk
   bool split = false;
   float* partials = nullptr;
-  int32_t* flags = nullptr;  // (chunks - 1) x tiles, zero before the launch (split only)
+  int32_t* flags = nullptr;  // one per tile, zero before the launch (split only)
 };
 
 class ChunkedTileScheduler {
@@ -207,75 +190,69 @@ class ChunkedTileScheduler {
   }
   CUTLASS_HOST_DEVICE static uint32_t get_work_k_tile_start(WorkTileInfo const& info) { return info.k_tile_start; }
 
-  // After a unit's mainloop: its partial joins the chunk tree. On return, the final chunk's
-  // accumulators hold the tree's root (the other units skip the epilogue).
+  // After a unit's mainloop: its partial joins the chunk tree, kept as the binary counter's pending
+  // subtrees (left + right, as each pair completes; after the last leaf they join right to left).
+  // Walking, the stack is the CTA's own and each thread reads back only what it wrote. Split, the
+  // stack is the tile's: unit c waits until the tile's flag says c chunks are in, merges, then
+  // raises it to c + 1, so the merges run in chunk order while the mainloops overlap. On return,
+  // the final chunk's accumulators hold the tree's root (the other units skip the epilogue).
+  // Element i of thread tid lives at float4 (i / 4) * threads + tid: whole-fragment loads and
+  // stores of 16 bytes, coalesced, all independent (one memory latency per merge, not one per
+  // element).
   template <class FrgTensorC>
   CUTLASS_DEVICE static void fixup(Params const& params, WorkTileInfo const& info, FrgTensorC& acc,
                                    uint32_t num_mma_warp_groups, uint32_t warp_group_idx) {
     if (params.chunks <= 1) return;
     // The mainloop's last wgmma has retired (mma_tail waited); the fence ties the accumulators'
-    // registers to that point, so no read below can be scheduled among the wgmma stages.
+    // registers to that point, so no access below can be scheduled among the wgmma stages.
     cute::warpgroup_wait<0>();
     cute::warpgroup_fence_operand(acc);
     constexpr int kElems = decltype(cute::size(acc))::value;
+    static_assert(kElems % 4 == 0, "fragments move as float4");
+    constexpr int kGroups = kElems / 4;
     const int threads = static_cast<int>(num_mma_warp_groups) * cutlass::NumThreadsPerWarpGroup;
     const int tid = static_cast<int>(warp_group_idx) * cutlass::NumThreadsPerWarpGroup +
                     static_cast<int>(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
     const int64_t tile_floats = int64_t{kElems} * threads;
-    const bool last = info.chunk == params.chunks - 1;
-    if (!params.split) {
-      // This CTA's pending subtrees: slot s of its slice, element i of thread tid at i * threads + tid.
-      float* stack = params.partials + int64_t{info.cta} * params.stack_depth * tile_floats;
-      const int c = info.chunk;
-      int depth = __popc(c);                   // subtrees pending before this chunk: the bits of c
-      const int merges = __ffs(~c) - 1;        // the trailing ones of c: the subtrees this one completes
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kElems; ++i) {
-        float v = acc(i);
-        int d = depth;
-        for (int q = 0; q < merges; ++q) v = __fadd_rn(stack[(--d) * tile_floats + i * threads + tid], v);
-        if (last) {
-          while (d > 0) v = __fadd_rn(stack[(--d) * tile_floats + i * threads + tid], v);
-          acc(i) = v;
-        } else {
-          stack[d * tile_floats + i * threads + tid] = v;
-        }
-      }
-      cute::warpgroup_fence_operand(acc);
-      return;
-    }
-    const int64_t slot_base = int64_t{info.tile} * tile_floats;
-    const int64_t chunk_stride = static_cast<int64_t>(params.tiles) * tile_floats;
-    if (!last) {
-      float* dst = params.partials + int64_t{info.chunk} * chunk_stride + slot_base;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kElems; ++i) __stcg(dst + i * threads + tid, acc(i));
-      __threadfence();
-      cutlass::arch::NamedBarrier::sync(threads, cutlass::arch::ReservedNamedBarriers::StreamkBarrier0);
+    const int c = info.chunk;
+    const bool last = c == params.chunks - 1;
+    const int64_t owner = params.split ? int64_t{info.tile} : int64_t{info.cta};
+    float* stack = params.partials + owner * params.stack_depth * tile_floats;
+    int32_t* flag = params.flags + info.tile;
+    if (params.split) {
       if (tid == 0) {
-        int32_t* flag = params.flags + int64_t{info.chunk} * params.tiles + info.tile;
-        asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
-      }
-      cute::warpgroup_fence_operand(acc);
-      return;
-    }
-    if (tid == 0) {
-      for (int c = 0; c < params.chunks - 1; ++c) {
-        const int32_t* flag = params.flags + int64_t{c} * params.tiles + info.tile;
-        int32_t ready = 0;
+        int32_t done = 0;
         do {
-          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
-        } while (ready == 0);
+          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(done) : "l"(flag) : "memory");
+        } while (done != c);
+      }
+      cutlass::arch::NamedBarrier::sync(threads, cutlass::arch::ReservedNamedBarriers::StreamkBarrier0);
+    }
+    int depth = __popc(c);                                // subtrees pending before this chunk: the bits of c
+    const int merges = last ? depth : __ffs(~c) - 1;      // the last joins them all; others their trailing ones
+    for (int q = 0; q < merges; ++q) {
+      --depth;
+      const float4* slot = reinterpret_cast<const float4*>(stack + depth * tile_floats) + tid;
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        const float4 x = __ldcg(slot + g * threads);
+        acc(4 * g + 0) = __fadd_rn(x.x, acc(4 * g + 0));
+        acc(4 * g + 1) = __fadd_rn(x.y, acc(4 * g + 1));
+        acc(4 * g + 2) = __fadd_rn(x.z, acc(4 * g + 2));
+        acc(4 * g + 3) = __fadd_rn(x.w, acc(4 * g + 3));
       }
     }
-    cutlass::arch::NamedBarrier::sync(threads, cutlass::arch::ReservedNamedBarriers::StreamkBarrier0);
-    const float* src = params.partials + slot_base + tid;
-    CUTLASS_PRAGMA_UNROLL  // acc(i) with a constant i: the accumulators stay in registers
-        for (int i = 0; i < kElems; ++i) {
-      TreeStack tree;
-      for (int c = 0; c < params.chunks - 1; ++c) tree.push(c, __ldcg(src + c * chunk_stride + i * threads));
-      tree.push(params.chunks - 1, acc(i));
-      acc(i) = tree.root();
+    if (!last) {
+      float4* slot = reinterpret_cast<float4*>(stack + depth * tile_floats) + tid;
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        __stcg(slot + g * threads, make_float4(acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3)));
+      }
+      if (params.split) {
+        __threadfence();
+        cutlass::arch::NamedBarrier::sync(threads, cutlass::arch::ReservedNamedBarriers::StreamkBarrier0);
+        if (tid == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(c + 1) : "memory");
+      }
     }
     cute::warpgroup_fence_operand(acc);
   }

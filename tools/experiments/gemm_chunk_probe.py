@@ -1,4 +1,5 @@
-"""GPU probe: the chunked jaxdet_gemm target (K cut into chunks whose float32 partials meet by the
+"""GPU probe (the jnp column is XLA's einsum of the same products in one program, which XLA may merge
+into one wider product, so read it as a reference only; compare jaxdet's columns with each other): the chunked jaxdet_gemm target (K cut into chunks whose float32 partials meet by the
 canonical tree) against its definition, and its time at several chunk sizes next to jnp.dot.
 
     python tools/experiments/gemm_chunk_probe.py bits            # default kernels (Hopper: one launch)
@@ -119,7 +120,7 @@ def timed(fn, args, reps=15, inner=5):
     return statistics.median(ts)
 
 
-def time_check(chunks):
+def time_check(chunks, ms):
     rng = np.random.default_rng(1)
     # (op, K, N): fwd a[M,K] @ b[K,N]; dA dc[M,K'] @ b[N,K']^T (K' is the layer's output width)
     layers = [
@@ -129,7 +130,6 @@ def time_check(chunks):
         ("fwd", 4096, 4096),
         ("dA", 4096, 14336 // 4 * 4),
     ]
-    ms = [1, 16, 64, 128, 256, 1024, 4096]
     calls = 8
     print("| op | K | N | M | jnp us | one fold | " + " | ".join(f"C={c}" for c in chunks) + " |")
     for op, K, N in layers:
@@ -152,11 +152,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["bits", "time"])
     p.add_argument("--chunks", default="2048,4096,8192")
+    p.add_argument("--ms", default="1,16,64,128,256,1024,4096")
     args = p.parse_args()
     print(jax.devices()[0].device_kind, flush=True)
     if args.what == "bits":
         sys.exit(0 if bits_check() else 1)
-    time_check([int(c) for c in args.chunks.split(",")])
+    time_check([int(c) for c in args.chunks.split(",")], [int(m) for m in args.ms.split(",")])
 
 
 if __name__ == "__main__":
