@@ -1,6 +1,7 @@
-"""GPU probe (the jnp column is XLA's einsum of the same products in one program, which XLA may merge
-into one wider product, so read it as a reference only; compare jaxdet's columns with each other): the chunked jaxdet_gemm target (K cut into chunks whose float32 partials meet by the
-canonical tree) against its definition, and its time at several chunk sizes next to jnp.dot.
+"""GPU probe: the chunked jaxdet_gemm target (K cut into chunks whose float32 partials meet by the
+canonical tree) against its definition, and its time at several chunk sizes. The jnp column is XLA's
+einsum of the same products in one program, which XLA may merge into one wider product: read it as
+a reference only and compare jaxdet's columns with each other.
 
     python tools/experiments/gemm_chunk_probe.py bits            # default kernels (Hopper: one launch)
     JAXDET_TESTING=gemm_tile=64x128 python ... bits              # chunk by chunk (ping-pong tile)
