@@ -479,10 +479,14 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
                              " chunks of K need");
     }
     if (use_sm90(d) && !transpose_a && dt != ffi::F32) {
-      // Hopper's cooperative tiles run the chunks and their tree in one launch.
+      // Hopper's cooperative tiles run the chunks and their tree in one launch, where the M-bucket
+      // rule would take a cooperative tile anyway; where it takes a narrower one (few rows), the
+      // chunks run as launches of that tile (the measured cost of the one-launch tree there,
+      // 128-row tiles for a handful of rows, is higher: benchmarks/RESULTS.md).
       const KernelSet set = pick_gemm(d, dt, transpose_a, transpose_b, out_f32);
       if (auto err = check_forced_tile(op, set, d); err.failure()) return err;
-      const TileKernel* t = choose_chunked_tile(set, d, g.m, g.n, g.l, n);
+      const bool cooperative = d.force_m != 0 || choose_tile(set, d, g.m, g.n, g.l).tile_m == 128;
+      const TileKernel* t = cooperative ? choose_chunked_tile(set, d, g.m, g.n, g.l, n) : nullptr;
       if (t != nullptr) {
         g.chunk = chunk;
         g.chunk_workspace = reinterpret_cast<void*>(aligned);
