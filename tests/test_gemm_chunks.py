@@ -12,7 +12,7 @@ from checks import DTYPE_IDS, DTYPES
 
 import jaxdet
 from jaxdet._src.matmul import contracts, raw
-from jaxdet._src.matmul.matmul import GEMM_CHUNK, gemm_workspace_bytes
+from jaxdet._src.matmul.matmul import GEMM_CHUNK, gemm_cpu_workspace_bytes, gemm_workspace_bytes
 
 rand = contracts.rand
 _gemm = contracts._gemm
@@ -129,6 +129,10 @@ def test_workspace_bytes():
     partials = n * L * (M + 127) * (N + 255) * 4
     flags = n * L * 1 * 19 * 4
     assert gemm_workspace_bytes(L, M, N, 2 * C + 1, C) == partials + flags + 1024
+    # the CPU kernel's binary counter: bit_length(n) + 1 partials of [L, M, N]
+    assert gemm_cpu_workspace_bytes(L, M, N, C, C) == 0
+    assert gemm_cpu_workspace_bytes(L, M, N, 2 * C + 1, C) == 3 * L * M * N * 4
+    assert gemm_cpu_workspace_bytes(L, M, N, 8 * C, C) == 5 * L * M * N * 4
 
 
 # ---- GPU: the same checks on the GPU's kernels (`pytest -m gpu`) ----

@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -240,19 +239,30 @@ void parallel_elements(ffi::ThreadPool& pool, int64_t n, const Body& body) {
 
 // `p` over K > chunk: the float32 partial of each chunk of K (p's kernel on that K range alone, from
 // 0), combined by the canonical tree, rounded once into p.out. The tree is evaluated as a binary
-// counter: the stack holds the roots of aligned subtrees of decreasing size (at most log2(n) + 1
-// partials live); what is left at the end joins right to left, as absent padding leaves do.
-ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi::ThreadPool& pool) {
+// counter: the stack holds the roots of aligned subtrees of decreasing size; what is left at the end
+// joins right to left, as absent padding leaves do. The partials live in `workspace` (slots of
+// [L, M, N] float32: after chunk c the stack holds popcount(c + 1) of them, so bit_length(n) + 1
+// slots suffice; jaxdet/_src/matmul/matmul.py's gemm_cpu_workspace_bytes).
+ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi::ThreadPool& pool,
+                        float* workspace, size_t workspace_bytes) {
   const int64_t count = p.L * p.M * p.N;
   if (count == 0) return ffi::Error::Success();
+  const int64_t n = (p.K + chunk - 1) / chunk;
+  int64_t slots = 1;
+  while ((int64_t{1} << (slots - 1)) <= n) ++slots;  // bit_length(n) + 1
+  if (workspace_bytes < static_cast<size_t>(slots * count) * sizeof(float)) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": the workspace is smaller than the chunk partials need");
+  }
   const size_t a_esize = p.a.dtype == GemmDtype::kF32 ? 4 : 2;
   const size_t b_esize = p.b.dtype == GemmDtype::kF32 ? 4 : 2;
   struct Subtree {
     int64_t leaves;
-    std::unique_ptr<float[]> sum;  // every element written by the chunk's GEMM before it is read
+    float* sum;  // every element written by the chunk's GEMM before it is read
   };
   std::vector<Subtree> stack;
-  std::vector<std::unique_ptr<float[]>> spare;  // buffers of merged subtrees, reused
+  std::vector<float*> spare;  // slots of merged subtrees, reused
+  int64_t next_slot = 0;
   for (int64_t k0 = 0; k0 < p.K; k0 += chunk) {
     GemmProblem c = p;
     c.K = std::min(chunk, p.K - k0);
@@ -262,33 +272,33 @@ ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi
     const int64_t b_off = p.b.trans ? k0 : k0 * p.b.ld;
     c.a.ptr = static_cast<const char*>(p.a.ptr) + a_esize * a_off;
     c.b.ptr = static_cast<const char*>(p.b.ptr) + b_esize * b_off;
-    std::unique_ptr<float[]> buffer;
+    float* buffer;
     if (spare.empty()) {
-      buffer.reset(new float[count]);
+      buffer = workspace + next_slot++ * count;
     } else {
-      buffer = std::move(spare.back());
+      buffer = spare.back();
       spare.pop_back();
     }
-    stack.push_back(Subtree{1, std::move(buffer)});
-    c.out = stack.back().sum.get();
+    stack.push_back(Subtree{1, buffer});
+    c.out = buffer;
     c.out_dtype = GemmDtype::kF32;
     c.out_batch_stride = p.M * p.N;
     c.accumulate = false;
     if (auto err = gemm(op, c, pool); err.failure()) return err;
     while (stack.size() > 1 && stack[stack.size() - 1].leaves == stack[stack.size() - 2].leaves) {
-      float* left = stack[stack.size() - 2].sum.get();
-      const float* right = stack.back().sum.get();
+      float* left = stack[stack.size() - 2].sum;
+      const float* right = stack.back().sum;
       parallel_elements(pool, count, [left, right](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; ++i) left[i] = left[i] + right[i];
       });
       stack[stack.size() - 2].leaves *= 2;
-      spare.push_back(std::move(stack.back().sum));
+      spare.push_back(stack.back().sum);
       stack.pop_back();
     }
   }
-  float* root = stack.back().sum.get();
+  float* root = stack.back().sum;
   for (size_t s = stack.size() - 1; s-- > 0;) {
-    const float* left = stack[s].sum.get();
+    const float* left = stack[s].sum;
     parallel_elements(pool, count, [left, root](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) root[i] = left[i] + root[i];
     });
@@ -306,7 +316,7 @@ ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi
 }
 
 ffi::Error GemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
-                   bool transpose_a, bool transpose_b, int64_t chunk) {
+                   ffi::Result<ffi::AnyBuffer> workspace, bool transpose_a, bool transpose_b, int64_t chunk) {
   const char* op = "jaxdet_gemm";
   if (chunk <= 0 || chunk % 64 != 0) {
     return ffi::Error::InvalidArgument(
@@ -347,7 +357,7 @@ ffi::Error GemmCpu(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   p.out_batch_stride = M * N;
   p.accumulate = false;
   if (K <= chunk) return gemm(op, p, pool);
-  return gemm_chunked(op, p, chunk, pool);
+  return gemm_chunked(op, p, chunk, pool, static_cast<float*>(workspace->untyped_data()), workspace->size_bytes());
 }
 
 // The weight-gradient chunk sequence into `dst` [L, K, N]. `acc` null: chunk 0's partial is
@@ -470,6 +480,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxdet_gemm_cpu, jaxdet::matmul_cpu::GemmCpu,
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b")

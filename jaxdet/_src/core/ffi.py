@@ -271,6 +271,7 @@ def define_primitive(
     operand_output_aliases=None,
     partitioning: Partitioning | None = None,
     cuda_workspace: Callable | None = None,
+    cpu_workspace: Callable | None = None,
     cuda_operand_output_aliases: Callable | None = None,
     result_varying: Callable | None = None,
 ):
@@ -280,7 +281,7 @@ def define_primitive(
     `cuda_workspace(operand_avals, **params)`, when given, is the number of bytes of device memory
     the CUDA handler works in: its FFI call gets one more result, a uint8 buffer of that size that
     the primitive does not return. (XLA's scratch allocator would do, but a handler that uses it
-    cannot run inside XLA's command buffers.)
+    cannot run inside XLA's command buffers.) `cpu_workspace` is the same for the CPU handler.
     `operand_output_aliases` is a dict {operand: result}, or a function of the operand count
     returning one (for variadic primitives such as clipping, whose aliases follow its leaves).
     `cuda_operand_output_aliases(operand_avals, **params)`, when given, is the CUDA lowering's
@@ -305,19 +306,22 @@ def define_primitive(
     def default_aliases(n):
         return operand_output_aliases(n) if callable(operand_output_aliases) else operand_output_aliases
 
+    def with_workspace(ctx, args, params, aliases, workspace_bytes):
+        if workspace_bytes is None:
+            return lower(ctx, args, params, aliases)
+        size = max(int(workspace_bytes(ctx.avals_in, **params)), 1)
+        workspace = jax.core.ShapedArray((size,), jnp.uint8)
+        return lower(ctx.replace(avals_out=[*ctx.avals_out, workspace]), args, params, aliases)[:-1]
+
     def lowering(ctx, *args, **params):
-        return lower(ctx, args, params, default_aliases(len(args)))
+        return with_workspace(ctx, args, params, default_aliases(len(args)), cpu_workspace)
 
     def cuda_lowering(ctx, *args, **params):
         if cuda_operand_output_aliases is None:
             aliases = default_aliases(len(args))
         else:
             aliases = cuda_operand_output_aliases(ctx.avals_in, **params)
-        if cuda_workspace is None:
-            return lower(ctx, args, params, aliases)
-        size = max(int(cuda_workspace(ctx.avals_in, **params)), 1)
-        workspace = jax.core.ShapedArray((size,), jnp.uint8)
-        return lower(ctx.replace(avals_out=[*ctx.avals_out, workspace]), args, params, aliases)[:-1]
+        return with_workspace(ctx, args, params, aliases, cuda_workspace)
 
     mlir.register_lowering(ffi_prim, lowering, platform="cpu")
     if target in CUDA_TARGETS:

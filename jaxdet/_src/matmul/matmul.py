@@ -67,7 +67,7 @@ def _gemm_dims(a_shape, b_shape, transpose_a, transpose_b):
 def gemm_workspace_bytes(L, M, N, K, chunk):
     """Device bytes the CUDA kernels need for a chunked K: float32 partials of every chunk for every output
     tile (tiles padded up to 128 x 256) plus one int32 flag per (chunk, tile) (tiles of at least 16 x 16)."""
-    n = -(-K // chunk)
+    n = -(-K // chunk) if chunk > 0 else 0
     if n <= 1:
         return 0
     partials = n * L * (M + 127) * (N + 255) * 4
@@ -93,10 +93,25 @@ def _gemm_abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, chunk):
     return jax.core.ShapedArray((L, M, N), out_dtype)
 
 
+def gemm_cpu_workspace_bytes(L, M, N, K, chunk):
+    """Host bytes the CPU kernel needs for a chunked K: the binary counter's float32 partials
+    ([L, M, N] each; after chunk c it holds popcount(c + 1) of them, plus the one being computed)."""
+    n = -(-K // chunk) if chunk > 0 else 0  # (a bad chunk is the handler's error to report)
+    if n <= 1:
+        return 0
+    return (n.bit_length() + 1) * L * M * N * 4
+
+
 def _gemm_workspace(avals, *, transpose_a, transpose_b, out_dtype, chunk):
     a, b = avals
     L, M, K, N = _gemm_dims(a.shape, b.shape, transpose_a, transpose_b)
     return gemm_workspace_bytes(L, M, N, K, chunk)
+
+
+def _gemm_cpu_workspace(avals, *, transpose_a, transpose_b, out_dtype, chunk):
+    a, b = avals
+    L, M, K, N = _gemm_dims(a.shape, b.shape, transpose_a, transpose_b)
+    return gemm_cpu_workspace_bytes(L, M, N, K, chunk)
 
 
 def _gemm_batch(args, dims, *, transpose_a, transpose_b, out_dtype, chunk):
@@ -144,6 +159,7 @@ gemm_p = ffi.define_primitive(
     batching_rule=_gemm_batch,
     partitioning=ffi.Partitioning(_gemm_factors, replicated=frozenset({"k"})),
     cuda_workspace=_gemm_workspace,
+    cpu_workspace=_gemm_cpu_workspace,
 )
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdet._src.core import ffi  # noqa: F401  (registers the FFI targets)
-from jaxdet._src.matmul.matmul import GEMM_CHUNK, gemm_workspace_bytes, wgrad_init_shapes
+from jaxdet._src.matmul.matmul import GEMM_CHUNK, gemm_cpu_workspace_bytes, gemm_workspace_bytes, wgrad_init_shapes
 
 
 def gemm(a, b, transpose_a=False, transpose_b=False, out_dtype=None, chunk=GEMM_CHUNK):
@@ -26,13 +26,13 @@ def gemm(a, b, transpose_a=False, transpose_b=False, out_dtype=None, chunk=GEMM_
     out = jax.ShapeDtypeStruct((L, M, N), out_dtype or a.dtype)
     attrs = dict(transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), chunk=np.int64(chunk))
 
-    def on_cpu(a, b):
-        return jax.ffi.ffi_call("jaxdet_gemm", out)(a, b, **attrs)
+    def call(workspace_bytes):
+        # The handlers take one more result: their workspace (the primitive's cpu/cuda_workspace).
+        workspace = jax.ShapeDtypeStruct((max(workspace_bytes(L, M, N, K, chunk), 1),), jnp.uint8)
+        return lambda a, b: jax.ffi.ffi_call("jaxdet_gemm", (out, workspace))(a, b, **attrs)[0]
 
-    def on_cuda(a, b):
-        # The CUDA handler takes one more result: its workspace (the primitive's cuda_workspace).
-        workspace = jax.ShapeDtypeStruct((max(gemm_workspace_bytes(L, M, N, K, chunk), 1),), jnp.uint8)
-        return jax.ffi.ffi_call("jaxdet_gemm", (out, workspace))(a, b, **attrs)[0]
+    on_cpu = call(gemm_cpu_workspace_bytes)
+    on_cuda = call(gemm_workspace_bytes)
 
     r = jax.lax.platform_dependent(a, b, cpu=on_cpu, cuda=on_cuda)
     return r[0] if squeeze else r
