@@ -300,6 +300,37 @@ def test_gemm_chunks_sharded_jit(shardy):
 
 
 @on_devices
+def test_gemm_chunks_in_shard_map_with_grad_scan_and_remat():
+    # jaxdet.matmul with K and N beyond one chunk (GEMM_CHUNK, the public path) in a remat'ed
+    # lax.scan body, differentiated inside jax.shard_map (default check_vma) with the rows split over
+    # the devices: the forward contracts K, the second layer's dA contracts N, both by the chunk
+    # rule; rows and their gradients keep the bits of one device.
+    k = 2 * jaxdet.GEMM_CHUNK + 320
+    x = rand((2 * NDEV, k), jnp.bfloat16, seed=50)
+    w1 = rand((k, 32), jnp.bfloat16, seed=51) / 64
+    w2 = rand((32, k), jnp.bfloat16, seed=52) / 8
+
+    @jax.checkpoint
+    def layer(h, _):
+        return jnp.tanh(jaxdet.matmul(jaxdet.matmul(h, w1), w2)), None
+
+    def rows_loss(x):
+        h, _ = lax.scan(layer, x, None, length=2)
+        return h, jnp.sum(h.astype(jnp.float32) ** 2, axis=1)
+
+    def step(x):
+        (h, per_row), vjp = jax.vjp(rows_loss, x)
+        (dx,) = vjp((jnp.zeros_like(h), jnp.ones_like(per_row)))
+        return h, dx
+
+    ref_h, ref_dx = step(x)
+    m = mesh()
+    h, dx = jax.jit(jax.shard_map(step, mesh=m, in_specs=P("data"), out_specs=(P("data"), P("data"))))(x)
+    assert_bitwise(h, ref_h, "outputs")
+    assert_bitwise(dx, ref_dx, "dx")
+
+
+@on_devices
 def test_matmul_gradients_sharded_jit():
     m = mesh()
     x, w = rand((64, 96), seed=18), rand((96, 40), seed=19)

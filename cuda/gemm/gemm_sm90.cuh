@@ -90,7 +90,6 @@ struct Config {
   // persistent scheduler (a chunked call with them runs chunk by chunk, matmul_cuda.cu). Never
   // CUTLASS's stream-K or split-K, whose reductions follow the SM count and the problem's shape.
   using TileSchedulerTag = std::conditional_t<kCooperative, ChunkedScheduler, cutlass::gemm::PersistentScheduler>;
-  static constexpr bool kChunked = kCooperative;
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, TileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -169,7 +168,7 @@ Status run(const GemmArgs& g, cudaStream_t stream) {
   args.scheduler.raster_order = Cfg::kRasterOrder;                 // the same
   const int64_t k_tiles = (g.k + kTileK - 1) / kTileK;
   if (g.chunk > 0 && k_tiles * kTileK > g.chunk) {
-    if constexpr (!Cfg::kChunked) {
+    if constexpr (!Cfg::kCooperative) {
       return "internal error: a chunked K reached a kernel without the chunk scheduler";
     } else {
       if (g.chunk % kTileK != 0) return "the chunk must be a multiple of the K tile (64)";

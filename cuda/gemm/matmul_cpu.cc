@@ -35,6 +35,7 @@
 #include <immintrin.h>
 #endif
 
+#include "common/det_math.h"
 #include "common/ffi_common.h"
 #include "common/parallel.h"
 #include "common/philox.h"
@@ -238,11 +239,11 @@ void parallel_elements(ffi::ThreadPool& pool, int64_t n, const Body& body) {
 }
 
 // `p` over K > chunk: the float32 partial of each chunk of K (p's kernel on that K range alone, from
-// 0), combined by the canonical tree, rounded once into p.out. The tree is evaluated as a binary
-// counter: the stack holds the roots of aligned subtrees of decreasing size; what is left at the end
-// joins right to left, as absent padding leaves do. The partials live in `workspace` (slots of
-// [L, M, N] float32: after chunk c the stack holds popcount(c + 1) of them, so bit_length(n) + 1
-// slots suffice; jaxdet/_src/matmul/matmul.py's gemm_cpu_workspace_bytes).
+// 0), combined by the canonical tree (detmath::tree_fold, each node a whole partial added
+// elementwise), rounded once into p.out. tree_fold keeps the entry j of its stack of pending
+// subtrees in `workspace` slot j: chunk c arrives after popcount(c) pending subtrees and lands in the
+// next slot, and a merge keeps its left child's slot, so bit_length(n) + 1 slots of [L, M, N]
+// float32 suffice (jaxdet/_src/matmul/matmul.py's gemm_cpu_workspace_bytes).
 ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi::ThreadPool& pool,
                         float* workspace, size_t workspace_bytes) {
   const int64_t count = p.L * p.M * p.N;
@@ -256,53 +257,31 @@ ffi::Error gemm_chunked(const char* op, const GemmProblem& p, int64_t chunk, ffi
   }
   const size_t a_esize = p.a.dtype == GemmDtype::kF32 ? 4 : 2;
   const size_t b_esize = p.b.dtype == GemmDtype::kF32 ? 4 : 2;
-  struct Subtree {
-    int64_t leaves;
-    float* sum;  // every element written by the chunk's GEMM before it is read
-  };
-  std::vector<Subtree> stack;
-  std::vector<float*> spare;  // slots of merged subtrees, reused
-  int64_t next_slot = 0;
-  for (int64_t k0 = 0; k0 < p.K; k0 += chunk) {
-    GemmProblem c = p;
-    c.K = std::min(chunk, p.K - k0);
+  ffi::Error status = ffi::Error::Success();
+  auto chunk_partial = [&](int64_t c) {
+    float* slot = workspace + __builtin_popcountll(static_cast<unsigned long long>(c)) * count;
+    const int64_t k0 = c * chunk;
+    GemmProblem q = p;
+    q.K = std::min(chunk, p.K - k0);
     // op(A) element (i, k) sits at [k*ld + i] (transposed) or [i*ld + k]; op(B) (k, j) at [j*ld + k]
     // (transposed) or [k*ld + j]: the chunk's operands are the same layouts from an offset pointer.
-    const int64_t a_off = p.a.trans ? k0 * p.a.ld : k0;
-    const int64_t b_off = p.b.trans ? k0 : k0 * p.b.ld;
-    c.a.ptr = static_cast<const char*>(p.a.ptr) + a_esize * a_off;
-    c.b.ptr = static_cast<const char*>(p.b.ptr) + b_esize * b_off;
-    float* buffer;
-    if (spare.empty()) {
-      buffer = workspace + next_slot++ * count;
-    } else {
-      buffer = spare.back();
-      spare.pop_back();
-    }
-    stack.push_back(Subtree{1, buffer});
-    c.out = buffer;
-    c.out_dtype = GemmDtype::kF32;
-    c.out_batch_stride = p.M * p.N;
-    c.accumulate = false;
-    if (auto err = gemm(op, c, pool); err.failure()) return err;
-    while (stack.size() > 1 && stack[stack.size() - 1].leaves == stack[stack.size() - 2].leaves) {
-      float* left = stack[stack.size() - 2].sum;
-      const float* right = stack.back().sum;
-      parallel_elements(pool, count, [left, right](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) left[i] = left[i] + right[i];
-      });
-      stack[stack.size() - 2].leaves *= 2;
-      spare.push_back(stack.back().sum);
-      stack.pop_back();
-    }
-  }
-  float* root = stack.back().sum;
-  for (size_t s = stack.size() - 1; s-- > 0;) {
-    const float* left = stack[s].sum;
-    parallel_elements(pool, count, [left, root](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) root[i] = left[i] + root[i];
+    q.a.ptr = static_cast<const char*>(p.a.ptr) + a_esize * (p.a.trans ? k0 * p.a.ld : k0);
+    q.b.ptr = static_cast<const char*>(p.b.ptr) + b_esize * (p.b.trans ? k0 : k0 * p.b.ld);
+    q.out = slot;  // every element written before it is read
+    q.out_dtype = GemmDtype::kF32;
+    q.out_batch_stride = p.M * p.N;
+    q.accumulate = false;
+    if (!status.failure()) status = gemm(op, q, pool);
+    return slot;
+  };
+  auto merge = [&](float* left, const float* right) {
+    parallel_elements(pool, count, [left, right](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) left[i] = left[i] + right[i];
     });
-  }
+    return left;
+  };
+  float* root = detmath::tree_fold<float*>(n, chunk_partial, merge);
+  if (status.failure()) return status;
   if (p.out_dtype == GemmDtype::kF32) {
     std::memcpy(p.out, root, sizeof(float) * count);
     return ffi::Error::Success();

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "common/cuda_common.h"
+#include "common/det_math.h"
 #include "common/testing.h"
 #include "gemm_args.h"
 #include "generated/gemm_launchers.h"
@@ -169,20 +170,18 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
 }
 
 // The tile of a Hopper call whose K spans `chunks` chunks, among the set's cooperative (128-row)
-// tiles, the ones that run the chunk tree in one launch (gemm_sm90_chunks.cuh); null when the
-// testing switch forces another tile (the call then runs chunk by chunk: the same bits). Beyond
+// tiles, the ones that run the chunk tree in one launch (gemm_sm90_chunks.cuh); null when the call
+// runs chunk by chunk instead (the same bits). Beyond
 // kBucketMaxRows rows the set's first tile; at fewer, the largest whose units (tiles, times the
 // chunks when the tiles alone leave SMs idle and the chunks are split over CTAs) give at least 4/5
 // as many CTAs as SMs, else the one with the most units.
 const TileKernel* choose_chunked_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l,
                                       int64_t chunks) {
-  if (d.force_m != 0) {
-    for (int i = 0; i < set.count; ++i) {
-      const TileKernel& t = set.tiles[i];
-      if (t.tile_m == d.force_m && t.tile_n == d.force_n) return t.tile_m == 128 ? &t : nullptr;
-    }
-    return nullptr;
-  }
+  // A forced tile, or the M-bucket rule's own: if it has fewer rows, the chunks run as launches of
+  // it (the one-launch tree on 128-row tiles measured slower for a handful of rows:
+  // benchmarks/RESULTS.md).
+  const TileKernel& own = choose_tile(set, d, m, n, l);
+  if (d.force_m != 0 || own.tile_m != 128) return own.tile_m == 128 ? &own : nullptr;
   const TileKernel* best = nullptr;
   for (int i = 0; i < set.count; ++i) {
     const TileKernel& t = set.tiles[i];
@@ -293,32 +292,17 @@ ffi::Error launch(const char* op, Launcher fn, const GemmArgs& g, cudaStream_t s
   return ffi::Error::Success();
 }
 
-// The canonical tree of `n` float32 chunk partials, element by element, cast once (RNE) to Out:
-// out[i] = cast(tree(p[0][i], ..., p[n-1][i])), p[c] = partials + c * count. The tree is the balanced
-// binary tree over the chunk index, lower index first, padded to a power of two with absent leaves
-// (jaxdet.parallel.tree_sum's), evaluated as a binary counter: each full pair of equal subtrees is
-// merged as soon as it exists; what is left, aligned subtrees of decreasing size, joins right to left.
+// out[i] = cast(tree(p[0][i], ..., p[n-1][i])), p[c] = partials + c * count: the canonical tree of
+// `n` float32 chunk partials element by element (detmath::tree_fold), cast once with round to
+// nearest even as the GEMM epilogues convert (n = 1: the cast alone).
 template <typename Out>
 __global__ void ChunkTreeKernel(const float* __restrict__ partials, int64_t n, int64_t count,
                                 Out* __restrict__ out) {
-  constexpr int kMaxDepth = 64;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    float value[kMaxDepth];
-    int64_t size[kMaxDepth];
-    int depth = 0;
-    for (int64_t c = 0; c < n; ++c) {
-      value[depth] = partials[c * count + i];
-      size[depth] = 1;
-      ++depth;
-      while (depth > 1 && size[depth - 1] == size[depth - 2]) {
-        value[depth - 2] = __fadd_rn(value[depth - 2], value[depth - 1]);
-        size[depth - 2] *= 2;
-        --depth;
-      }
-    }
-    float root = value[depth - 1];
-    for (int j = depth - 2; j >= 0; --j) root = __fadd_rn(value[j], root);
+    const float root = detmath::tree_fold<float>(
+        n, [&](int64_t c) { return partials[c * count + i]; },
+        [](float left, float right) { return detmath::add(left, right); });
     if constexpr (std::is_same_v<Out, float>) {
       out[i] = root;
     } else if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
@@ -478,16 +462,10 @@ ffi::Error GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
       return invalid(op, "the workspace is smaller than the float32 partials of the " + std::to_string(n) +
                              " chunks of K need");
     }
-    if (use_sm90(d) && !transpose_a && dt != ffi::F32) {
-      // Hopper's cooperative tiles run the chunks and their tree in one launch, where the M-bucket
-      // rule would take a cooperative tile anyway; where it takes a narrower one (few rows), the
-      // chunks run as launches of that tile (the measured cost of the one-launch tree there,
-      // 128-row tiles for a handful of rows, is higher: benchmarks/RESULTS.md).
+    if (use_sm90(d) && !transpose_a && dt != ffi::F32) {  // Hopper's cooperative tiles: one launch
       const KernelSet set = pick_gemm(d, dt, transpose_a, transpose_b, out_f32);
       if (auto err = check_forced_tile(op, set, d); err.failure()) return err;
-      const bool cooperative = d.force_m != 0 || choose_tile(set, d, g.m, g.n, g.l).tile_m == 128;
-      const TileKernel* t = cooperative ? choose_chunked_tile(set, d, g.m, g.n, g.l, n) : nullptr;
-      if (t != nullptr) {
+      if (const TileKernel* t = choose_chunked_tile(set, d, g.m, g.n, g.l, n); t != nullptr) {
         g.chunk = chunk;
         g.chunk_workspace = reinterpret_cast<void*>(aligned);
         g.chunk_workspace_bytes = workspace->size_bytes() - (aligned - base);
@@ -586,30 +564,6 @@ ffi::Error wgrad_f32_chunks(cudaStream_t stream, const char* op, const DeviceInf
   return ffi::Error::Success();
 }
 
-// float32 -> bfloat16/float16, round to nearest even: the cast of the accumulator off Hopper,
-// where the last chunk's epilogue cannot take a float32 C with a half D.
-template <typename Half>
-__global__ void CastF32Kernel(const float* __restrict__ in, Half* __restrict__ out, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
-      out[i] = __float2bfloat16_rn(in[i]);
-    } else {
-      out[i] = __float2half_rn(in[i]);
-    }
-  }
-}
-
-ffi::Error cast_f32(cudaStream_t stream, const char* op, ffi::DataType dt, const float* in, void* out, int64_t n) {
-  const unsigned grid =
-      static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, int64_t{current_sm_count()} * 16));
-  if (dt == ffi::BF16) {
-    CastF32Kernel<<<grid, 256, 0, stream>>>(in, static_cast<__nv_bfloat16*>(out), n);
-  } else {
-    CastF32Kernel<<<grid, 256, 0, stream>>>(in, static_cast<__half*>(out), n);
-  }
-  return last_launch_error(op);
-}
-
 ffi::Error GemmWgradCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> acc, ffi::AnyBuffer a, ffi::AnyBuffer dc,
                          ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t chunk_tokens) {
   constexpr const char* op = "jaxdet_gemm_wgrad";
@@ -682,7 +636,9 @@ ffi::Error GemmWgradInitCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
       err.failure()) {
     return err;
   }
-  return cast_f32(stream, op, w.dt, acc, out->untyped_data(), n_out);
+  // Off Hopper the last chunk's epilogue cannot take a float32 C with a half D: the cast is a
+  // tree of one leaf.
+  return chunk_tree(stream, op, w.dt, acc, 1, n_out, out->untyped_data());
 }
 
 }  // namespace
