@@ -30,6 +30,8 @@ from jax import lax
 from jaxdet import _native
 from jaxdet._src.core import autodiff, batching, ffi, tree, varying
 from jaxdet._src.core.checks import FLOAT_DTYPES, check_static_float, float_dtype_of
+from jaxdet._src.matmul.matmul import matmul
+from jaxdet._src.reduce.reduce import sum as canonical_sum
 
 __all__ = ["attention", "KV_BLOCK", "KV_SPLIT", "SUPPORTED_HEAD_DIMS", "KERNEL_HEAD_DIMS"]
 
@@ -185,18 +187,6 @@ bwd_p = ffi.define_primitive(
 )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention5(q, k, v, row_a, row_b, scale, row_form):
-    return fwd_p.bind(q, k, v, row_a, row_b, scale=scale, row_form=row_form)[0]
-
-
-def _attention5_fwd(q, k, v, row_a, row_b, scale, row_form):
-    o, lse2 = fwd_p.bind(q, k, v, row_a, row_b, scale=scale, row_form=row_form)
-    # Residuals: the inputs, the output and the float32 base-2 log-sum-exp per row; the
-    # probabilities are recomputed from them, never stored.
-    return o, (q, k, v, row_a, row_b, o, lse2)
-
-
 def _typed_like(ct, primal):
     """A cotangent with its primal's varying axes (jax.shard_map): axes only the cotangent varies
     over (keys and values invariant next to varying queries) are summed by the canonical tree in
@@ -207,15 +197,167 @@ def _typed_like(ct, primal):
     return tree.match_varying(ct, vma)
 
 
-def _attention5_bwd(scale, row_form, res, do):
-    q, k, v, row_a, row_b, o, lse2 = res
-    dq, dk, dv = bwd_p.bind(q, k, v, o, lse2, do.astype(q.dtype), row_a, row_b, scale=scale, row_form=row_form)
-    # None: the integer row descriptions get zero cotangents (no float0 array, whose shape may be
-    # symbolic under jax.export).
-    return (_typed_like(dq, q), _typed_like(dk, k), _typed_like(dv, v), None, None)
+# ---- The differentiable core. The primal is the forward kernel; the tangent of o in (tq, tk, tv)
+# is a linear map whose transpose is the backward kernel, so jax.grad runs exactly that kernel.
+# With P the probabilities of a query's visible keys (exactly 0 on the others):
+#   ds_j = scale (tq . k_j + q . tk_j),  c = sum_j P_j ds_j,
+#   to = sum_j P_j (ds_j - c) v_j + sum_j P_j tv_j.
+# Per (batch element, KV head) the rows are the T * G queries and the columns the S keys; every
+# dot product (over D, over keys, over query rows) is a jaxdet.matmul and c is a jaxdet.sum, so a
+# tangent row depends only on its query, its sequence's keys and the tangents (docs/derivatives.md,
+# "Row contracts in tangents"). The kernels' own derivatives (second order) are those of their
+# formulas (`_fwd_formula`, `_bwd_formula`) written with the same operations. ----
+
+_F32 = np.dtype(np.float32)
 
 
-_attention5.defvjp(_attention5_fwd, _attention5_bwd)
+def _query_rows(x):
+    """[B, T, H, G, D] -> [B, H, T * G, D] in float32: each KV head's queries as GEMM rows."""
+    B, T, H, G, D = x.shape
+    return x.astype(_F32).transpose(0, 2, 1, 3, 4).reshape(B, H, T * G, D)
+
+
+def _from_query_rows(x, shape):
+    B, T, H, G, D = shape
+    return x.reshape(B, H, T, G, D).transpose(0, 2, 1, 3, 4)
+
+
+def _visible(row_a, row_b, row_form, shape, S):
+    """(per query row [B, 1, T * G, S], per key [B, 1, S, 1]): whether the query sees the key, and
+    whether any query of the batch element does."""
+    B, T, H, G, _ = shape
+    start, limit = _row_ranges(row_a, row_b, row_form, B, T, S)
+    s = jnp.arange(S, dtype=jnp.int32)
+    vis = (s >= start[:, :, None]) & (s < (start + limit)[:, :, None])  # [B, T, S]
+    rows = jnp.broadcast_to(vis[:, None, :, None, :], (B, 1, T, G, S)).reshape(B, 1, T * G, S)
+    return rows, jnp.any(vis, axis=1)[:, None, :, None]
+
+
+def _key_rows(x, seen):
+    """[B, S, H, D] -> [B, H, S, D] in float32, zero at the keys no query sees (unused KV cache
+    capacity is never read into a result, whatever it holds, as in the kernels)."""
+    return jnp.where(seen, x.astype(_F32).transpose(0, 2, 1, 3), 0.0)
+
+
+def _mm(a, b):
+    return matmul(a, b, preferred_element_type=_F32)
+
+
+def _t(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _probabilities(q_rows, k_rows, lse2, vis, scale):
+    """P [B, H, T * G, S] = exp2(scale_log2 * q . k - lse2) on the visible keys, exactly 0 on the
+    others and on rows with no visible key (whose lse2 is -inf): no inf or NaN reaches a tangent."""
+    # scale_log2 multiplies q before the product, so no multiply-add of the scores can be fused.
+    x = _mm(q_rows * _scale_log2(scale), _t(k_rows))
+    B, H, T, G = lse2.shape
+    lse2 = lse2.reshape(B, H, T * G, 1)
+    lse2 = jnp.where(jnp.isfinite(lse2), lse2, 0.0)
+    return jnp.where(vis, jnp.exp2(jnp.where(vis, x - lse2, 0.0)), 0.0)
+
+
+def _tangent_fn(scale, row_form, which):
+    """The tangent of o in the tangents named by `which` (a subset of "q", "k", "v")."""
+
+    def fn(q, k, v, o, lse2, row_a, row_b, *lin):
+        t = dict(zip(which, lin))
+        vis, seen = _visible(row_a, row_b, row_form, q.shape, k.shape[1])
+        q_rows, k_rows = _query_rows(q), _key_rows(k, seen)
+        p = _probabilities(q_rows, k_rows, lse2, vis, scale)
+        parts = []
+        if "q" in t or "k" in t:
+            # ds = [s tq | s q] . [k | tk]^T: one product, no sum of two rounded terms.
+            lhs, rhs = [], []
+            if "q" in t:
+                lhs.append(_query_rows(t["q"]) * np.float32(scale))
+                rhs.append(k_rows)
+            if "k" in t:
+                lhs.append(q_rows * np.float32(scale))
+                rhs.append(_key_rows(t["k"], seen))
+            ds = _mm(jnp.concatenate(lhs, -1), _t(jnp.concatenate(rhs, -1)))
+            c = canonical_sum(jnp.where(vis, p * ds, 0.0), axis=-1, keepdims=True)
+            a = jnp.where(vis, p * (ds - c), 0.0)
+            parts.append(_mm(a, _key_rows(v, seen)))
+        if "v" in t:
+            parts.append(_mm(p, _key_rows(t["v"], seen)))
+        # Two products' float32 results added once (no multiply to contract with), then rounded.
+        do = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        return (_from_query_rows(do, q.shape).astype(q.dtype),)
+
+    return fn
+
+
+def _transpose_fn(scale, row_form, which):
+    """The backward kernel, returning the cotangents of the tangents named by `which`."""
+
+    def transpose(q, k, v, o, lse2, row_a, row_b, do):
+        grads = bwd_p.bind(q, k, v, o, lse2, do.astype(q.dtype), row_a, row_b, scale=scale, row_form=row_form)
+        primals = dict(q=q, k=k, v=v)
+        return tuple(_typed_like(g, primals[name]) for name, g in zip("qkv", grads) if name in which)
+
+    return transpose
+
+
+def _fwd_formula(q, k, v, row_a, row_b, *, scale, row_form):
+    """(o, lse2) of the forward kernel as a differentiable formula (its value is not used: the JVP
+    rule binds the kernel). m, the row's largest visible score, only keeps exp2 in range: lse2
+    does not depend on it, so it carries no tangent."""
+    vis, seen = _visible(row_a, row_b, row_form, q.shape, k.shape[1])
+    x = _mm(_query_rows(q) * _scale_log2(scale), _t(_key_rows(k, seen)))
+    m = lax.stop_gradient(jnp.max(jnp.where(vis, x, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(vis, jnp.exp2(jnp.where(vis, x - m, 0.0)), 0.0)
+    total = canonical_sum(e, axis=-1, keepdims=True)
+    seen_any = total > 0
+    total = jnp.where(seen_any, total, 1.0)
+    lse2 = jnp.where(seen_any, m + jnp.log2(total), -jnp.inf)
+    o = _mm(e / total, _key_rows(v, seen))
+    B, T, H, G, _ = q.shape
+    return [_from_query_rows(o, q.shape).astype(q.dtype), lse2.reshape(B, H, T, G)]
+
+
+def _bwd_formula(q, k, v, o, lse2, do, row_a, row_b, *, scale, row_form):
+    """(dq, dk, dv) of the backward kernel as a differentiable formula, from its o and lse2
+    operands as the kernel uses them: delta = do . o, ds_j = P_j (do . v_j - delta)."""
+    vis, seen = _visible(row_a, row_b, row_form, q.shape, k.shape[1])
+    q_rows, k_rows, v_rows = _query_rows(q), _key_rows(k, seen), _key_rows(v, seen)
+    do_rows = _query_rows(do)
+    p = _probabilities(q_rows, k_rows, lse2, vis, scale)
+    delta = canonical_sum(do_rows * _query_rows(o), axis=-1, keepdims=True)
+    ds = jnp.where(vis, p * (_mm(do_rows, _t(v_rows)) - delta), 0.0)
+    s = np.float32(scale)
+    dq = _from_query_rows(_mm(ds, k_rows) * s, q.shape)
+    dk = (_mm(_t(ds), q_rows) * s).transpose(0, 2, 1, 3)
+    dv = _mm(_t(p), do_rows).transpose(0, 2, 1, 3)
+    return [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
+
+
+autodiff.jvp_of_formula(fwd_p, _fwd_formula)
+autodiff.jvp_of_formula(bwd_p, _bwd_formula)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def _attention5(q, k, v, row_a, row_b, scale, row_form):
+    return fwd_p.bind(q, k, v, row_a, row_b, scale=scale, row_form=row_form)[0]
+
+
+def _attention5_jvp(scale, row_form, primals, tangents):
+    q, k, v, row_a, row_b = primals
+    # The residuals: the inputs, the output and the float32 base-2 log-sum-exp per row; the
+    # probabilities are recomputed from them, never stored.
+    o, lse2 = fwd_p.bind(q, k, v, row_a, row_b, scale=scale, row_form=row_form)
+    which = tuple(name for name, t in zip("qkv", tangents[:3]) if not autodiff.is_zero(t))
+    if not which:
+        return o, jnp.zeros_like(o)
+    lin = tuple(t for t in tangents[:3] if not autodiff.is_zero(t))
+    res = (q, k, v, o, lse2, row_a, row_b)
+    (to,) = autodiff.linear_call(_tangent_fn(scale, row_form, which), _transpose_fn(scale, row_form, which), res, lin)
+    return o, to
+
+
+_attention5.defjvp(_attention5_jvp, symbolic_zeros=True)
 
 
 # ---- Which keys each query sees. ----
@@ -313,18 +455,21 @@ def _rows_of_mask(mask, B, T, S, causal, q_positions, kv_lengths):
     return _mask_rows(jnp, jnp.asarray(mask), B, T, S, causal, q_positions, kv_lengths)
 
 
+def _row_ranges(row_a, row_b, row_form, B, T, S):
+    """(kv_start, limit) [B, T] of the rows described, clamped as the kernels do (RowForm)."""
+    if row_form == CAUSAL_POSITIONS:
+        seen = jnp.clip(row_a, -1, S - 1) + 1
+        return jnp.zeros_like(row_a), jnp.minimum(seen, jnp.clip(row_b, 0, S)[:, None])
+    if row_form == LENGTHS:
+        return jnp.zeros((B, T), jnp.int32), jnp.broadcast_to(jnp.clip(row_b, 0, S)[:, None], (B, T))
+    start = jnp.clip(row_a, 0, S)
+    return start, jnp.clip(row_b, 0, S - start)
+
+
 def _windowed(row_a, row_b, row_form, B, T, S, q_positions, segment_ids, window):
     """START_LIMIT rows of the rows described, each cut to the keys at memory rows
     ``p - window + 1 .. p`` of its query's row ``p`` (q_positions, else the query's index)."""
-    if row_form == CAUSAL_POSITIONS:
-        seen = jnp.clip(row_a, -1, S - 1) + 1
-        start, limit = jnp.zeros_like(row_a), jnp.minimum(seen, jnp.clip(row_b, 0, S)[:, None])
-    elif row_form == LENGTHS:
-        start = jnp.zeros((B, T), jnp.int32)
-        limit = jnp.broadcast_to(jnp.clip(row_b, 0, S)[:, None], (B, T))
-    else:
-        start = jnp.clip(row_a, 0, S)
-        limit = jnp.clip(row_b, 0, S - start)
+    start, limit = _row_ranges(row_a, row_b, row_form, B, T, S)
     if segment_ids is None and q_positions is not None:
         p = jnp.broadcast_to(q_positions.astype(jnp.int32), (B, T))
     else:
@@ -488,16 +633,12 @@ def attention(
     Dk = next(d for d in KERNEL_HEAD_DIMS if d >= D)
     if Dk != D:
         q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, Dk - D)]) for x in (q, k, v))
-    out = autodiff.reverse_only(
-        "jaxdet.attention", _attention5, q.reshape(B, T, K, G, Dk), k, v, row_a, row_b, scale, row_form
-    )
+    out = _attention5(q.reshape(B, T, K, G, Dk), k, v, row_a, row_b, scale, row_form)
     out = out.reshape(B, T, N, Dk)[..., :D]
     if ok is not None:
         out = jnp.where(ok[:, :, None, None], out, jnp.array(np.nan, out.dtype))
     return out
 
-
-autodiff.refuse_jvp(globals(), lambda params: "jaxdet.attention")
 
 # The public function carries its constants (jaxdet.attention.KV_SPLIT, ...).
 attention.KV_BLOCK, attention.KV_SPLIT = KV_BLOCK, KV_SPLIT
