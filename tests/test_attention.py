@@ -966,16 +966,3 @@ def test_audit_advice_and_docs_point_to_jaxdet_attention():
             text = f.read()
         for pattern in (r"/work/", r"shared/reference", r"\bStep \d", r"\bsessions?\b"):
             assert not re.search(pattern, text), f"{os.path.relpath(page, root)}: {pattern}"
-
-
-def test_unsupported_differentiation_names_jaxdet_attention():
-    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 64), jnp.float32)
-
-    def f(q):
-        return jaxdet.attention(q, q * 0.5, q * 2.0)
-
-    supported = r"jaxdet\.attention supports reverse-mode differentiation once"
-    with pytest.raises(TypeError, match=supported + ".*forward mode"):
-        jax.jvp(f, (q,), (q,))
-    with pytest.raises(NotImplementedError, match=supported + ".*its gradient again"):
-        jax.grad(lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(f(q) ** 2))(q)))(q)

@@ -1,8 +1,10 @@
 """Forward mode and second derivatives (docs/derivatives.md): jax.jvp, jax.linearize, jax.jacfwd,
-jax.hessian and grad of grad through matmul, dropout, the norms, the softmax family and jaxdet.sum,
-against float64 references by relative norm; tangent rows bitwise independent of the batch; the
-same bits under jit, vmap and remat (inside shard_map and under sharded jit:
-tests/test_rowops_sharding.py::test_tangents_in_shard_map_and_sharded_jit_equal_one_device).
+jax.hessian and grad of grad through matmul, dropout, the norms, the softmax family, jaxdet.sum and
+jaxdet.attention (every row form), against float64 references by relative norm; tangent rows bitwise
+independent of the batch (attention: of the batch, and a decode step's of the full pass); the same
+bits under jit, vmap and remat (inside shard_map and under sharded jit:
+tests/test_rowops_sharding.py::test_tangents_in_shard_map_and_sharded_jit_equal_one_device and
+::test_attention_tangents_in_shard_map_and_sharded_jit_equal_one_device).
 """
 
 import jax
@@ -46,6 +48,80 @@ def _dropout_ref(x):
     return x * jaxdet.dropout(jnp.ones(x.shape, F32), KEY, 0.5).astype(x.dtype)
 
 
+def _attention_ref(q, k, v, visible, scale=None):
+    """Attention of q [B, T, N, D] over k, v [B, S, K, D] with visible [B, T, S] (NumPy bool): a
+    plain-JAX softmax over the visible keys (a row with none gives zeros)."""
+    B, T, N, D = q.shape
+    G = N // k.shape[2]
+    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    vis = jnp.asarray(visible)[:, None]  # [B, 1, T, S]
+    s = jnp.einsum("btnd,bsnd->bnts", q, jnp.repeat(k, G, axis=2)) * scale
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, s, -jnp.inf), -1, keepdims=True))
+    e = jnp.where(vis, jnp.exp(jnp.where(vis, s - jnp.where(jnp.isfinite(m), m, 0), 0)), 0)
+    total = jnp.sum(e, -1, keepdims=True)
+    p = e / jnp.where(total > 0, total, 1)
+    return jnp.einsum("bnts,bsnd->btnd", p, jnp.repeat(v, G, axis=2))
+
+
+def _causal(T, S, pos):
+    return np.arange(S)[None, None, :] <= np.asarray(pos)[..., None]  # [B, T, S]
+
+
+# Each row form of jaxdet.attention: (keyword arguments, visible [B, T, S], T, S). B = 2.
+_POS = np.array([[3, 6], [1, 2]])  # a decode step's two queries per sequence, against a cache of 7
+_KV_LEN = np.array([6, 2])  # sequence 1's second query (position 2) sees only its first two keys
+_SEGMENTS = np.array([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 3, 3]])
+_PAD = np.array([1, 4])  # left padding: sequence b's first key is b's pad (rows before it see none)
+_SAME_SEGMENT = _SEGMENTS[:, :, None] == _SEGMENTS[:, None, :]
+ATTENTION_FORMS = {
+    "causal": ({}, _causal(6, 6, np.broadcast_to(np.arange(6), (2, 6))), 6, 6),
+    # sequence 1 has no key: its rows' outputs and tangents are zeros
+    "lengths": (
+        dict(causal=False, kv_lengths=np.array([4, 0], np.int32)),
+        np.broadcast_to(np.arange(6) < np.array([4, 0])[:, None, None], (2, 6, 6)),
+        6,
+        6,
+    ),
+    "decode": (
+        dict(q_positions=_POS.astype(np.int32), kv_lengths=_KV_LEN.astype(np.int32)),
+        _causal(2, 7, _POS) & (np.arange(7) < _KV_LEN[:, None, None]),
+        2,
+        7,
+    ),
+    "segments": (
+        dict(segment_ids=_SEGMENTS.astype(np.int32)),
+        _SAME_SEGMENT & _causal(6, 6, np.broadcast_to(np.arange(6), (2, 6))),
+        6,
+        6,
+    ),
+    "segments_bidirectional": (dict(causal=False, segment_ids=_SEGMENTS.astype(np.int32)), _SAME_SEGMENT, 6, 6),
+    "mask": (
+        dict(mask=(np.arange(6)[None, :] >= _PAD[:, None])[:, None, None, :]),
+        (np.arange(6) >= _PAD[:, None, None]) & _causal(6, 6, np.broadcast_to(np.arange(6), (2, 6))),
+        6,
+        6,
+    ),
+    "window": (
+        dict(window=3),
+        _causal(6, 6, np.broadcast_to(np.arange(6), (2, 6))) & (np.arange(6) > np.arange(6)[:, None] - 3),
+        6,
+        6,
+    ),
+}
+
+
+def _attention_case(form, D=32, N=2, K=1):
+    """A CASES entry: jaxdet.attention in the row form, its float64 reference and (q, k, v)'s shapes
+    (grouped-query heads: N = 2 query heads on K = 1 KV head)."""
+    kwargs, visible, T, S = ATTENTION_FORMS[form]
+    kwargs = {n: jnp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in kwargs.items()}
+    return (
+        lambda q, k, v: jaxdet.attention(q, k, v, **kwargs),
+        lambda q, k, v: _attention_ref(q, k, v, visible),
+        [(2, T, N, D), (2, S, K, D), (2, S, K, D)],
+    )
+
+
 # name: (jaxdet function, float64 reference, arguments' shapes; the first is the row argument [R, n]).
 CASES = {
     "matmul": (lambda a, b: jaxdet.matmul(a, b), lambda a, b: a @ b, [(6, 8), (8, 3)]),
@@ -62,9 +138,13 @@ CASES = {
     "label_log_probs": (lambda x: jaxdet.label_log_probs(x, _labels(x)), lambda x: _xent_ref(x, 1.0), [(6, 8)]),
     "dropout": (lambda x: jaxdet.dropout(x, KEY, 0.5), _dropout_ref, [(6, 8)]),
     "sum": (lambda x: jaxdet.sum(x, axis=-1), lambda x: jnp.sum(x, -1), [(6, 8)]),
+    **{f"attention_{form}": _attention_case(form) for form in ATTENTION_FORMS},
+    # a head dimension run on the 128 kernel with zero columns; multi-head (G = 1)
+    "attention_d80": _attention_case("causal", D=80, N=1),
 }
-# Dropout's mask is indexed by the element's position in the array (docs/dropout.md), not by row.
-ROW_OPS = [n for n in CASES if n not in ("matmul_batched", "dropout")]
+# Dropout's mask is indexed by the element's position in the array (docs/dropout.md), not by row;
+# attention's rows are queries of sequences with their own keys (attention's own tests below).
+ROW_OPS = [n for n in CASES if n not in ("matmul_batched", "dropout") and not n.startswith("attention")]
 
 
 def _args(name, seed=0, dtype=F32):
@@ -134,7 +214,11 @@ def test_hvp_grad_of_grad_jacfwd_hessian_match_float64(name):
     check_second_order(name)
 
 
-@pytest.mark.parametrize("name", ["matmul", "rms_norm", "layer_norm", "softmax", "log_softmax", "label_log_probs"])
+@pytest.mark.parametrize(
+    "name",
+    ["matmul", "rms_norm", "layer_norm", "softmax", "log_softmax", "label_log_probs"]
+    + ["attention_causal", "attention_decode", "attention_d80"],
+)
 def test_half_precision_tangents(name):
     f, ref, _ = CASES[name]
     args, tangents = _args(name, dtype=jnp.bfloat16), _args(name, seed=10, dtype=jnp.bfloat16)
@@ -143,6 +227,19 @@ def test_half_precision_tangents(name):
     with jax.enable_x64(True):
         want = jax.jvp(ref, _f64(args), _f64(tangents))[1]
     assert rel(t, want) < 3e-2, rel(t, want)
+
+
+@pytest.mark.parametrize("name", ["attention_causal", "attention_lengths", "attention_decode", "attention_d80"])
+def test_half_precision_second_derivatives_of_attention(name):
+    # bfloat16 inputs: every second derivative keeps the dtype and is within 3e-2 of float64.
+    f, ref, _ = CASES[name]
+    args, tangents = _args(name, dtype=jnp.bfloat16), _args(name, seed=10, dtype=jnp.bfloat16)
+    got = jax.jit(lambda a, t: _second_order(f, a, t))(args, tangents)
+    with jax.enable_x64(True):
+        want = jax.jit(lambda a, t: _second_order(ref, a, t))(_f64(args), _f64(tangents))
+    for what, g_, e_ in zip(("hvp", "grad of grad", "jacfwd", "hessian"), got, want):
+        for g, e in zip(jax.tree.leaves(g_), jax.tree.leaves(e_)):
+            assert g.dtype == jnp.bfloat16 and rel(g, e) < 3e-2, (what, g.dtype, rel(g, e))
 
 
 # ---- row contracts ------------------------------------------------------------------------------------
@@ -239,10 +336,118 @@ def test_second_derivatives_through_vmap_with_per_example_parameters(name):
     assert rel(hess, want_hess) < 2e-5, rel(hess, want_hess)
 
 
-def test_attention_forward_mode_raises_not_implemented():
-    q = rand((1, 8, 2, 64), 0)
-    with pytest.raises(NotImplementedError, match=r"jaxdet\.attention supports reverse-mode.*jax\.jacrev"):
-        jax.jvp(lambda q: jaxdet.attention(q, q, q), (q,), (q,))
+# ---- attention ----------------------------------------------------------------------------------------
+
+
+def _bwd_kernel_grads(q, k, v, g):
+    """jaxdet.attention's backward kernel bound directly on a causal pass (D = 64: no padding), as
+    jax.grad ran it before attention had forward mode: the bits gradients must keep."""
+    from jaxdet._src.attention.attention import CAUSAL_POSITIONS, bwd_p, fwd_p
+
+    B, T, N, D = q.shape
+    K = k.shape[2]
+    q5 = q.reshape(B, T, K, N // K, D)
+    rows = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), jnp.full((B,), T, jnp.int32)
+    params = dict(scale=1.0 / np.sqrt(D), row_form=CAUSAL_POSITIONS)
+    o, lse2 = fwd_p.bind(q5, k, v, *rows, **params)
+    dq, dk, dv = bwd_p.bind(q5, k, v, o, lse2, g.reshape(q5.shape), *rows, **params)
+    return dq.reshape(q.shape), dk, dv
+
+
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_attention_primal_and_reverse_mode_keep_the_kernels_bits(dtype):
+    # The primal of jax.jvp is the forward kernel's output; reverse mode is the transpose of the
+    # tangent map, which is the backward kernel: jax.grad, jax.vjp and jax.linear_transpose of
+    # jax.linearize's map give the backward kernel's bits, and jax.grad's program holds that
+    # kernel and no tangent map.
+    q, k, v = rand((2, 8, 4, 64), 0, dtype), rand((2, 8, 2, 64), 1, dtype), rand((2, 8, 2, 64), 2, dtype)
+    tangents, g = (rand(x.shape, 10 + i, dtype) for i, x in enumerate((q, k, v))), rand(q.shape, 20, dtype)
+    y = jax.jvp(jaxdet.attention, (q, k, v), tuple(tangents))[0]
+    assert_bitwise(y, jaxdet.attention(q, k, v))
+    want = _bwd_kernel_grads(q, k, v, g)
+    _, lin = jax.linearize(jaxdet.attention, q, k, v)
+    for got in (
+        jax.vjp(jaxdet.attention, q, k, v)[1](g),
+        jax.linear_transpose(lin, q, k, v)(g),
+        jax.jit(jax.grad(lambda *a: jnp.sum(jaxdet.attention(*a).astype(F32) * g), (0, 1, 2)))(q, k, v),
+    ):
+        for a, b, name in zip(got, want, ("dq", "dk", "dv")):
+            assert_bitwise(a, b, name)
+    # The gradient of q alone is the same kernel's dq.
+    assert_bitwise(jax.vjp(lambda q: jaxdet.attention(q, k, v), q)[1](g)[0], want[0])
+    text = str(jax.make_jaxpr(jax.grad(lambda q: jnp.sum(jaxdet.attention(q, k, v).astype(F32) ** 2)))(q))
+    assert "jaxdet_attention_bwd" in text and "jaxdet_linear" not in text
+
+
+def _attention_inputs(B, T, S, dtype=F32, N=4, K=2, D=32, seed=0):
+    return tuple(rand(s, seed + i, dtype) for i, s in enumerate([(B, T, N, D), (B, S, K, D), (B, S, K, D)]))
+
+
+def check_attention_tangent_rows(dtype=F32):
+    """Sequence b's tangent rows in a batch of 3 (and its rows of a Hessian-vector product in q, k
+    and v held) are bitwise those of sequence b alone."""
+    kv_lengths = jnp.asarray([5, 8, 3], jnp.int32)
+    f = lambda q, k, v, n: jaxdet.attention(q, k, v, kv_lengths=n)  # noqa: E731
+    args, tangents = _attention_inputs(3, 8, 8, dtype), _attention_inputs(3, 8, 8, dtype, seed=10)
+    t = jax.jvp(lambda *a: f(*a, kv_lengths), args, tangents)[1]
+
+    def hvp(q, k, v, tq, n):
+        return jax.jvp(jax.grad(lambda q: jnp.sum(jnp.sin(2.0 * f(q, k, v, n).astype(F32)))), (q,), (tq,))[1]
+
+    h = hvp(*args, tangents[0], kv_lengths)
+    for b in range(3):
+        one = lambda x: x[b : b + 1]  # noqa: E731
+        t_b = jax.jvp(lambda *a: f(*a, one(kv_lengths)), tuple(map(one, args)), tuple(map(one, tangents)))[1]
+        assert_bitwise(one(t), t_b, f"tangent of sequence {b}")
+        assert_bitwise(one(h), hvp(*map(one, args), one(tangents[0]), one(kv_lengths)), f"hvp of sequence {b}")
+
+
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_attention_tangent_rows_do_not_depend_on_the_batch(dtype):
+    check_attention_tangent_rows(dtype)
+
+
+def check_attention_decode_tangents(dtype=F32):
+    """A decode step's (and a prefill chunk's) tangent against a KV cache of 16 rows whose unused
+    rows hold NaN, in its primal and tangents, has bitwise the full causal pass's rows: masked keys
+    add exact zeros, appended after the visible ones."""
+    T, cap = 10, 16
+    args, tangents = _attention_inputs(2, T, T, dtype), _attention_inputs(2, T, T, dtype, seed=10)
+    full = jax.jvp(jaxdet.attention, args, tangents)[1]
+
+    def cache(x):
+        return jnp.concatenate([x, jnp.full((x.shape[0], cap - T) + x.shape[2:], np.nan, x.dtype)], 1)
+
+    for lo, hi in ((0, 1), (4, 5), (9, 10), (3, 7)):
+
+        def step(q, k, v, lo=lo, hi=hi):
+            pos = jnp.broadcast_to(jnp.arange(lo, hi, dtype=jnp.int32), (2, hi - lo))
+            return jaxdet.attention(q, k, v, q_positions=pos, kv_lengths=jnp.full((2,), hi, jnp.int32))
+
+        chunk = lambda x, lo=lo, hi=hi: x[:, lo:hi]  # noqa: E731
+        t = jax.jvp(step, (chunk(args[0]), *map(cache, args[1:])), (chunk(tangents[0]), *map(cache, tangents[1:])))[1]
+        assert_bitwise(t, chunk(full), f"queries {lo}..{hi - 1}")
+
+
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_attention_decode_tangents_equal_the_full_pass(dtype):
+    check_attention_decode_tangents(dtype)
+
+
+def test_attention_tangents_under_jit_vmap_and_remat():
+    kv_lengths = jnp.asarray([5, 8, 3, 8], jnp.int32)
+    f = lambda q, k, v, n: jaxdet.attention(q, k, v, kv_lengths=n)  # noqa: E731
+    args, tangents = _attention_inputs(4, 8, 8), _attention_inputs(4, 8, 8, seed=10)
+    jvp = lambda a, t, n: jax.jvp(lambda *a: f(*a, n), a, t)[1]  # noqa: E731
+    t = jvp(args, tangents, kv_lengths)
+    assert_bitwise(jax.jit(jvp)(args, tangents, kv_lengths), t, "jit")
+    assert_bitwise(jax.jvp(jax.checkpoint(lambda *a: f(*a, kv_lengths)), args, tangents)[1], t, "remat")
+    halves = lambda x: x.reshape((2, 2) + x.shape[1:])  # noqa: E731
+    got = jax.vmap(jvp)(*jax.tree.map(halves, (args, tangents, kv_lengths)))
+    assert_bitwise(got.reshape(t.shape), t, "vmap over halves of the batch")
+    # Reverse mode over a forward-mode result (grad of a jvp), jitted, with and without remat.
+    L = lambda q: jnp.sum(jvp((q,) + args[1:], tangents, kv_lengths) ** 2)  # noqa: E731
+    assert_bitwise(jax.jit(jax.grad(L))(args[0]), jax.jit(jax.grad(jax.checkpoint(L)))(args[0]), "grad of jvp")
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------
@@ -259,3 +464,10 @@ def test_gpu_forward_mode_accuracy(name, on_gpu):
 @pytest.mark.parametrize("name", ROW_OPS)
 def test_gpu_tangent_rows_do_not_depend_on_the_batch(name, on_gpu):
     check_tangent_rows(name)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_tangent_rows_and_decode_steps(on_gpu):
+    for dtype in (F32, jnp.bfloat16):
+        check_attention_tangent_rows(dtype)
+        check_attention_decode_tangents(dtype)

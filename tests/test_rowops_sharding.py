@@ -305,3 +305,42 @@ def test_tangents_in_shard_map_and_sharded_jit_equal_one_device():
     sharded = jax.jit(tangents)(put(x, m, P("data")), w, put(tx, m, P("data")), tw)
     for got, exp in zip(sharded, want):
         assert_bitwise(got, exp)
+
+
+@on_devices
+def test_attention_tangents_in_shard_map_and_sharded_jit_equal_one_device():
+    # Sequences split over the devices: a tangent (and a Hessian-vector product in q) has the
+    # single-device bits, inside shard_map (every operand split, or keys and values shared) and
+    # under sharded jit.
+    m = mesh()
+    q, k, v = rand((8, 16, 4, 32), seed=30), rand((8, 16, 2, 32), seed=31), rand((8, 16, 2, 32), seed=32)
+    tq, tk, tv = rand(q.shape, seed=33), rand(k.shape, seed=34), rand(v.shape, seed=35)
+    kv_lengths = jnp.arange(8, dtype=jnp.int32) * 3 - 2  # the first sequence sees no key
+
+    def tangents(q, k, v, tq, tk, tv, n):
+        f = (
+            lambda q, k, v: jaxdet.attention(  # noqa: E731
+                q,
+                jnp.broadcast_to(k, (q.shape[0],) + k.shape[1:]),
+                jnp.broadcast_to(v, (q.shape[0],) + v.shape[1:]),
+                kv_lengths=n,
+            )
+        )
+        loss = lambda q: jnp.sum(jnp.sin(2.0 * f(q, k, v)))  # noqa: E731
+        return jax.jvp(f, (q, k, v), (tq, tk, tv))[1], jax.jvp(jax.grad(loss), (q,), (tq,))[1]
+
+    want = tangents(q, k, v, tq, tk, tv, kv_lengths)
+    split = P("data")
+    sm = jax.jit(jax.shard_map(tangents, mesh=m, in_specs=split, out_specs=split))
+    for got, exp, name in zip(sm(q, k, v, tq, tk, tv, kv_lengths), want, ("tangent", "hvp")):
+        assert_bitwise(got, exp, f"shard_map: {name}")
+    # Keys, values and their tangents shared by every device.
+    want = tangents(q, k[:1], v[:1], tq, tk[:1], tv[:1], kv_lengths)
+    shared = (split, P(), P(), split, P(), P(), split)
+    sm = jax.jit(jax.shard_map(tangents, mesh=m, in_specs=shared, out_specs=split))
+    for got, exp, name in zip(sm(q, k[:1], v[:1], tq, tk[:1], tv[:1], kv_lengths), want, ("tangent", "hvp")):
+        assert_bitwise(got, exp, f"shard_map, shared keys: {name}")
+    want = tangents(q, k, v, tq, tk, tv, kv_lengths)
+    args = [put(x, m, split) for x in (q, k, v, tq, tk, tv, kv_lengths)]
+    for got, exp, name in zip(jax.jit(tangents)(*args), want, ("tangent", "hvp")):
+        assert_bitwise(got, exp, f"sharded jit: {name}")
