@@ -434,6 +434,24 @@ def test_attention_decode_tangents_equal_the_full_pass(dtype):
     check_attention_decode_tangents(dtype)
 
 
+def test_attention_rows_of_a_non_contiguous_traced_mask():
+    # A traced mask row whose keys are not one run has a NaN output, as without derivatives, and a
+    # zero tangent; the other rows' tangents are finite.
+    q, k, v = _attention_inputs(1, 4, 4)
+    mask = np.tril(np.ones((4, 4), bool))
+    mask[2, 1] = False  # row 2 sees keys 0 and 2
+
+    @jax.jit
+    def jvp(mask, args, tangents):
+        return jax.jvp(lambda q, k, v: jaxdet.attention(q, k, v, mask=mask), args, tangents)
+
+    y, t = jvp(mask, (q, k, v), _attention_inputs(1, 4, 4, seed=10))
+    assert_bitwise(y, jax.jit(lambda m, q, k, v: jaxdet.attention(q, k, v, mask=m))(mask, q, k, v))
+    y, t = np.asarray(y), np.asarray(t)
+    assert np.isnan(y[:, 2]).all() and np.isfinite(np.delete(y, 2, 1)).all()
+    assert (t[:, 2] == 0).all() and np.isfinite(t).all() and (np.delete(t, 2, 1) != 0).any()
+
+
 def test_attention_tangents_under_jit_vmap_and_remat():
     kv_lengths = jnp.asarray([5, 8, 3, 8], jnp.int32)
     f = lambda q, k, v, n: jaxdet.attention(q, k, v, kv_lengths=n)  # noqa: E731

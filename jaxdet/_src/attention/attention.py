@@ -15,6 +15,9 @@ The contracts (docs/attention.md, proven by tests/test_attention.py):
   ascending order.
 * Backward. dQ rows have the same invariance; dK and dV are deterministic (a fixed order over the
   query rows, no atomics).
+* Derivatives to any order, forward and reverse (docs/derivatives.md): the tangent is a linear map
+  of jaxdet products whose transpose is the backward kernel; its rows are invariant as the
+  output's, and a decode step's tangent is the full pass's.
 """
 
 from __future__ import annotations
@@ -533,9 +536,11 @@ def attention(
         limit above; a row is computed from its first visible key, so decode against a long cache
         gives the windowed prefill's bits.
 
-    Returns ``[B, T, N, D]`` in q's dtype. A query that sees no key gets zeros. Reverse-mode
-    differentiable in q, k and v (``jax.custom_vjp``; the backward is one jaxdet kernel and is not
-    itself differentiable).
+    Returns ``[B, T, N, D]`` in q's dtype. A query that sees no key gets zeros. Differentiable in
+    q, k and v to any order, forward and reverse (docs/derivatives.md): ``jax.grad`` runs the
+    backward kernel; forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) and second
+    derivatives materialize the T x S probabilities per head in float32 (memory O(B N T S)) and
+    keep the rows' invariance (jaxdet.matmul and jaxdet.sum for every reduction).
 
     Raises TypeError for unsupported or mixed dtypes and non-integer positions, ValueError for
     shapes that do not fit together (naming them).
