@@ -51,6 +51,12 @@ struct GemmArgs {
   size_t chunk_workspace_bytes = 0;
 };
 
+// The forward sets' mma.sync few-row tile (gemm_narrow.cuh), which the dispatcher recognises.
+namespace narrow {
+constexpr int kTileM = 16;  // rows of D per CTA: two mma n8 blocks
+constexpr int kTileN = 32;  // columns of D per CTA: two mma m16 blocks
+}  // namespace narrow
+
 // Empty string on success, otherwise a message (the caller prefixes the FFI target's name).
 using Status = std::string;
 

@@ -14,6 +14,14 @@
 // wgmma m64nNk16 bit for bit (tests/test_gemm_buckets.py proves it against every other tile on
 // special values and K residues). wgmma's first step replaces the accumulator where these start
 // from zero; the sums differ at most in the sign of a zero, which the epilogue's +0 erases.
+//
+// The chunk rule (docs/matmul.md) in one launch: with K beyond one chunk, every (column slice, row
+// block, chunk) is a CTA of its own (split-K, so a decode-size product gets chunks times as many
+// CTAs). Each computes its chunk's K tiles exactly as a launch on that chunk's K range would, and
+// stores the float32 partial that launch's float32 D would hold; the last CTA of a tile to arrive
+// (an integer counter per tile: arrival order decides only who combines, never what) reads the
+// tile's partials and combines them by the canonical tree (detmath::tree_fold), cast once like the
+// per-chunk path's tree kernel. No CTA waits for another, so any residency works.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,6 +33,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/det_math.h"
 #include "common/mma_sm80.cuh"
 #include "cutlass/layout/matrix.h"
 #include "cutlass/numeric_types.h"
@@ -34,8 +43,6 @@ namespace jaxdet {
 namespace gemm {
 namespace narrow {
 
-constexpr int kTileM = 16;  // rows of D per CTA: two mma n8 blocks
-constexpr int kTileN = 32;  // columns of D per CTA: two mma m16 blocks
 constexpr int kTileK = 64;  // the Hopper sets' K tile (sm90::kTileK in gemm_sm90.cuh), in four k16 steps
 constexpr int kWarps = 4;   // warp w: columns 16 * (w & 1), rows 8 * (w >> 1) of the tile
 constexpr int kThreads = kWarps * 32;
@@ -78,6 +85,19 @@ __device__ __forceinline__ void store_d(ElementD* p, float alpha, float beta, fl
   }
 }
 
+// D's element from the chunk tree's root: round to nearest even, as the per-chunk path's tree
+// kernel (ChunkTreeKernel in matmul_cuda.cu) converts.
+template <class ElementD>
+__device__ __forceinline__ void store_root(ElementD* p, float root) {
+  if constexpr (std::is_same_v<ElementD, float>) {
+    *p = root;
+  } else if constexpr (std::is_same_v<ElementD, cutlass::bfloat16_t>) {
+    *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(root);
+  } else {
+    *reinterpret_cast<__half*>(p) = __float2half_rn(root);
+  }
+}
+
 struct Params {
   int64_t m, n, k, l;
   int64_t m_blocks;  // ceil(m / kTileM)
@@ -89,6 +109,14 @@ struct Params {
   void* d;  // row-major [M, N]
   int64_t ldd, batch_d;
   float alpha, beta;  // 1 and 0
+  // The chunk rule: K tiles per chunk and chunks (1: no chunking); with more than one, each CTA's
+  // float32 partial [kThreads][4] at partials + (((l * chunks + c) * m_blocks + mb) * n_tiles +
+  // tile) * kThreads * 4, and one arrival counter per (l, mb, tile), zero before the launch.
+  int chunk_k_tiles;
+  int chunks;
+  int64_t n_tiles;
+  float* partials;
+  int32_t* counters;
 };
 
 template <class Element, class ElementD, int kStages = narrow::kStages>
@@ -100,7 +128,12 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
   const int k_tiles = p.k_tiles;
   const int warp_n = 16 * (warp & 1), warp_m = 8 * (warp >> 1);
 
-  for (int64_t l = blockIdx.z; l < p.l; l += gridDim.z) {
+  const int64_t units = p.l * p.chunks;  // (batch, chunk) pairs, chunk fastest
+  for (int64_t lc = blockIdx.z; lc < units; lc += gridDim.z) {
+    const int64_t l = lc / p.chunks;
+    const int c = static_cast<int>(lc - l * p.chunks);
+    const int kt_begin = c * p.chunk_k_tiles;  // this chunk's K tiles: [kt_begin, kt_begin + nkt)
+    const int nkt = (k_tiles - kt_begin < p.chunk_k_tiles ? k_tiles - kt_begin : p.chunk_k_tiles);
     for (int64_t mb = blockIdx.y; mb < m_blocks; mb += gridDim.y) {
       const int64_t m0 = mb * kTileM;
       const int rows = static_cast<int>(p.m - m0 < kTileM ? p.m - m0 : kTileM);
@@ -132,17 +165,17 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
 
 #pragma unroll
       for (int s = 0; s < kStages - 1; ++s) {
-        if (s < k_tiles) load(s, s);
+        if (s < nkt) load(s, kt_begin + s);
         cp_async_commit();
       }
 
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const bool active = warp_m < rows;
       const int r8 = lane & 7, mat = lane >> 3;
-      for (int kt = 0; kt < k_tiles; ++kt) {
+      for (int kt = 0; kt < nkt; ++kt) {  // kt: the chunk's K tiles, from its first
         cp_async_wait<kStages - 2>();
         __syncthreads();  // K tile kt is in; every warp is done with the stage loaded next
-        if (kt + kStages - 1 < k_tiles) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+        if (kt + kStages - 1 < nkt) load((kt + kStages - 1) % kStages, kt_begin + kt + kStages - 1);
         cp_async_commit();
         if (!active) continue;
         const unsigned char* stage = smem + (kt % kStages) * kStageBytes;
@@ -158,14 +191,48 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
       }
       cp_async_wait<0>();
 
-      if (active) {
-        // acc[i]: D^T row n = warp_n + lane / 4 (+ 8 for i >= 2), column m = warp_m + 2 (lane % 4) + (i & 1).
-        ElementD* d = static_cast<ElementD*>(p.d) + l * p.batch_d;
+      // acc[i]: D^T row n = warp_n + lane / 4 (+ 8 for i >= 2), column m = warp_m + 2 (lane % 4) + (i & 1).
+      ElementD* d = static_cast<ElementD*>(p.d) + l * p.batch_d;
+      if (p.chunks == 1) {
+        if (active) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int64_t n = n0 + warp_n + (lane >> 2) + 8 * (i >> 1);
-          const int mi = warp_m + 2 * (lane & 3) + (i & 1);
-          if (mi < rows && n < p.n) store_d(d + (m0 + mi) * p.ldd + n, p.alpha, p.beta, acc[i]);
+          for (int i = 0; i < 4; ++i) {
+            const int64_t n = n0 + warp_n + (lane >> 2) + 8 * (i >> 1);
+            const int mi = warp_m + 2 * (lane & 3) + (i & 1);
+            if (mi < rows && n < p.n) store_d(d + (m0 + mi) * p.ldd + n, p.alpha, p.beta, acc[i]);
+          }
+        }
+      } else {
+        // The partial as a float32 D holds it (beta * 0 + alpha * acc: an accumulator of -0 is +0).
+        const int64_t tile = (l * m_blocks + mb) * p.n_tiles + blockIdx.x;
+        const int64_t chunk_stride = m_blocks * p.n_tiles * kThreads;  // float4s from chunk c to c + 1
+        float4* part = reinterpret_cast<float4*>(p.partials) +
+                       ((l * p.chunks * m_blocks + mb) * p.n_tiles + blockIdx.x) * kThreads + tid;
+        __stcg(part + c * chunk_stride,
+               make_float4(fmaf(p.beta, 0.0f, p.alpha * acc[0]), fmaf(p.beta, 0.0f, p.alpha * acc[1]),
+                           fmaf(p.beta, 0.0f, p.alpha * acc[2]), fmaf(p.beta, 0.0f, p.alpha * acc[3])));
+        __threadfence();  // the partial is visible before this CTA's arrival is counted
+        __syncthreads();
+        __shared__ int combine;
+        if (tid == 0) combine = atomicAdd(p.counters + tile, 1) == p.chunks - 1;
+        __syncthreads();
+        if (combine) {
+          __threadfence();  // every other chunk's partial, counted before ours, is visible
+          if (active) {
+            const float4 r = detmath::tree_fold<float4>(
+                p.chunks, [&](int64_t cc) { return __ldcg(part + cc * chunk_stride); },
+                [](float4 x, float4 y) {
+                  return make_float4(detmath::add(x.x, y.x), detmath::add(x.y, y.y), detmath::add(x.z, y.z),
+                                     detmath::add(x.w, y.w));
+                });
+            const float root[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int64_t n = n0 + warp_n + (lane >> 2) + 8 * (i >> 1);
+              const int mi = warp_m + 2 * (lane & 3) + (i & 1);
+              if (mi < rows && n < p.n) store_root(d + (m0 + mi) * p.ldd + n, root[i]);
+            }
+          }
         }
       }
       __syncthreads();  // the next work item's prologue overwrites the stages
@@ -194,12 +261,20 @@ inline Params make_params(const GemmArgs& g) {
   p.batch_d = g.batch_d;
   p.alpha = 1.0f;
   p.beta = 0.0f;
+  p.n_tiles = (g.n + kTileN - 1) / kTileN;
+  const int64_t chunk_k_tiles = g.chunk / kTileK;
+  p.chunks = g.chunk > 0 && p.k_tiles > chunk_k_tiles
+                 ? static_cast<int>((p.k_tiles + chunk_k_tiles - 1) / chunk_k_tiles)
+                 : 1;
+  p.chunk_k_tiles = p.chunks > 1 ? static_cast<int>(chunk_k_tiles) : p.k_tiles;
+  p.partials = nullptr;
+  p.counters = nullptr;
   return p;
 }
-inline dim3 grid_of(const GemmArgs& g) {
-  const int64_t n_tiles = (g.n + kTileN - 1) / kTileN, m_tiles = (g.m + kTileM - 1) / kTileM;
-  return dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles < 65535 ? m_tiles : 65535),
-              static_cast<unsigned>(g.l < 65535 ? g.l : 65535));
+inline dim3 grid_of(const Params& p) {
+  const int64_t units = p.l * p.chunks;
+  return dim3(static_cast<unsigned>(p.n_tiles), static_cast<unsigned>(p.m_blocks < 65535 ? p.m_blocks : 65535),
+              static_cast<unsigned>(units < 65535 ? units : 65535));
 }
 
 // The launcher of the Hopper forward sets' 16x32 tile (its generated unit calls it as the sm90
@@ -228,7 +303,25 @@ Status launch(const GemmArgs& g, cudaStream_t stream) {
     if (e != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
     smem_set.fetch_or(bit, std::memory_order_acq_rel);
   }
-  kernel<<<grid_of(g), kThreads, kSmemBytes<>, stream>>>(make_params(g));
+  Params p = make_params(g);
+  if (p.chunks > 1) {
+    if (g.chunk % kTileK != 0) return "the chunk must be a multiple of the K tile (64)";
+    // Workspace: the partials, then the counters (jaxdet/_src/matmul/matmul.py's gemm_workspace_bytes
+    // bounds both: tiles padded to 128 x 256 and a counter per 16 x 16 tile per chunk).
+    const int64_t floats = p.l * p.chunks * p.m_blocks * p.n_tiles * kThreads * 4;
+    const int64_t counters = p.l * p.m_blocks * p.n_tiles;
+    const size_t need =
+        static_cast<size_t>(floats) * sizeof(float) + static_cast<size_t>(counters) * sizeof(int32_t);
+    if (g.chunk_workspace == nullptr || g.chunk_workspace_bytes < need ||
+        reinterpret_cast<uintptr_t>(g.chunk_workspace) % 16 != 0) {
+      return "internal error: the chunk workspace is smaller than the 16x32 kernel needs";
+    }
+    p.partials = static_cast<float*>(g.chunk_workspace);
+    p.counters = reinterpret_cast<int32_t*>(p.partials + floats);
+    const cudaError_t e = cudaMemsetAsync(p.counters, 0, counters * sizeof(int32_t), stream);
+    if (e != cudaSuccess) return std::string("cudaMemsetAsync: ") + cudaGetErrorString(e);
+  }
+  kernel<<<grid_of(p), kThreads, kSmemBytes<>, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
   return {};

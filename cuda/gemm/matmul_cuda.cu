@@ -170,7 +170,8 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
 }
 
 // The tile of a Hopper call whose K spans `chunks` chunks, among the set's cooperative (128-row)
-// tiles, the ones that run the chunk tree in one launch (gemm_sm90_chunks.cuh); null when the call
+// tiles, the ones that run the chunk tree in one launch (gemm_sm90_chunks.cuh), or the forward's
+// 16x32 tile (which does too, gemm_narrow.cuh) where the M-bucket rule picks it; null when the call
 // runs chunk by chunk instead (the same bits). Beyond
 // kBucketMaxRows rows the set's first tile; at fewer, the largest whose units (tiles, times the
 // chunks when the tiles alone leave SMs idle and the chunks are split over CTAs) give at least 4/5
@@ -181,7 +182,9 @@ const TileKernel* choose_chunked_tile(const KernelSet& set, const DeviceInfo& d,
   // it (the one-launch tree on 128-row tiles measured slower for a handful of rows:
   // benchmarks/RESULTS.md).
   const TileKernel& own = choose_tile(set, d, m, n, l);
-  if (d.force_m != 0 || own.tile_m != 128) return own.tile_m == 128 ? &own : nullptr;
+  // The forward sets' 16x32 kernel splits K by chunks in its own launch (gemm_narrow.cuh).
+  const bool is_narrow = own.tile_m == gemm::narrow::kTileM && own.tile_n == gemm::narrow::kTileN;
+  if (d.force_m != 0 || own.tile_m != 128) return own.tile_m == 128 || is_narrow ? &own : nullptr;
   const TileKernel* best = nullptr;
   for (int i = 0; i < set.count; ++i) {
     const TileKernel& t = set.tiles[i];

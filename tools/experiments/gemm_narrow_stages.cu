@@ -28,7 +28,7 @@ float time_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   std::vector<narrow::Params> ps;
   for (const auto& g : gs) ps.push_back(narrow::make_params(g));
-  const dim3 grid = narrow::grid_of(gs[0]);
+  const dim3 grid = narrow::grid_of(ps[0]);
   for (int i = 0; i < 3; ++i) kernel<<<grid, narrow::kThreads, smem>>>(ps[i % ps.size()]);
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
