@@ -67,7 +67,7 @@ def _gemm_dims(a_shape, b_shape, transpose_a, transpose_b):
 def gemm_workspace_bytes(L, M, N, K, chunk):
     """Device bytes the CUDA kernels need for a chunked K: room for a float32 partial of every chunk
     of every output tile (tiles padded up to 128 x 256: the per-chunk launches' [n, L, M, N] and the
-    one-launch kernels' pending subtrees both fit) and an int32 flag per chunk and 16 x 16 tile."""
+    one-launch kernels' pending subtrees both fit) and an int32 flag (or arrival counter) per chunk and 16 x 16 tile."""
     n = -(-K // chunk) if chunk > 0 else 0
     if n <= 1:
         return 0
