@@ -4,6 +4,7 @@ docs/sampling.md.
 
     python benchmarks/sampler_bench.py                       # GPU: d 2048, 8 layers, vocab 32000, bf16
     python benchmarks/sampler_bench.py --allow-cpu --small   # smoke test without a GPU
+    python benchmarks/sampler_bench.py --trace 64            # where a decode window's time goes
 
 Decode: a `jaxdet.sampling.Sampler` with one slot per request (`--batches`), each request's prompt
 (`--prompt` tokens) fed in one step, then `--decode-steps` steps of one token per slot at
@@ -15,6 +16,10 @@ implementation: "xla", and "cudnn" on a GPU).
 Trainer: `trainer_log_probs` of a padded batch (`--train-batch` x `--seq`) under `nnx.jit`,
 against the flax model's logits through `jax.nn.log_softmax` and a gather (plain JAX).
 
+`--trace B` instead profiles one window of decode steps at batch B for jaxdet and each plain
+implementation (jax.profiler; trace_summary.py): the kernels by total time, the device's busy
+fraction of the window (idle: waiting for the host) and the host's events.
+
 Ratios: jaxdet over the fastest plain JAX that ran (decode: its tokens/s over plain's; trainer: its
 time over plain's). A cell that fails (out of memory, an implementation this device lacks) prints
 its failure and the rest runs (_timing.guard).
@@ -23,7 +28,9 @@ its failure and the rest runs (_timing.guard).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -34,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
+import trace_summary  # noqa: E402
 from _timing import failed, guard  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -59,14 +67,16 @@ def make_model(args, modules, attention="xla"):
     return Llama(cfg, rngs=nnx.Rngs(0))
 
 
-def decode_tokens_per_second(model, args, batch):
-    """Median tokens/s over `args.reps` windows of `args.decode_steps` decode steps."""
+def _decode_windows(model, args, batch, windows, around=None):
+    """Seconds of each of `windows` windows of `args.decode_steps` decode steps at `batch` (one
+    request per slot, prompts fed in one step before each window); `around(w)`, if given, is a
+    context manager entered around window w's steps."""
     capacity = args.prompt + args.decode_steps + 1
     sampler = sampling.Sampler(model, num_slots=batch, capacity=capacity, prefill_chunk=args.prompt)
     rng = np.random.default_rng(0)
     key = jaxdet.random.key(0)
-    rates = []
-    for rep in range(args.reps + 1):  # the first window compiles and warms up
+    seconds = []
+    for rep in range(windows):
         for i in range(batch):
             sampler.add_request(
                 rng.integers(0, args.vocab, args.prompt),
@@ -75,15 +85,42 @@ def decode_tokens_per_second(model, args, batch):
                 key=jaxdet.random.fold_in(key, rep * batch + i),
             )
         sampler.step()  # the prompts, in one step; every request draws its first token
-        start = time.perf_counter()
-        for _ in range(args.decode_steps - 1):
-            sampler.step()
-        finished = sampler.step()  # the last step's tokens reach the host: the window is complete
-        seconds = time.perf_counter() - start
+        with around(rep) if around else contextlib.nullcontext():
+            start = time.perf_counter()
+            for _ in range(args.decode_steps - 1):
+                sampler.step()
+            finished = sampler.step()  # the last step's tokens reach the host: the window is complete
+            seconds.append(time.perf_counter() - start)
         assert len(finished) == batch and not sampler.has_work(), "every request ends in the window"
-        if rep:
-            rates.append(batch * args.decode_steps / seconds)
-    return statistics.median(rates)
+    return seconds
+
+
+def decode_tokens_per_second(model, args, batch):
+    """Median tokens/s over `args.reps` windows of `args.decode_steps` decode steps (after one
+    window that compiles and warms up)."""
+    seconds = _decode_windows(model, args, batch, args.reps + 1)[1:]
+    return statistics.median(batch * args.decode_steps / s for s in seconds)
+
+
+def decode_trace(model, args, batch, log_dir="/tmp/jaxdet-sampler-trace"):
+    """The profile of the second window of decode steps at `batch` (the first compiles), summarised."""
+
+    @contextlib.contextmanager
+    def profiled(window):
+        if window == 0:
+            yield
+            return
+        shutil.rmtree(log_dir, ignore_errors=True)
+        jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+        try:
+            yield
+        finally:
+            jax.profiler.stop_trace()
+
+    seconds = _decode_windows(model, args, batch, 2, around=profiled)[1]
+    return f"window: {args.decode_steps} steps in {seconds * 1e3:.2f} ms (profiled)\n" + trace_summary.summarize(
+        log_dir, top=25
+    )
 
 
 def trainer_seconds(model, tokens, reps, plain):
@@ -117,6 +154,7 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--plain", nargs="+", default=["xla", "cudnn"], choices=["xla", "cudnn"])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--trace", type=int, metavar="B", help="profile a decode window at batch B instead of timing")
     args = p.parse_args()
     if jax.default_backend() == "cpu" and not args.allow_cpu:
         sys.exit("no GPU: pass --allow-cpu (with --small) for a smoke test")
@@ -133,6 +171,11 @@ def main():
     for impl in args.plain:
         models[f"plain ({impl})"] = guard(make_model, args, "flax", impl)
     plain_names = [name for name in models if name != "jaxdet"]
+    if args.trace:
+        for name, model in models.items():
+            print(f"\n#### decode trace: {name}, batch {args.trace}\n", flush=True)
+            print(guard(decode_trace, model, args, args.trace), flush=True)
+        return
 
     # A Failed cell prints its label under any format spec (_timing.Failed).
     print("Decode (tokens/s, higher is better; ratio = jaxdet / the fastest plain)\n")
