@@ -1,8 +1,9 @@
 """Forward mode and second derivatives (docs/derivatives.md): jax.jvp, jax.linearize, jax.jacfwd,
 jax.hessian and grad of grad through matmul, dropout, the norms, the softmax family, jaxdet.sum and
 jaxdet.attention (every row form), against float64 references by relative norm; tangent rows bitwise
-independent of the batch (attention: of the batch, and a decode step's of the full pass); the same
-bits under jit, vmap and remat (inside shard_map and under sharded jit:
+independent of the batch (attention: of the batch, and a decode step's of the full pass; its tangent
+in blocks of query positions has the one-block bits); the same bits under jit, vmap and remat
+(inside shard_map and under sharded jit:
 tests/test_rowops_sharding.py::test_tangents_in_shard_map_and_sharded_jit_equal_one_device and
 ::test_attention_tangents_in_shard_map_and_sharded_jit_equal_one_device).
 """
