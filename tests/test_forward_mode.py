@@ -1,8 +1,9 @@
 """Forward mode and second derivatives (docs/derivatives.md): jax.jvp, jax.linearize, jax.jacfwd,
 jax.hessian and grad of grad through matmul, dropout, the norms, the softmax family, jaxdet.sum and
 jaxdet.attention (every row form), against float64 references by relative norm; tangent rows bitwise
-independent of the batch (attention: of the batch, and a decode step's of the full pass); the same
-bits under jit, vmap and remat (inside shard_map and under sharded jit:
+independent of the batch (attention: of the batch, and a decode step's of the full pass; its tangent
+in blocks of query positions has the one-block bits); the same bits under jit, vmap and remat
+(inside shard_map and under sharded jit:
 tests/test_rowops_sharding.py::test_tangents_in_shard_map_and_sharded_jit_equal_one_device and
 ::test_attention_tangents_in_shard_map_and_sharded_jit_equal_one_device).
 """
@@ -452,12 +453,19 @@ def test_attention_rows_of_a_non_contiguous_traced_mask():
     assert (t[:, 2] == 0).all() and np.isfinite(t).all() and (np.delete(t, 2, 1) != 0).any()
 
 
-def test_attention_tangents_under_jit_vmap_and_remat():
+@pytest.mark.parametrize("blocks", [False, True], ids=["one_block", "query_blocks"])
+def test_attention_tangents_under_jit_vmap_and_remat(blocks, monkeypatch):
     kv_lengths = jnp.asarray([5, 8, 3, 8], jnp.int32)
     f = lambda q, k, v, n: jaxdet.attention(q, k, v, kv_lengths=n)  # noqa: E731
     args, tangents = _attention_inputs(4, 8, 8), _attention_inputs(4, 8, 8, seed=10)
     jvp = lambda a, t, n: jax.jvp(lambda *a: f(*a, n), a, t)[1]  # noqa: E731
     t = jvp(args, tangents, kv_lengths)
+    if blocks:
+        # Blocks of 3 query positions (3 blocks, the last padded); under vmap over halves of the
+        # batch the same budget gives blocks of 6 (2 blocks): every variant has the one-block bits.
+        set_query_block(monkeypatch, [a.shape for a in args], 3)
+        assert_runs_in_query_blocks(jvp, args, tangents, kv_lengths)
+        assert_bitwise(jvp(args, tangents, kv_lengths), t, "eager")
     assert_bitwise(jax.jit(jvp)(args, tangents, kv_lengths), t, "jit")
     assert_bitwise(jax.jvp(jax.checkpoint(lambda *a: f(*a, kv_lengths)), args, tangents)[1], t, "remat")
     halves = lambda x: x.reshape((2, 2) + x.shape[1:])  # noqa: E731
@@ -466,6 +474,63 @@ def test_attention_tangents_under_jit_vmap_and_remat():
     # Reverse mode over a forward-mode result (grad of a jvp), jitted, with and without remat.
     L = lambda q: jnp.sum(jvp((q,) + args[1:], tangents, kv_lengths) ** 2)  # noqa: E731
     assert_bitwise(jax.jit(jax.grad(L))(args[0]), jax.jit(jax.grad(jax.checkpoint(L)))(args[0]), "grad of jvp")
+
+
+# ---- attention's tangent in blocks of query positions ---------------------------------------------------
+
+
+def set_query_block(monkeypatch, shapes, positions):
+    """Sets the tangent's budget (TANGENT_BLOCK_BYTES) to `positions` query positions' float32 scores
+    of attention on q, k of `shapes` [(B, T, N, D), (B, S, K, D), ...]."""
+    from jaxdet._src.attention import attention as module
+
+    (B, _, N, _), (_, S, _, _) = shapes[:2]
+    monkeypatch.setattr(module, "TANGENT_BLOCK_BYTES", B * N * S * 4 * positions)
+
+
+def assert_runs_in_query_blocks(f, *args):
+    """jit(f)'s program loops over blocks (the one-block tangent has no loop)."""
+    assert "stablehlo.while" in jax.jit(f).lower(*args).as_text(), "the tangent ran in one block"
+
+
+# (form, query positions per block): T = 6 in blocks of 4 (the last one padded; causal also in blocks of
+# 1); the decode form's T = 2 in blocks of 1.
+_BLOCKED_FORMS = [(form, 1 if form == "decode" else 4) for form in ATTENTION_FORMS] + [("causal", 1)]
+
+
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("form,positions", _BLOCKED_FORMS, ids=[f"{f}-{n}" for f, n in _BLOCKED_FORMS])
+def test_attention_tangent_in_query_blocks_has_the_one_block_bits(form, positions, dtype, monkeypatch):
+    # Every tangent row is computed from its own query (products and sums per row), so the tangent
+    # computed in blocks of query positions, eager and jitted, in any subset of (q, k, v), has the
+    # bits of the tangent computed in one block, in every row form, with grouped-query heads.
+    name = f"attention_{form}"
+    f, _, shapes = CASES[name]
+    args, tangents = _args(name, dtype=dtype), _args(name, seed=10, dtype=dtype)
+    subsets = {"qkv": (0, 1, 2), "q": (0,), "kv": (1, 2)}
+
+    def tangent(which, a, t):
+        held = lambda *x: f(*[x[which.index(i)] if i in which else a[i] for i in range(3)])  # noqa: E731
+        return jax.jvp(held, tuple(a[i] for i in which), tuple(t[i] for i in which))[1]
+
+    want = {w: tangent(idx, args, tangents) for w, idx in subsets.items()}
+    set_query_block(monkeypatch, shapes, positions)
+    assert_runs_in_query_blocks(lambda a, t: tangent(subsets["qkv"], a, t), args, tangents)
+    for w, idx in subsets.items():
+        assert_bitwise(tangent(idx, args, tangents), want[w], f"tangent in {w}")
+    assert_bitwise(jax.jit(lambda a, t: tangent(subsets["qkv"], a, t))(args, tangents), want["qkv"], "jit")
+
+
+@pytest.mark.parametrize("form,positions", [("causal", 4), ("decode", 1)])
+def test_attention_forward_mode_in_query_blocks_matches_float64(form, positions, monkeypatch):
+    # jax.jvp, jax.linearize and jax.jacfwd (and the second derivatives beside them) with the tangent
+    # in several blocks, against float64.
+    name = f"attention_{form}"
+    set_query_block(monkeypatch, CASES[name][2], positions)
+    args, tangents = _args(name), _args(name, seed=10)
+    assert_runs_in_query_blocks(lambda a, t: jax.jvp(CASES[name][0], a, t)[1], args, tangents)
+    check_jvp_and_linearize(name)
+    check_second_order(name)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------
@@ -489,3 +554,19 @@ def test_gpu_attention_tangent_rows_and_decode_steps(on_gpu):
     for dtype in (F32, jnp.bfloat16):
         check_attention_tangent_rows(dtype)
         check_attention_decode_tangents(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gpu_attention_tangent_in_query_blocks_has_the_one_block_bits(dtype, monkeypatch, on_gpu):
+    # On the GPU the products' tile depends on their row count: 600 query rows per (sequence, KV
+    # head) in one block, 96 in blocks of 48 positions (the last one of 12): the same bits.
+    kv_lengths = jnp.asarray([300, 170], jnp.int32)
+    jvp = lambda a, t: jax.jvp(lambda q, k, v: jaxdet.attention(q, k, v, kv_lengths=kv_lengths), a, t)[1]  # noqa: E731
+    args = _attention_inputs(2, 300, 300, dtype, D=64)
+    tangents = _attention_inputs(2, 300, 300, dtype, D=64, seed=10)
+    want = jax.jit(jvp)(args, tangents)
+    set_query_block(monkeypatch, [a.shape for a in args], 48)
+    blocked = lambda a, t: jvp(a, t)  # noqa: E731  (a new function: jit traces it again)
+    assert_runs_in_query_blocks(blocked, args, tangents)
+    assert_bitwise(jax.jit(blocked)(args, tangents), want)

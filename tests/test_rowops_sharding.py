@@ -308,10 +308,12 @@ def test_tangents_in_shard_map_and_sharded_jit_equal_one_device():
 
 
 @on_devices
-def test_attention_tangents_in_shard_map_and_sharded_jit_equal_one_device():
+@pytest.mark.parametrize("blocks", [False, True], ids=["one_block", "query_blocks"])
+def test_attention_tangents_in_shard_map_and_sharded_jit_equal_one_device(blocks, monkeypatch):
     # Sequences split over the devices: a tangent (and a Hessian-vector product in q) has the
     # single-device bits, inside shard_map (every operand split, or keys and values shared) and
-    # under sharded jit.
+    # under sharded jit; with `blocks`, the tangent in blocks of query positions (a sequence per
+    # device: 3 blocks of 6 positions; the whole batch: 16 blocks of 1) has the one-block bits.
     m = mesh()
     q, k, v = rand((8, 16, 4, 32), seed=30), rand((8, 16, 2, 32), seed=31), rand((8, 16, 2, 32), seed=32)
     tq, tk, tv = rand(q.shape, seed=33), rand(k.shape, seed=34), rand(v.shape, seed=35)
@@ -329,18 +331,22 @@ def test_attention_tangents_in_shard_map_and_sharded_jit_equal_one_device():
         loss = lambda q: jnp.sum(jnp.sin(2.0 * f(q, k, v)))  # noqa: E731
         return jax.jvp(f, (q, k, v), (tq, tk, tv))[1], jax.jvp(jax.grad(loss), (q,), (tq,))[1]
 
-    want = tangents(q, k, v, tq, tk, tv, kv_lengths)
+    want_split = tangents(q, k, v, tq, tk, tv, kv_lengths)
+    want_shared = tangents(q, k[:1], v[:1], tq, tk[:1], tv[:1], kv_lengths)
+    if blocks:
+        from jaxdet._src.attention import attention as module
+
+        # 6 query positions' float32 scores of one sequence [1, 2 KV heads, 6 * 2, 16 keys].
+        monkeypatch.setattr(module, "TANGENT_BLOCK_BYTES", 1 * 4 * 16 * 4 * 6)
     split = P("data")
     sm = jax.jit(jax.shard_map(tangents, mesh=m, in_specs=split, out_specs=split))
-    for got, exp, name in zip(sm(q, k, v, tq, tk, tv, kv_lengths), want, ("tangent", "hvp")):
+    for got, exp, name in zip(sm(q, k, v, tq, tk, tv, kv_lengths), want_split, ("tangent", "hvp")):
         assert_bitwise(got, exp, f"shard_map: {name}")
     # Keys, values and their tangents shared by every device.
-    want = tangents(q, k[:1], v[:1], tq, tk[:1], tv[:1], kv_lengths)
     shared = (split, P(), P(), split, P(), P(), split)
     sm = jax.jit(jax.shard_map(tangents, mesh=m, in_specs=shared, out_specs=split))
-    for got, exp, name in zip(sm(q, k[:1], v[:1], tq, tk[:1], tv[:1], kv_lengths), want, ("tangent", "hvp")):
+    for got, exp, name in zip(sm(q, k[:1], v[:1], tq, tk[:1], tv[:1], kv_lengths), want_shared, ("tangent", "hvp")):
         assert_bitwise(got, exp, f"shard_map, shared keys: {name}")
-    want = tangents(q, k, v, tq, tk, tv, kv_lengths)
     args = [put(x, m, split) for x in (q, k, v, tq, tk, tv, kv_lengths)]
-    for got, exp, name in zip(jax.jit(tangents)(*args), want, ("tangent", "hvp")):
+    for got, exp, name in zip(jax.jit(tangents)(*args), want_split, ("tangent", "hvp")):
         assert_bitwise(got, exp, f"sharded jit: {name}")

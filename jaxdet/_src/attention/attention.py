@@ -45,6 +45,9 @@ KERNEL_HEAD_DIMS = (64, 128, 256)  # the kernels' own (cuda/attention: kHeadDims
 # column adds +0 to each score, which changes no bit, and its output column is dropped.
 SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 16))
 SUPPORTED_DTYPES = FLOAT_DTYPES
+# Forward mode computes the tangent in blocks of query positions whose float32 scores
+# [B, K, T_block * G, S] take at most this many bytes (at least one position per block).
+TANGENT_BLOCK_BYTES = 256 * 2**20
 _LOG2E = 1.4426950408889634
 
 
@@ -261,33 +264,89 @@ def _probabilities(q_rows, k_rows, lse2, vis, scale):
     return jnp.where(vis, jnp.exp2(jnp.where(vis, x - lse2, 0.0)), 0.0)
 
 
-def _tangent_fn(scale, row_form, which):
-    """The tangent of o in the tangents named by `which` (a subset of "q", "k", "v")."""
+def _tangent_query_block(B, T, H, G, S):
+    """T_block: the most query positions whose float32 scores fit in TANGENT_BLOCK_BYTES (at least 1,
+    at most T)."""
+    per_position = B * H * G * S * _F32.itemsize
+    return max(1, min(T, TANGENT_BLOCK_BYTES // max(per_position, 1)))
 
-    def fn(q, k, v, o, lse2, row_a, row_b, *lin):
-        t = dict(zip(which, lin))
-        vis, seen = _visible(row_a, row_b, row_form, q.shape, k.shape[1])
-        q_rows, k_rows = _query_rows(q), _key_rows(k, seen)
+
+def _seen_keys(start, limit, S):
+    """[B, 1, S, 1]: whether any query of the batch element sees the key (as `_visible`'s second
+    result), from the rows' ranges by a difference array: O(B (T + S)) memory, no [T, S] mask."""
+    B = start.shape[0]
+    b = jnp.arange(B, dtype=jnp.int32)[:, None]
+    edges = jnp.zeros((B, S + 1), jnp.int32).at[b, start].add(1).at[b, start + limit].add(-1)
+    return (jnp.cumsum(edges[:, :S], axis=1) > 0)[:, None, :, None]
+
+
+def _visible_rows(start, limit, G, S):
+    """[B, 1, T * G, S]: whether each query row sees each key (as `_visible`'s first result)."""
+    B, T = start.shape
+    s = jnp.arange(S, dtype=jnp.int32)
+    vis = (s >= start[:, :, None]) & (s < (start + limit)[:, :, None])  # [B, T, S]
+    return jnp.broadcast_to(vis[:, None, :, None, :], (B, 1, T, G, S)).reshape(B, 1, T * G, S)
+
+
+def _tangent_fn(scale, row_form, which):
+    """The tangent of o in the tangents named by `which` (a subset of "q", "k", "v").
+
+    Every step is per query row (products over D or over the keys of a row, the row's sum), so the
+    rows are computed in blocks of query positions (`_tangent_query_block`, a `lax.map` over the
+    blocks) with the bits of one block: memory O(B N T_block S). The keys, values and their
+    tangents are shared by every block. The last block is padded with rows that see no key, which
+    are dropped."""
+
+    def block(k_rows, v_rows, tk_rows, tv_rows, q, lse2, start, limit, tq):
+        # q, tq [B, T_b, H, G, D], lse2 [B, H, T_b, G], start and limit [B, T_b]: one block's rows.
+        vis = _visible_rows(start, limit, q.shape[3], k_rows.shape[2])
+        q_rows = _query_rows(q)
         p = _probabilities(q_rows, k_rows, lse2, vis, scale)
         parts = []
-        if "q" in t or "k" in t:
+        if "q" in which or "k" in which:
             # ds = [s tq | s q] . [k | tk]^T: one product, no sum of two rounded terms.
             lhs, rhs = [], []
-            if "q" in t:
-                lhs.append(_query_rows(t["q"]) * np.float32(scale))
+            if "q" in which:
+                lhs.append(_query_rows(tq) * np.float32(scale))
                 rhs.append(k_rows)
-            if "k" in t:
+            if "k" in which:
                 lhs.append(q_rows * np.float32(scale))
-                rhs.append(_key_rows(t["k"], seen))
+                rhs.append(tk_rows)
             ds = _mm(jnp.concatenate(lhs, -1), _t(jnp.concatenate(rhs, -1)))
             c = canonical_sum(jnp.where(vis, p * ds, 0.0), axis=-1, keepdims=True)
             a = jnp.where(vis, p * (ds - c), 0.0)
-            parts.append(_mm(a, _key_rows(v, seen)))
-        if "v" in t:
-            parts.append(_mm(p, _key_rows(t["v"], seen)))
+            parts.append(_mm(a, v_rows))
+        if "v" in which:
+            parts.append(_mm(p, tv_rows))
         # Two products' float32 results added once (no multiply to contract with), then rounded.
         do = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-        return (_from_query_rows(do, q.shape).astype(q.dtype),)
+        return _from_query_rows(do, q.shape).astype(q.dtype)
+
+    def fn(q, k, v, o, lse2, row_a, row_b, *lin):
+        t = dict(zip(which, lin))
+        B, T, H, G, _ = q.shape
+        S = k.shape[1]
+        start, limit = _row_ranges(row_a, row_b, row_form, B, T, S)
+        seen = _seen_keys(start, limit, S)
+        shared = [_key_rows(x, seen) if x is not None else None for x in (k, v, t.get("k"), t.get("v"))]
+        tq = t.get("q")
+        Tb = _tangent_query_block(B, T, H, G, S)
+        if Tb >= T:
+            return (block(*shared, q, lse2, start, limit, tq),)
+        n = -(-T // Tb)
+        pad = n * Tb - T
+
+        def blocks(x, axis):
+            # [..., T, ...] -> [n, ..., Tb, ...]: the rows padded at the end of the axis to n * Tb
+            # (a padded row has limit 0: it sees no key, so its scores are zeros, never inf or NaN).
+            x = jnp.pad(x, [(0, pad if i == axis else 0) for i in range(x.ndim)])
+            x = x.reshape(x.shape[:axis] + (n, Tb) + x.shape[axis + 1 :])
+            return jnp.moveaxis(x, axis, 0)
+
+        xs = [blocks(q, 1), blocks(lse2, 2), blocks(start, 1), blocks(limit, 1), None if tq is None else blocks(tq, 1)]
+        out = lax.map(lambda x: block(*shared, *x), xs)  # [n, B, Tb, H, G, D]
+        out = jnp.moveaxis(out, 0, 1).reshape((B, n * Tb) + out.shape[3:])
+        return (out[:, :T],)
 
     return fn
 
@@ -538,9 +597,12 @@ def attention(
 
     Returns ``[B, T, N, D]`` in q's dtype. A query that sees no key gets zeros. Differentiable in
     q, k and v to any order, forward and reverse (docs/derivatives.md): ``jax.grad`` runs the
-    backward kernel; forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) and second
-    derivatives materialize the T x S probabilities per head in float32 (memory O(B N T S)) and
-    keep the rows' invariance (jaxdet.matmul and jaxdet.sum for every reduction).
+    backward kernel; the first-order tangent (``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``)
+    materializes the probabilities in float32 for one block of query positions at a time, at
+    most 256 MiB a block (memory O(B N T_block S)), with the bits of one block; second
+    derivatives (``jax.hessian``, grad of grad, reverse mode over a tangent) materialize the
+    T x S probabilities per head (memory O(B N T S)). Both keep the rows' invariance (jaxdet.matmul
+    and jaxdet.sum for every reduction).
 
     Raises TypeError for unsupported or mixed dtypes and non-integer positions, ValueError for
     shapes that do not fit together (naming them).
