@@ -116,3 +116,16 @@ def test_attention_on_cuda_with_symbolic_shapes_is_a_clear_error():
     k = jax.core.ShapedArray((2, t, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"on CUDA needs static shapes: q has symbolic dimension\(s\) t"):
         impl._workspace("fwd")([q, k, k], scale=1.0, row_form=impl.CAUSAL_POSITIONS)
+
+
+def test_attention_forward_mode_with_symbolic_shapes_is_a_clear_error():
+    """Reverse mode exports with a symbolic length (above: the backward kernel alone runs); forward
+    mode's tangent products need static shapes and say so, naming the dimension."""
+    b, t = jax.export.symbolic_shape("b, t")
+
+    def tangent(q, k, v):
+        return jax.jvp(jaxdet.attention, (q, k, v), (q, k, v))[1]
+
+    specs = (_spec(b, t, 4, 64), _spec(b, t, 2, 64), _spec(b, t, 2, 64))
+    with pytest.raises(NotImplementedError, match=r"forward-mode .* jaxdet.attention needs static shapes.* t"):
+        jax.export.export(jax.jit(tangent), disabled_checks=jaxdet.export.disabled_checks())(*specs)

@@ -330,6 +330,13 @@ def _tangent_fn(scale, row_form, which):
         seen = _seen_keys(start, limit, S)
         shared = [_key_rows(x, seen) if x is not None else None for x in (k, v, t.get("k"), t.get("v"))]
         tq = t.get("q")
+        symbolic = [str(d) for d in (*q.shape, S) if not isinstance(d, (int, np.integer))]
+        if symbolic:
+            raise NotImplementedError(
+                "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd) of jaxdet.attention needs "
+                f"static shapes, got symbolic dimension(s) {', '.join(symbolic)} (jax.export.symbolic_shape); "
+                "reverse mode (jax.grad, jax.vjp) exports with symbolic shapes"
+            )
         Tb = _tangent_query_block(B, T, H, G, S)
         if Tb >= T:
             return (block(*shared, q, lse2, start, limit, tq),)
@@ -415,7 +422,11 @@ def _attention5_jvp(scale, row_form, primals, tangents):
         return o, jnp.zeros_like(o)
     lin = tuple(t for t in tangents[:3] if not autodiff.is_zero(t))
     res = (q, k, v, o, lse2, row_a, row_b)
-    (to,) = autodiff.linear_call(_tangent_fn(scale, row_form, which), _transpose_fn(scale, row_form, which), res, lin)
+    # The tangent has o's type; given, reverse mode never traces the tangent's products (which
+    # need static shapes: jax.export with a symbolic length exports the backward kernel alone).
+    (to,) = autodiff.linear_call(
+        _tangent_fn(scale, row_form, which), _transpose_fn(scale, row_form, which), res, lin, out_avals=(jax.typeof(o),)
+    )
     return o, to
 
 

@@ -85,30 +85,38 @@ linear_p = jex_core.Primitive("jaxdet_linear")
 linear_p.multiple_results = True
 
 
-def linear_call(fn, transpose, res, lin):
+def linear_call(fn, transpose, res, lin, out_avals=None):
     """``fn(*res, *lin)`` (a tuple of arrays), linear in `lin`, whose transpose in `lin` is
     ``transpose(*res, *cotangents)``. Under ``jax.grad`` / ``jax.linear_transpose`` the transpose runs
     (its operations are bound directly, so the backward kernels appear in the program); under
     ``jax.jvp`` a tangent of `lin` goes through `fn` again, and a tangent of `res` through fn's own
-    derivative (fn must be differentiable in res)."""
-    return linear_p.bind(*res, *lin, fn=fn, transpose=transpose, n_res=len(res))
+    derivative (fn must be differentiable in res).
+
+    `out_avals` (a tuple of ``jax.core.ShapedArray``), when given, is fn's result type: then reverse
+    mode never traces `fn` (whose operations may need what the transpose does not, such as static
+    shapes under ``jax.export``)."""
+    out_avals = None if out_avals is None else tuple(out_avals)
+    return linear_p.bind(*res, *lin, fn=fn, transpose=transpose, n_res=len(res), out_avals=out_avals)
 
 
-def _linear_abstract_eval(*avals, fn, transpose, n_res):
+def _linear_abstract_eval(*avals, fn, transpose, n_res, out_avals):
+    if out_avals is not None:
+        return out_avals
     return jax.make_jaxpr(lambda *a: tuple(fn(*a)))(*avals).out_avals
 
 
-def _linear_impl(*args, fn, transpose, n_res):
+def _linear_impl(*args, fn, transpose, n_res, out_avals):
     return tuple(fn(*args))
 
 
-def _linear_jvp(primals, tangents, *, fn, transpose, n_res):
+def _linear_jvp(primals, tangents, *, fn, transpose, n_res, out_avals):
     res, lin = primals[:n_res], primals[n_res:]
     t_res, t_lin = tangents[:n_res], tangents[n_res:]
-    out = linear_p.bind(*primals, fn=fn, transpose=transpose, n_res=n_res)
+    kw = dict(fn=fn, transpose=transpose, n_res=n_res, out_avals=out_avals)
+    out = linear_p.bind(*primals, **kw)
     parts = []
     if any(type(t) is not ad.Zero for t in t_lin):
-        parts.append(linear_p.bind(*res, *map(ad.instantiate_zeros, t_lin), fn=fn, transpose=transpose, n_res=n_res))
+        parts.append(linear_p.bind(*res, *map(ad.instantiate_zeros, t_lin), **kw))
     if any(type(t) is not ad.Zero for t in t_res):
         _, d = jax.jvp(lambda *r: tuple(fn(*r, *lin)), tuple(res), tuple(map(ad.instantiate_zeros, t_res)))
         parts.append(d)
@@ -118,7 +126,7 @@ def _linear_jvp(primals, tangents, *, fn, transpose, n_res):
     return out, list(tangent)
 
 
-def _linear_transpose(cts, *args, fn, transpose, n_res):
+def _linear_transpose(cts, *args, fn, transpose, n_res, out_avals):
     res, lin = args[:n_res], args[n_res:]
     if any(ad.is_undefined_primal(r) for r in res):
         # Residuals come from primal values: a tangent map is never transposed in them.
@@ -130,7 +138,7 @@ def _linear_transpose(cts, *args, fn, transpose, n_res):
     return [None] * n_res + [o if ad.is_undefined_primal(x) else None for o, x in zip(outs, lin)]
 
 
-def _linear_batch(args, dims, *, fn, transpose, n_res):
+def _linear_batch(args, dims, *, fn, transpose, n_res, out_avals):
     size = jaxdet_batching.batch_size(args, dims)
     res, lin = args[:n_res], args[n_res:]
     res_axes = tuple(None if jaxdet_batching.not_mapped(d) else d for d in dims[:n_res])
@@ -141,7 +149,9 @@ def _linear_batch(args, dims, *, fn, transpose, n_res):
     def batched_transpose(*a):
         return jax.vmap(lambda *b: tuple(transpose(*b)), in_axes=res_axes + (0,) * (len(a) - n_res))(*a)
 
-    out = linear_p.bind(*res, *lin, fn=batched_fn, transpose=batched_transpose, n_res=n_res)
+    if out_avals is not None:  # every result batched at 0
+        out_avals = tuple(a.update(shape=(size,) + tuple(a.shape)) for a in out_avals)
+    out = linear_p.bind(*res, *lin, fn=batched_fn, transpose=batched_transpose, n_res=n_res, out_avals=out_avals)
     return out, [0] * len(out)
 
 
