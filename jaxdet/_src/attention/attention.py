@@ -233,10 +233,7 @@ def _visible(row_a, row_b, row_form, shape, S):
     whether any query of the batch element does."""
     B, T, H, G, _ = shape
     start, limit = _row_ranges(row_a, row_b, row_form, B, T, S)
-    s = jnp.arange(S, dtype=jnp.int32)
-    vis = (s >= start[:, :, None]) & (s < (start + limit)[:, :, None])  # [B, T, S]
-    rows = jnp.broadcast_to(vis[:, None, :, None, :], (B, 1, T, G, S)).reshape(B, 1, T * G, S)
-    return rows, jnp.any(vis, axis=1)[:, None, :, None]
+    return _visible_rows(start, limit, G, S), _seen_keys(start, limit, S)
 
 
 def _key_rows(x, seen):
@@ -272,8 +269,8 @@ def _tangent_query_block(B, T, H, G, S):
 
 
 def _seen_keys(start, limit, S):
-    """[B, 1, S, 1]: whether any query of the batch element sees the key (as `_visible`'s second
-    result), from the rows' ranges by a difference array: O(B (T + S)) memory, no [T, S] mask."""
+    """[B, 1, S, 1]: whether any query of the batch element sees the key, from the rows' ranges by
+    a difference array: O(B (T + S)) memory, no [T, S] mask."""
     B = start.shape[0]
     b = jnp.arange(B, dtype=jnp.int32)[:, None]
     edges = jnp.zeros((B, S + 1), jnp.int32).at[b, start].add(1).at[b, start + limit].add(-1)
@@ -281,7 +278,7 @@ def _seen_keys(start, limit, S):
 
 
 def _visible_rows(start, limit, G, S):
-    """[B, 1, T * G, S]: whether each query row sees each key (as `_visible`'s first result)."""
+    """[B, 1, T * G, S]: whether each query row sees each key."""
     B, T = start.shape
     s = jnp.arange(S, dtype=jnp.int32)
     vis = (s >= start[:, :, None]) & (s < (start + limit)[:, :, None])  # [B, T, S]
