@@ -33,6 +33,28 @@ namespace jaxdet {
 namespace gemm {
 namespace sm90 {
 
+// The pending partials' L2 policy: a stored subtree is read once, by the unit that merges it a
+// whole mainloop later, while the operands stream through L2; kept with evict_last (and dropped
+// with evict_first once read), the merge reads L2 instead of DRAM. The 64-bit policies are the
+// ones cute::TMA::CacheHintSm90 passes to TMA. Hints only: no value depends on them.
+constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
+constexpr uint64_t kL2EvictLast = 0x14F0000000000000ull;
+
+CUTLASS_DEVICE float4 load_pending(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.cg.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p), "l"(kL2EvictFirst)
+               : "memory");
+  return v;
+}
+
+CUTLASS_DEVICE void store_pending(float4* p, float4 v) {
+  asm volatile("st.global.cg.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w), "l"(kL2EvictLast)
+               : "memory");
+}
+
 // The tag that selects ChunkedTileScheduler in CUTLASS's GemmUniversal.
 struct ChunkedScheduler {};
 
@@ -235,7 +257,7 @@ class ChunkedTileScheduler {
       const float4* slot = reinterpret_cast<const float4*>(stack + depth * tile_floats) + tid;
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < kGroups; ++g) {
-        const float4 x = __ldcg(slot + g * threads);
+        const float4 x = load_pending(slot + g * threads);
         acc(4 * g + 0) = __fadd_rn(x.x, acc(4 * g + 0));
         acc(4 * g + 1) = __fadd_rn(x.y, acc(4 * g + 1));
         acc(4 * g + 2) = __fadd_rn(x.z, acc(4 * g + 2));
@@ -246,7 +268,7 @@ class ChunkedTileScheduler {
       float4* slot = reinterpret_cast<float4*>(stack + depth * tile_floats) + tid;
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < kGroups; ++g) {
-        __stcg(slot + g * threads, make_float4(acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3)));
+        store_pending(slot + g * threads, make_float4(acc(4 * g), acc(4 * g + 1), acc(4 * g + 2), acc(4 * g + 3)));
       }
       if (params.split) {
         __threadfence();
