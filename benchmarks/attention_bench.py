@@ -7,6 +7,7 @@
     python benchmarks/attention_bench.py --profile   # the training forward 3 times (ncu: gpu_session.sh ncu-attention)
     python benchmarks/attention_bench.py --trace-decode  # where the decode steps' time goes (jax.profiler)
     python benchmarks/attention_bench.py --decode-only   # the decode table only
+    python benchmarks/attention_bench.py --decode-only --decode-caches 193 --decode-heads 16 8  # a sampler's steps
 
 Training: batch 8, sequence 2048 and 8192, 32 query / 8 KV heads, head dim 128 (--head-dim), causal, bfloat16:
 forward, and backward (the gradient of q, k and v; timed as forward + backward minus forward).
@@ -306,6 +307,17 @@ def main() -> None:
     parser.add_argument(
         "--decode-batches", type=int, nargs="+", default=[1, 16, 64], help="the decode table's batch sizes"
     )
+    parser.add_argument(
+        "--decode-caches", type=int, nargs="+", default=[4096, 32768], help="the decode table's cache lengths"
+    )
+    parser.add_argument(
+        "--decode-heads",
+        type=int,
+        nargs=2,
+        default=[32, 8],
+        metavar=("N", "K"),
+        help="the decode shapes' query and KV heads",
+    )
     parser.add_argument("--profile", action="store_true", help="the first training shape's forward, 3 calls (ncu)")
     parser.add_argument("--trace-decode", action="store_true", help="profile the decode shapes' calls and exit")
     parser.add_argument(
@@ -350,7 +362,8 @@ def main() -> None:
     if not args.decode_only:
         training([(8, T, 32, 8, D) for T in args.seqs], jnp.bfloat16, on_gpu, args.reps)
     if not args.training_only:
-        shapes = [(b, s, 32, 8, D) for b in args.decode_batches for s in (4096, 32768)]
+        N, K = args.decode_heads
+        shapes = [(b, s, N, K, D) for b in args.decode_batches for s in args.decode_caches]
         decode(shapes, jnp.bfloat16, on_gpu, args.reps, peak)
 
 

@@ -8,10 +8,10 @@ docs/sampling.md.
 
 Decode: a `jaxdet.sampling.Sampler` with one slot per request (`--batches`), each request's prompt
 (`--prompt` tokens) fed in one step, then `--decode-steps` steps of one token per slot at
-temperature 1 timed (median of `--reps` windows), host bookkeeping included, as a user runs it;
-tokens/s = batch x steps / seconds. Plain JAX runs the same Sampler over the model built with
-`modules="flax"` (jax.nn.dot_product_attention over the masked cache, with each `--plain`
-implementation: "xla", and "cudnn" on a GPU).
+temperature 1 timed (median of `--reps` windows, jaxdet's and plain JAX's alternating), host
+bookkeeping included, as a user runs it; tokens/s = batch x steps / seconds. Plain JAX runs the
+same Sampler over the model built with `modules="flax"` (jax.nn.dot_product_attention over the
+masked cache, with each `--plain` implementation: "xla", and "cudnn" on a GPU).
 
 Trainer: `trainer_log_probs` of a padded batch (`--train-batch` x `--seq`) under `nnx.jit`,
 against the flax model's logits through `jax.nn.log_softmax` and a gather (plain JAX).
@@ -67,16 +67,16 @@ def make_model(args, modules, attention="xla"):
     return Llama(cfg, rngs=nnx.Rngs(0))
 
 
-def _decode_windows(model, args, batch, windows, around=None):
-    """Seconds of each of `windows` windows of `args.decode_steps` decode steps at `batch` (one
-    request per slot, prompts fed in one step before each window); `around(w)`, if given, is a
-    context manager entered around window w's steps."""
+def _decode_window(model, args, batch):
+    """A Sampler of `batch` slots over `model`, and `window(rep, around=None)`: the seconds of one
+    window of `args.decode_steps` decode steps (one request per slot, prompts fed in one step
+    before the window); `around`, if given, is a context manager entered around the steps."""
     capacity = args.prompt + args.decode_steps + 1
     sampler = sampling.Sampler(model, num_slots=batch, capacity=capacity, prefill_chunk=args.prompt)
     rng = np.random.default_rng(0)
     key = jaxdet.random.key(0)
-    seconds = []
-    for rep in range(windows):
+
+    def window(rep, around=None):
         for i in range(batch):
             sampler.add_request(
                 rng.integers(0, args.vocab, args.prompt),
@@ -85,31 +85,44 @@ def _decode_windows(model, args, batch, windows, around=None):
                 key=jaxdet.random.fold_in(key, rep * batch + i),
             )
         sampler.step()  # the prompts, in one step; every request draws its first token
-        with around(rep) if around else contextlib.nullcontext():
+        with around or contextlib.nullcontext():
             start = time.perf_counter()
             for _ in range(args.decode_steps - 1):
                 sampler.step()
             finished = sampler.step()  # the last step's tokens reach the host: the window is complete
-            seconds.append(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
         assert len(finished) == batch and not sampler.has_work(), "every request ends in the window"
-    return seconds
+        return seconds
+
+    return window
 
 
-def decode_tokens_per_second(model, args, batch):
-    """Median tokens/s over `args.reps` windows of `args.decode_steps` decode steps (after one
-    window that compiles and warms up)."""
-    seconds = _decode_windows(model, args, batch, args.reps + 1)[1:]
-    return statistics.median(batch * args.decode_steps / s for s in seconds)
+def decode_tokens_per_second(models, args, batch):
+    """Median tokens/s of each model over `args.reps` windows of `args.decode_steps` decode steps
+    (after one window each that compiles and warms up). The models' windows alternate, so that
+    the host's load (a step is mostly host time at these sizes) falls on every model alike."""
+    windows = {name: guard(_decode_window, model, args, batch) for name, model in models.items()}
+    seconds = {name: [] for name in models}
+    for rep in range(args.reps + 1):
+        for name, window in windows.items():
+            if failed(window):
+                continue
+            took = guard(window, rep)
+            if failed(took):
+                windows[name] = took
+            else:
+                seconds[name].append(took)
+    return {
+        name: window if failed(window) else statistics.median(batch * args.decode_steps / s for s in seconds[name][1:])
+        for name, window in windows.items()
+    }
 
 
 def decode_trace(model, args, batch, log_dir="/tmp/jaxdet-sampler-trace"):
     """The profile of the second window of decode steps at `batch` (the first compiles), summarised."""
 
     @contextlib.contextmanager
-    def profiled(window):
-        if window == 0:
-            yield
-            return
+    def profiled():
         shutil.rmtree(log_dir, ignore_errors=True)
         jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
         try:
@@ -117,7 +130,9 @@ def decode_trace(model, args, batch, log_dir="/tmp/jaxdet-sampler-trace"):
         finally:
             jax.profiler.stop_trace()
 
-    seconds = _decode_windows(model, args, batch, 2, around=profiled)[1]
+    window = _decode_window(model, args, batch)
+    window(0)
+    seconds = window(1, around=profiled())
     return f"window: {args.decode_steps} steps in {seconds * 1e3:.2f} ms (profiled)\n" + trace_summary.summarize(
         log_dir, top=25
     )
@@ -153,7 +168,7 @@ def main():
     p.add_argument("--train-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--plain", nargs="+", default=["xla", "cudnn"], choices=["xla", "cudnn"])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--trace", type=int, metavar="B", help="profile a decode window at batch B instead of timing")
     args = p.parse_args()
     if jax.default_backend() == "cpu" and not args.allow_cpu:
@@ -182,7 +197,7 @@ def main():
     print(f"| batch | jaxdet | {' | '.join(plain_names)} | ratio |")
     print("|---:|---:|" + "---:|" * len(plain_names) + "---:|")
     for batch in args.batches:
-        rates = {name: guard(decode_tokens_per_second, model, args, batch) for name, model in models.items()}
+        rates = decode_tokens_per_second(models, args, batch)
         ran = [rates[name] for name in plain_names if not failed(rates[name])]
         ratio = rates["jaxdet"] / max(ran) if ran else _timing.Failed("-")
         cells = " | ".join(f"{rates[name]:.0f}" for name in plain_names)

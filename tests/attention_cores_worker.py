@@ -5,7 +5,8 @@ final-mode forward and the backward issue wgmma (WgmmaCore), the forward in warp
 one-warpgroup CTAs (attention=wgmma) or everything issue mma.sync (attention=mma, MmaSyncCore),
 as every other GPU does. The split mode of a small grid at head dimension 128 (decode steps) runs
 eight warps per split (DecodeSplitKernel), merged in clusters unless attention=split_combine makes
-CombineKernel merge them, or FwdKernel's one-warp CTAs under attention=one_warp_splits.
+CombineKernel merge them, or FwdKernel's one-warp CTAs under attention=one_warp_splits; under
+attention=eight_warp_splits DecodeSplitKernel runs larger grids too.
 
     python attention_cores_worker.py OUT.npz    # every case's o, dq, dk, dv -> OUT.npz
 """
@@ -26,9 +27,9 @@ import jaxdet
 # kernel.
 SHAPES = [(2, 300, 8, 2), (3, 257, 4, 4), (2, 1100, 16, 4)]
 # Split mode, (B, T, S, query heads, KV heads): decode steps past one and several splits, a chunk
-# of 4 queries (16 rows), and packed sequences of 600 tokens (38 row tiles x 2 splits: a CTA's rows
-# run in several passes).
-DECODE_SHAPES = [(1, 1, 1100, 8, 2), (3, 1, 2000, 32, 8), (2, 4, 1500, 16, 4)]
+# of 4 queries (16 rows), a batch of decode steps within one split (a grid of more CTAs than SMs),
+# and packed sequences of 600 tokens (38 row tiles x 2 splits: a CTA's rows run in several passes).
+DECODE_SHAPES = [(1, 1, 1100, 8, 2), (3, 1, 2000, 32, 8), (2, 4, 1500, 16, 4), (40, 1, 300, 16, 4)]
 PACKED_SPLIT_SHAPE = (1, 600, 600, 1, 1)
 
 

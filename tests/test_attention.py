@@ -918,7 +918,8 @@ def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
     # split mode of grids up to a CTA per SM at head dimension 128 runs eight warps per split
     # (DecodeSplitKernel), which merge a tile's splits in a cluster (up to 8 splits) or leave them
     # to CombineKernel (more, or attention=split_combine), FwdKernel's one-warp CTAs under
-    # attention=one_warp_splits.
+    # attention=one_warp_splits; attention=eight_warp_splits runs DecodeSplitKernel on grids of
+    # any size.
     # Every output and gradient (which reads the forward's lse2) must have the same bits: causal,
     # kv_lengths, packed segments, rows past one split, decode steps and a chunk against a longer
     # cache, packed sequences in split mode, NaN/inf/huge/subnormal/zero inputs.
@@ -931,6 +932,7 @@ def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
         ("wgmma", "attention=wgmma"),
         ("mma", "attention=mma"),
         ("one_warp_splits", "attention=one_warp_splits"),
+        ("eight_warp_splits", "attention=eight_warp_splits"),
         ("split_combine", "attention=split_combine"),
     )
     for core, testing in configs:
@@ -940,8 +942,8 @@ def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
         assert run.returncode == 0, run.stdout + run.stderr
         results[core] = np.load(path)
     names = results["mma"].files
-    # dtypes x head dims x (3 prefill shapes x 4 variants + 3 split shapes x 3 + packed x 2) x 4 arrays
-    assert len(names) == 2 * 2 * (3 * 4 + 3 * 3 + 2) * 4
+    # dtypes x head dims x (3 prefill shapes x 4 variants + 4 split shapes x 3 + packed x 2) x 4 arrays
+    assert len(names) == 2 * 2 * (3 * 4 + 4 * 3 + 2) * 4
     for core, _ in configs:
         assert results[core].files == names
         differ = [n for n in names if results[core][n].tobytes() != results["mma"][n].tobytes()]

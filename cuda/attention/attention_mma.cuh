@@ -1036,9 +1036,11 @@ ffi::Error launch_forward_mma(cudaStream_t stream, const ForwardWorkspace& w, un
     if constexpr (D == 128) {
       // At most a CTA per SM: DecodeSplitKernel's eight warps per split (attention_decode.cuh),
       // which recompute a flagged split themselves and, in clusters, merge the splits too.
+      // JAXDET_TESTING=attention=eight_warp_splits runs it on any grid, one_warp_splits on none.
       using Geo = DecodeGeom<Elem, D>;
-      decode = int64_t{grid.x} * grid.y * grid.z <= current_sm_count() &&
-               !attention_testing_is("one_warp_splits") && Geo::kBytes <= static_cast<size_t>(smem_optin);
+      const bool fits = int64_t{grid.x} * grid.y * grid.z <= current_sm_count();
+      decode = (fits || attention_testing_is("eight_warp_splits")) && !attention_testing_is("one_warp_splits") &&
+               Geo::kBytes <= static_cast<size_t>(smem_optin);
       if (decode) {
         const char* op = "jaxdet_attention_fwd";
         auto merging = DecodeSplitKernel<Elem, D, true>;

@@ -22,10 +22,12 @@ inline size_t workspace_align(size_t bytes) {
   return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
 }
 
-// The forward runs in split mode (each CTA one split of kSplit positions, CombineKernel merges
-// them) when a row sees more than one split and the final mode would leave a GPU idle: at most 16
-// query rows per (b, h), or fewer tiles than two waves of an H100 (132 SMs). The choice never
-// changes a bit (attention_cuda.cu); it is fixed by the shapes so that the workspace is too.
+// The forward runs in split mode (each CTA one split of kSplit positions of 16 query rows, the
+// splits merged after them) when the final mode's CTAs of 64 rows (16 at head dimension 256) would
+// be mostly empty or too few: at most 16 query rows per (b, h) (a decode step, even with one split:
+// 16-row CTAs of the split kernels rather than 64-row tiles holding a row or two), or, with more
+// than one split, fewer final tiles than two waves of an H100 (132 SMs). The choice never changes a
+// bit (attention_cuda.cu); it is fixed by the shapes so that the workspace is too.
 constexpr int64_t kSplitModeBelowTiles = 2 * 132;
 
 struct ForwardWorkspace {
@@ -46,7 +48,7 @@ inline ForwardWorkspace forward_workspace(int64_t B, int64_t T, int64_t H, int64
   const int64_t splits = (S + kSplit - 1) / kSplit;
   const int64_t final_rows = D <= 128 ? 64 : 16;  // the smallest final-mode CTA's rows at this D
   const int64_t final_tiles = (R + final_rows - 1) / final_rows;
-  const bool split = splits > 1 && (R <= 16 || B * H * final_tiles < kSplitModeBelowTiles);
+  const bool split = R <= 16 || (splits > 1 && B * H * final_tiles < kSplitModeBelowTiles);
   w.nsplit = split ? splits : 0;
   w.flags = (R + 15) / 16 * H * B * (split ? splits : 1);
   size_t at = workspace_align(static_cast<size_t>(w.flags) * sizeof(int));

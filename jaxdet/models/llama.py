@@ -151,35 +151,47 @@ def _attention(cfg: LlamaConfig, q, k, v, *, segment_ids=None, q_positions=None)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.attention)
 
 
+def _qkv_splits(cfg: LlamaConfig):
+    """Where qkv_proj's columns of k and of v begin."""
+    return [cfg.n_heads * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim]
+
+
 class Attention(nnx.Module):
+    """``qkv_proj``: the query, key and value projections as one kernel ``[d, (n_heads + 2 n_kv_heads)
+    head_dim]`` (columns q | k | v), so that a decode step reads the three weights in one product;
+    a column's bits do not depend on its neighbours (jaxdet.matmul's contract), so q, k and v are
+    those of three separate products. ``o_proj``: the output projection."""
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         Linear = _blocks(cfg)[0]
         kw = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         hd = cfg.head_dim
-        self.q_proj = Linear(cfg.d_model, cfg.n_heads * hd, **kw)
-        self.k_proj = Linear(cfg.d_model, cfg.n_kv_heads * hd, **kw)
-        self.v_proj = Linear(cfg.d_model, cfg.n_kv_heads * hd, **kw)
+        self.qkv_proj = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, **kw)
         self.o_proj = Linear(cfg.n_heads * hd, cfg.d_model, **kw)
 
     def qkv(self, cfg: LlamaConfig, h, positions):
         B, T, _ = h.shape
         hd = cfg.head_dim
-        q = self.q_proj(h).reshape(B, T, cfg.n_heads, hd)
-        k = self.k_proj(h).reshape(B, T, cfg.n_kv_heads, hd)
-        v = self.v_proj(h).reshape(B, T, cfg.n_kv_heads, hd)
+        q, k, v = jnp.split(self.qkv_proj(h), _qkv_splits(cfg), axis=-1)
+        q = q.reshape(B, T, cfg.n_heads, hd)
+        k = k.reshape(B, T, cfg.n_kv_heads, hd)
+        v = v.reshape(B, T, cfg.n_kv_heads, hd)
         return _rope(cfg, q, positions), _rope(cfg, k, positions), v
 
 
 class MLP(nnx.Module):
+    """SwiGLU: ``gate_up_proj`` holds the gate and up projections as one kernel ``[d, 2 d_ff]``
+    (columns gate | up, one product as above), ``down_proj`` the down projection."""
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         Linear = _blocks(cfg)[0]
         kw = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
-        self.gate_proj = Linear(cfg.d_model, cfg.d_ff, **kw)
-        self.up_proj = Linear(cfg.d_model, cfg.d_ff, **kw)
+        self.gate_up_proj = Linear(cfg.d_model, 2 * cfg.d_ff, **kw)
         self.down_proj = Linear(cfg.d_ff, cfg.d_model, **kw)
 
     def __call__(self, h):
-        return self.down_proj(jax.nn.silu(self.gate_proj(h)) * self.up_proj(h))
+        gate, up = jnp.split(self.gate_up_proj(h), 2, axis=-1)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -221,9 +233,10 @@ def _int_array(x, name, shape):
 
 
 class Llama(nnx.Module):
-    """The decoder: ``embed_tokens``, ``layers[i]`` (``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
-    ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``), ``norm`` and ``lm_head`` (None when
-    tied), named as the Llama checkpoints name them."""
+    """The decoder: ``embed_tokens``, ``layers[i]`` (``input_layernorm``, ``self_attn.{qkv,o}_proj``,
+    ``post_attention_layernorm``, ``mlp.{gate_up,down}_proj``), ``norm`` and ``lm_head`` (None when
+    tied): the Llama checkpoints' names, with q/k/v and gate/up each held as one kernel
+    (``from_checkpoint`` concatenates them, ``to_checkpoint`` splits them)."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -329,16 +342,20 @@ class Llama(nnx.Module):
 
 
 def _linear_names(cfg: LlamaConfig):
-    """(checkpoint name, path of the Linear in the model) of every projection."""
+    """(checkpoint names, path of the Linear in the model, where each name's columns begin in its
+    kernel) of every projection: the fused kernels hold several checkpoint entries side by side."""
     out = []
+    hd = cfg.head_dim
     for i in range(cfg.n_layers):
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out.append((f"model.layers.{i}.self_attn.{proj}.weight", ("layers", i, "self_attn", proj)))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out.append((f"model.layers.{i}.mlp.{proj}.weight", ("layers", i, "mlp", proj)))
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out.append(([attn + f"{p}_proj.weight" for p in "qkv"], ("layers", i, "self_attn", "qkv_proj")))
+        out.append(([attn + "o_proj.weight"], ("layers", i, "self_attn", "o_proj")))
+        out.append(([mlp + "gate_proj.weight", mlp + "up_proj.weight"], ("layers", i, "mlp", "gate_up_proj")))
+        out.append(([mlp + "down_proj.weight"], ("layers", i, "mlp", "down_proj")))
     if not cfg.tie_embeddings:
-        out.append(("lm_head.weight", ("lm_head",)))
-    return out
+        out.append((["lm_head.weight"], ("lm_head",)))
+    widths = {"qkv_proj": [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], "gate_up_proj": [cfg.d_ff] * 2}
+    return [(names, path, widths.get(path[-1])) for names, path in out]
 
 
 def _norm_names(cfg: LlamaConfig):
@@ -365,9 +382,10 @@ def from_checkpoint(cfg: LlamaConfig, flat: dict, *, rngs: nnx.Rngs) -> Llama:
     misshapen entry raises ValueError naming it."""
     model = nnx.eval_shape(lambda r: Llama(cfg, rngs=r), rngs)
     expected = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model)}
-    for name, path in _linear_names(cfg):
-        kernel = _module_at(model, path).kernel
-        expected[name] = tuple(reversed(kernel.shape))
+    for names, path, widths in _linear_names(cfg):
+        d_in, d_out = _module_at(model, path).kernel.shape
+        for name, width in zip(names, widths or [d_out]):
+            expected[name] = (width, d_in)
     for name, _ in _norm_names(cfg):
         expected[name] = (cfg.d_model,)
     missing = sorted(set(expected) - set(flat))
@@ -383,8 +401,9 @@ def from_checkpoint(cfg: LlamaConfig, flat: dict, *, rngs: nnx.Rngs) -> Llama:
         return w.T if transpose else w
 
     model.embed_tokens.embedding.set_value(value("model.embed_tokens.weight"))
-    for name, path in _linear_names(cfg):
-        _module_at(model, path).kernel.set_value(value(name, transpose=True))
+    for names, path, _ in _linear_names(cfg):
+        kernel = jnp.concatenate([value(name, transpose=True) for name in names], axis=1)
+        _module_at(model, path).kernel.set_value(kernel)
     for name, path in _norm_names(cfg):
         _module_at(model, path).scale.set_value(value(name))
     return model
@@ -394,8 +413,11 @@ def to_checkpoint(model: Llama) -> dict[str, np.ndarray]:
     """The model's parameters under the Llama checkpoint names (``from_checkpoint``'s inverse)."""
     cfg = model.cfg
     flat = {"model.embed_tokens.weight": np.asarray(model.embed_tokens.embedding[...])}
-    for name, path in _linear_names(cfg):
-        flat[name] = np.asarray(_module_at(model, path).kernel[...]).T
+    for names, path, widths in _linear_names(cfg):
+        kernel = np.asarray(_module_at(model, path).kernel[...])
+        parts = np.split(kernel, np.cumsum(widths)[:-1], axis=1) if widths else [kernel]
+        for name, part in zip(names, parts):
+            flat[name] = part.T
     for name, path in _norm_names(cfg):
         flat[name] = np.asarray(_module_at(model, path).scale[...])
     return flat

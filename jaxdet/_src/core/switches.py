@@ -14,6 +14,8 @@ A comma-separated list of ``key=value`` items, read once per process by the nati
   kernels on a Hopper GPU too (instead of wgmma; docs/attention.md); ``attention=wgmma``: its Hopper final mode runs
   one-warpgroup wgmma CTAs instead of the warp-specialized ones; ``attention=one_warp_splits``: its
   split mode runs one warp per split where it would run eight (decode steps);
+  ``attention=eight_warp_splits``: its split mode runs eight warps per split on any grid (head
+  dimension 128), not only on grids of at most a CTA per SM;
   ``attention=split_combine``: the eight-warp splits leave their merge to a second kernel where a
   cluster of them would merge it; none can change a bit.
 
@@ -35,7 +37,7 @@ TESTING_ITEMS = {
     "gemm_tile": ("128x256", "64x256", "64x128", "64x64", "16x64", "16x32", "64x32", "128x128"),
     "cpu_gemm": ("avx512", "avx2", "generic"),
     "softmax": ("passes",),
-    "attention": ("mma", "wgmma", "one_warp_splits", "split_combine"),
+    "attention": ("mma", "wgmma", "one_warp_splits", "eight_warp_splits", "split_combine"),
 }
 
 
