@@ -108,6 +108,28 @@ def test_checkpoint_round_trip_with_the_llama_names(tie, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_projections_give_the_bits_of_separate_products(dtype):
+    # q|k|v and gate|up are one kernel each (one product per group in a decode step): each part of
+    # the fused product has the bits of a jaxdet.matmul by that part's checkpoint weight alone.
+    cfg = config(dtype)
+    model = Llama(cfg, rngs=nnx.Rngs(3))
+    flat = to_checkpoint(model)
+    h = jax.random.normal(jax.random.key(4), (3, 5, cfg.d_model), jnp.float32).astype(dtype)
+    layer, p = model.layers[1], "model.layers.1."
+    fused = {
+        "self_attn": (layer.self_attn.qkv_proj(h), ("q_proj", "k_proj", "v_proj")),
+        "mlp": (layer.mlp.gate_up_proj(h), ("gate_proj", "up_proj")),
+    }
+    for group, (out, projs) in fused.items():
+        at = 0
+        for proj in projs:
+            w = jnp.asarray(flat[f"{p}{group}.{proj}.weight"].T)
+            assert_bitwise_equal(out[..., at : at + w.shape[1]], jaxdet.matmul(h, w), f"{group}.{proj}")
+            at += w.shape[1]
+        assert at == out.shape[-1]
+
+
 def test_checkpoint_errors_name_the_entry():
     flat = to_checkpoint(Llama(TINY, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="missing.*model.norm.weight"):
