@@ -282,6 +282,16 @@ def sanitize():
                     kv_lengths=jnp.asarray([1001, 1100]),
                 )
             )
+            # decode batches within one split (split mode, one split a row): a grid of a few CTAs
+            # (DecodeSplitKernel at D = 128) and one of more CTAs than an H100 has SMs (one warp each)
+            for b in (2, 40):
+                qd, kd, vd = (
+                    rand(10, (b, 1, 8, D), dtype),
+                    rand(11, (b, 300, 4, D), dtype),
+                    rand(12, (b, 300, 4, D), dtype),
+                )
+                pos = jnp.full((b, 1), 250)
+                jax.block_until_ready(jaxdet.attention(qd, kd, vd, q_positions=pos, kv_lengths=pos[:, 0] + 1))
             # a decode step past 64 splits: CombineKernel's rounds (D splits) and loads (64 at a time)
             kl, vl = rand(8, (1, 34000, 1, D), dtype), rand(9, (1, 34000, 1, D), dtype)
             pos = jnp.asarray([[33000]])
