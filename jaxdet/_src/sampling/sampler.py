@@ -73,7 +73,45 @@ def _bucket(n: int, limit: int) -> int:
     return min(t, limit)
 
 
-def _step(graphdef, invariant, state, cache, tokens, positions, last, keys, steps, inv_temperature, greedy):
+# A step's host inputs travel as one int32 array [num_slots, 2 W + 6] (one transfer rather than seven;
+# a step at decode sizes is mostly host time): tokens [W], positions [W], last, the key's two words,
+# the draw index, 1 / temperature (float32 bits) and greedy (0 / 1). Exact: every field is an int32
+# or a 32-bit pattern reinterpreted.
+_FIELDS_AFTER_TOKENS = 6
+
+
+def _pack_inputs(tokens, positions, last, keys, steps, inv_temperature, greedy):
+    b, width = tokens.shape
+    packed = np.empty((b, 2 * width + _FIELDS_AFTER_TOKENS), np.int32)
+    packed[:, :width] = tokens
+    packed[:, width : 2 * width] = positions
+    packed[:, 2 * width] = last
+    packed[:, 2 * width + 1 : 2 * width + 3] = keys.view(np.int32)
+    packed[:, 2 * width + 3] = steps.view(np.int32)
+    packed[:, 2 * width + 4] = inv_temperature.view(np.int32)
+    packed[:, 2 * width + 5] = greedy
+    return packed
+
+
+def _unpack_inputs(packed):
+    width = (packed.shape[1] - _FIELDS_AFTER_TOKENS) // 2
+    as_u32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint32)
+    return (
+        packed[:, :width],
+        packed[:, width : 2 * width],
+        packed[:, 2 * width],
+        as_u32(packed[:, 2 * width + 1 : 2 * width + 3]),
+        as_u32(packed[:, 2 * width + 3]),
+        jax.lax.bitcast_convert_type(packed[:, 2 * width + 4], jnp.float32),
+        packed[:, 2 * width + 5] != 0,
+    )
+
+
+def _step(graphdef, invariant, state, cache, packed):
+    """One model call over every slot -> (the new cache, [num_slots, 2] int32: each slot's next
+    token and its log-prob's float32 bits; one transfer back)."""
+    tokens, positions, last, keys, steps, inv_temperature, greedy = _unpack_inputs(packed)
+
     def extend(state, tokens, positions, cache):
         return nnx.merge(graphdef, state).extend(tokens, positions, cache)
 
@@ -83,7 +121,8 @@ def _step(graphdef, invariant, state, cache, tokens, positions, last, keys, step
     rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
     scaled = sampling_math.scaled_logits(rows, inv_temperature[:, None])
     next_tokens, log_probs = sampling_math.select(scaled, rows, keys, steps, greedy)
-    return cache, next_tokens, log_probs
+    log_probs = jax.lax.bitcast_convert_type(log_probs.astype(jnp.float32), jnp.int32)
+    return cache, jnp.stack([next_tokens.astype(jnp.int32), log_probs], axis=-1)
 
 
 class Sampler:
@@ -233,10 +272,10 @@ class Sampler:
             inv_temperature[slot] = r.inv_temperature
             greedy[slot] = r.temperature == 0
             fed[slot] = n
-        self._cache, next_tokens, log_probs = self._jit_step(
-            self._state, self._cache, tokens, positions, last, keys, steps, inv_temperature, greedy
-        )
-        next_tokens, log_probs = np.asarray(next_tokens), np.asarray(log_probs)
+        packed = _pack_inputs(tokens, positions, last, keys, steps, inv_temperature, greedy)
+        self._cache, drawn = self._jit_step(self._state, self._cache, packed)
+        drawn = np.asarray(drawn)
+        next_tokens, log_probs = drawn[:, 0], drawn[:, 1].view(np.float32)
         self.steps_taken += 1
         finished = []
         for slot, r in enumerate(self._slots):
