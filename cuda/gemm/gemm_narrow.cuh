@@ -51,8 +51,8 @@ constexpr int kThreads = kWarps * 32;
 // slower once the CTAs no longer fit twice per SM). (dA's B, stored [N, K], would be read 128 bytes
 // of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even 32 stages
 // deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
-constexpr int kStages =
-    8;  // the launcher's (fastest of 4-16 on an H100); tools/experiments/gemm_narrow_stages.cu times others
+// The launcher's depth: the fastest of 4-16 on an H100 (tools/experiments/gemm_narrow_stages.cu).
+constexpr int kStages = 8;
 constexpr int kChunk = 16;                       // bytes per cp.async
 constexpr int kATileBytes = kTileM * kTileK * 2;  // [16 m][64 k], 8 chunks per row
 constexpr int kBTileBytes = kTileN * kTileK * 2;  // [64 k][32 n], 4 chunks per row
