@@ -46,12 +46,11 @@ namespace narrow {
 constexpr int kTileK = 64;  // the Hopper sets' K tile (sm90::kTileK in gemm_sm90.cuh), in four k16 steps
 constexpr int kWarps = 4;   // warp w: columns 16 * (w & 1), rows 8 * (w >> 1) of the tile
 constexpr int kThreads = kWarps * 32;
-// The pipeline depth: 12 stages of 6 KB (two or three CTAs per SM fit). Deeper was slower
-// (tools/experiments/gemm_narrow_stages.cu on an H200: 16-32 stages 10-18% slower than 8-12, and about 80%
-// slower once the CTAs no longer fit twice per SM). (dA's B, stored [N, K], would be read 128 bytes
-// of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even 32 stages
-// deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
-// The launcher's depth: the fastest of 4-16 on an H100 (tools/experiments/gemm_narrow_stages.cu).
+// The pipeline depth: 8 stages of 6 KB, the fastest of 4-16 (tools/experiments/gemm_narrow_stages.cu
+// on an H100: 8-12% less time than 12 stages at M = 1-16; deeper was slower still, and on an H200
+// about 80% slower once the CTAs no longer fit twice per SM). (dA's B, stored [N, K], would be read
+// 128 bytes of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even
+// 32 stages deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
 constexpr int kStages = 8;
 constexpr int kChunk = 16;                       // bytes per cp.async
 constexpr int kATileBytes = kTileM * kTileK * 2;  // [16 m][64 k], 8 chunks per row
