@@ -43,10 +43,12 @@ def _prompts(n=6, seed=0):
     return [rng.integers(0, VOCAB, size) for size in rng.integers(1, 12, n)]
 
 
-def _run(model, prompts, *, num_slots, prefill_chunk, arrivals, max_new_tokens=5):
-    """Requests i (greedy when i % 3 == 0, else temperature 0.7 or 1.3) added before step
-    arrivals[i]; returns the completions by request id."""
-    sampler = sampling.Sampler(model, num_slots=num_slots, capacity=24, prefill_chunk=prefill_chunk)
+def _run(model, prompts, *, num_slots, prefill_chunk, arrivals, max_new_tokens=5, steps_per_call=1):
+    """Requests i (greedy when i % 3 == 0, else temperature 0.7 or 1.3) added before call
+    arrivals[i] of step(); returns the completions by request id."""
+    sampler = sampling.Sampler(
+        model, num_slots=num_slots, capacity=24, prefill_chunk=prefill_chunk, steps_per_call=steps_per_call
+    )
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     ids, done, step = {}, [], 0
     while order or sampler.has_work():
@@ -73,6 +75,9 @@ def test_request_bits_do_not_depend_on_slot_neighbours_join_step_or_batch(model)
         _run(model, prompts, num_slots=2, prefill_chunk=4, arrivals=[0, 0, 3, 1, 5, 2]),
         _run(model, prompts, num_slots=4, prefill_chunk=16, arrivals=[4, 3, 2, 1, 0, 0]),
         _run(model, prompts, num_slots=8, prefill_chunk=8, arrivals=[0] * 6),
+        # decode steps three or four to a call: requests join between calls, and finish inside them
+        _run(model, prompts, num_slots=3, prefill_chunk=4, arrivals=[0, 2, 0, 5, 1, 3], steps_per_call=3),
+        _run(model, prompts, num_slots=8, prefill_chunk=16, arrivals=[0] * 6, steps_per_call=4),
     ]
     reference = runs[0]
     for run in runs[1:]:
@@ -163,6 +168,15 @@ def test_stop_tokens_and_sampler_bookkeeping(model):
     assert_bitwise(again[0].log_probs, first.log_probs[:n], "stopped early")
     assert again[0].sequence.tolist() == [1, 2, 3] + first.tokens[:n].tolist()
     assert not sampler.has_work() and sampler.num_active == 0
+    # Four decode steps to a call: the stop inside a call ends the request at the same token.
+    calls = sampling.Sampler(model, num_slots=2, capacity=16, steps_per_call=4)
+    batched = calls.generate(
+        [[1, 2, 3], [4, 5]], max_new_tokens=4, temperature=1.0, key=jaxdet.random.key(0), stop_tokens=[stop]
+    )
+    for a, b in zip(batched, again):
+        assert a.finish_reason == b.finish_reason and a.tokens.tolist() == b.tokens.tolist()
+        assert_bitwise(a.log_probs, b.log_probs, f"request {a.request_id}, decode calls of 4 steps")
+    assert not calls.has_work()
 
 
 def test_sampler_follows_updates_in_place():
@@ -196,6 +210,8 @@ def test_bad_arguments_raise_naming_them(model):
         sampling.Sampler(object(), num_slots=1, capacity=4)
     with pytest.raises(ValueError, match="num_slots"):
         sampling.Sampler(model, num_slots=0, capacity=4)
+    with pytest.raises(ValueError, match="steps_per_call"):
+        sampling.Sampler(model, num_slots=1, capacity=4, steps_per_call=0)
     with pytest.raises(TypeError, match="tokens"):
         sampling.trainer_log_probs(model, jnp.zeros((4,), jnp.int32))
     with pytest.raises(ValueError, match="segment_ids"):
@@ -215,8 +231,10 @@ def test_flax_modules_under_invariant_keep_the_contract():
     flax_model = tiny_llama("flax", seed=1)
     prompts = _prompts(4, seed=3)
     completions = []
-    for num_slots, chunk in ((1, 1), (3, 4)):
-        sampler = sampling.Sampler(flax_model, num_slots=num_slots, capacity=16, prefill_chunk=chunk, invariant=True)
+    for num_slots, chunk, per_call in ((1, 1, 1), (3, 4, 3)):
+        sampler = sampling.Sampler(
+            flax_model, num_slots=num_slots, capacity=16, prefill_chunk=chunk, invariant=True, steps_per_call=per_call
+        )
         completions.append(sampler.generate(prompts, max_new_tokens=4, temperature=1.0, key=jaxdet.random.key(2)))
     for a, b in zip(*completions):
         assert_bitwise(a.log_probs, b.log_probs, f"request {a.request_id}, 1 vs 3 slots")
@@ -228,13 +246,16 @@ def test_flax_modules_under_invariant_keep_the_contract():
 
 def _contract_holds(model, prompts, what):
     """Slots and join steps change no bit; the packed and padded trainers give the sampler's bits."""
+    n = len(prompts)
     runs = [
-        _run(model, prompts, num_slots=1, prefill_chunk=1, arrivals=[0] * len(prompts)),
-        _run(model, prompts, num_slots=4, prefill_chunk=8, arrivals=list(range(len(prompts)))),
+        _run(model, prompts, num_slots=1, prefill_chunk=1, arrivals=[0] * n),
+        _run(model, prompts, num_slots=4, prefill_chunk=8, arrivals=list(range(n))),
+        _run(model, prompts, num_slots=3, prefill_chunk=4, arrivals=list(range(n)), steps_per_call=3),
     ]
-    for i, c in runs[1].items():
-        assert_bitwise(c.tokens, runs[0][i].tokens, f"request {i} tokens ({what})")
-        assert_bitwise(c.log_probs, runs[0][i].log_probs, f"request {i} ({what})")
+    for run in runs[1:]:
+        for i, c in run.items():
+            assert_bitwise(c.tokens, runs[0][i].tokens, f"request {i} tokens ({what})")
+            assert_bitwise(c.log_probs, runs[0][i].log_probs, f"request {i} ({what})")
     completions = [runs[1][i] for i in sorted(runs[1])]
     for layout in ("packed", "padded"):
         for scored, c in zip(sampling.completions_log_probs(model, completions, layout=layout), completions):

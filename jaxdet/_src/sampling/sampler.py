@@ -1,8 +1,9 @@
 """A continuous-batching sampler over a KV cache of fixed slots (docs/sampling.md).
 
 Host side (Python, never traced): the queue of requests, which request holds which slot, each
-request's position and the tokens it still has to feed. Device side (one jitted step): the
-model's `extend` over every slot, the choice of each slot's next token and its log-prob. A step
+request's position and the tokens it still has to feed. Device side (one jitted call: a step, or
+`steps_per_call` decode steps in a `lax.scan`): the model's `extend` over every slot, the choice of
+each slot's next token and its log-prob. A step
 feeds every slot a chunk of `T` tokens: the next chunk of a prompt not yet fed, else the last
 sampled token, padded with positions that continue past the slot's last real token (the model
 protocol drops or later overwrites those rows); a free slot is fed positions past the cache's
@@ -107,10 +108,9 @@ def _unpack_inputs(packed):
     )
 
 
-def _step(graphdef, invariant, state, cache, packed):
-    """One model call over every slot -> (the new cache, [num_slots, 2] int32: each slot's next
-    token and its log-prob's float32 bits; one transfer back)."""
-    tokens, positions, last, keys, steps, inv_temperature, greedy = _unpack_inputs(packed)
+def _model_step(graphdef, invariant, state, cache, tokens, positions, last, keys, steps, inv_temperature, greedy):
+    """The model's extend over every slot and each slot's next token -> (cache, next_tokens int32
+    [num_slots], [num_slots, 2] int32: each slot's next token and its log-prob's float32 bits)."""
 
     def extend(state, tokens, positions, cache):
         return nnx.merge(graphdef, state).extend(tokens, positions, cache)
@@ -121,8 +121,35 @@ def _step(graphdef, invariant, state, cache, packed):
     rows = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
     scaled = sampling_math.scaled_logits(rows, inv_temperature[:, None])
     next_tokens, log_probs = sampling_math.select(scaled, rows, keys, steps, greedy)
+    next_tokens = next_tokens.astype(jnp.int32)
     log_probs = jax.lax.bitcast_convert_type(log_probs.astype(jnp.float32), jnp.int32)
-    return cache, jnp.stack([next_tokens.astype(jnp.int32), log_probs], axis=-1)
+    return cache, next_tokens, jnp.stack([next_tokens, log_probs], axis=-1)
+
+
+def _step(graphdef, invariant, state, cache, packed):
+    """One model step over every slot -> (the new cache, [num_slots, 2] int32 drawn: one transfer
+    back)."""
+    cache, _, drawn = _model_step(graphdef, invariant, state, cache, *_unpack_inputs(packed))
+    return cache, drawn
+
+
+def _decode_steps(graphdef, invariant, num_steps, state, cache, packed):
+    """`num_steps` decode steps in one call, every slot fed one token a step: the token each slot
+    drew, at the next position, with the next draw index (what `num_steps` calls of `_step` would
+    feed a slot that keeps decoding) -> (the new cache, [num_steps, num_slots, 2] int32 drawn)."""
+    tokens, positions, last, keys, steps, inv_temperature, greedy = _unpack_inputs(packed)
+
+    # The model's state rides in the carry, unchanged: each step merges the model inside its own
+    # trace (a Variable made at one trace level cannot be updated at another).
+    def body(carry, _):
+        state, cache, tokens, positions, steps = carry
+        cache, next_tokens, drawn = _model_step(
+            graphdef, invariant, state, cache, tokens, positions, last, keys, steps, inv_temperature, greedy
+        )
+        return (state, cache, next_tokens[:, None], positions + 1, steps + 1), drawn
+
+    (_, cache, *_), drawn = jax.lax.scan(body, (state, cache, tokens, positions, steps), None, length=num_steps)
+    return cache, drawn
 
 
 class Sampler:
@@ -144,11 +171,24 @@ class Sampler:
     `num_slots`: the batch of the cache; `capacity`: cache rows per slot (a request needs
     len(prompt) + max_new_tokens - 1 of them); `prefill_chunk`: the most prompt tokens a slot feeds
     in one step; `invariant`: run the model under `jaxdet.invariant` (a model written with plain JAX
-    or flax's own modules). The sampler holds the model's own variables, so a model updated in place
+    or flax's own modules); `steps_per_call`: the decode steps one call runs on the device when every
+    active slot is decoding (its prompt fed): the host's work and the round trip for the drawn tokens
+    are then paid once per `steps_per_call` steps (a decode step of a small model is mostly host
+    time), requests join only between calls, and a request that finishes inside a call leaves its
+    slot's remaining steps of that call unused. The sampler holds the model's own variables, so a model updated in place
     between steps (an RL loop's optimizer) is sampled with its current weights; a model whose
     structure changes (variables added or replaced) needs a new Sampler."""
 
-    def __init__(self, model, *, num_slots: int, capacity: int, prefill_chunk: int = 32, invariant: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        num_slots: int,
+        capacity: int,
+        prefill_chunk: int = 32,
+        invariant: bool = False,
+        steps_per_call: int = 1,
+    ):
         for name in ("init_cache", "extend"):
             if not callable(getattr(model, name, None)):
                 raise TypeError(
@@ -160,6 +200,7 @@ class Sampler:
         self.capacity = check_static_int(capacity, "capacity", minimum=1)
         self.prefill_chunk = check_static_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.invariant = bool(invariant)
+        self.steps_per_call = check_static_int(steps_per_call, "steps_per_call", minimum=1)
         self.steps_taken = 0
         # The model's own variables (nnx.split returns them, not copies): an update in place (an
         # optimizer step, nnx.update, an assignment to a variable's value) is seen at the next step,
@@ -170,6 +211,9 @@ class Sampler:
         self._queue: collections.deque[_Request] = collections.deque()
         self._next_id = 0
         self._jit_step = jax.jit(functools.partial(_step, self._graphdef, self.invariant), donate_argnums=(1,))
+        self._jit_decode = jax.jit(
+            functools.partial(_decode_steps, self._graphdef, self.invariant, self.steps_per_call), donate_argnums=(1,)
+        )
 
     # ---- requests ----
 
@@ -244,8 +288,9 @@ class Sampler:
                 self._slots[slot] = request
 
     def step(self) -> list[Completion]:
-        """Admits queued requests into free slots, runs one model step over all slots and returns
-        the requests that finished in it."""
+        """Admits queued requests into free slots, runs one call over all slots (one model step, or
+        `steps_per_call` decode steps when every active slot is decoding) and returns the requests
+        that finished in it."""
         self._admit()
         if self.num_active == 0:
             return []
@@ -273,10 +318,25 @@ class Sampler:
             greedy[slot] = r.temperature == 0
             fed[slot] = n
         packed = _pack_inputs(tokens, positions, last, keys, steps, inv_temperature, greedy)
-        self._cache, drawn = self._jit_step(self._state, self._cache, packed)
-        drawn = np.asarray(drawn)
+        # Width 1: every active slot draws at this step (a prompt's last token, or its last draw),
+        # so every later step of the call feeds each slot its draw.
+        if width == 1 and self.steps_per_call > 1:
+            self._cache, drawn = self._jit_decode(self._state, self._cache, packed)
+            drawn = np.asarray(drawn)
+        else:
+            self._cache, drawn = self._jit_step(self._state, self._cache, packed)
+            drawn = np.asarray(drawn)[None]
+        finished = []
+        for step_drawn in drawn:
+            finished += self._absorb(step_drawn, fed)
+            fed = [1] * b  # later steps of a decode call feed every slot its draw
+            self.steps_taken += 1
+        return finished
+
+    def _absorb(self, drawn, fed) -> list[Completion]:
+        """One step's results: each active slot fed fed[slot] tokens and drew drawn[slot] (the token,
+        its log-prob's float32 bits); returns the requests it finished, whose slots it frees."""
         next_tokens, log_probs = drawn[:, 0], drawn[:, 1].view(np.float32)
-        self.steps_taken += 1
         finished = []
         for slot, r in enumerate(self._slots):
             if r is None:
