@@ -4,13 +4,14 @@ docs/sampling.md.
 
     python benchmarks/sampler_bench.py                       # GPU: d 2048, 8 layers, vocab 32000, bf16
     python benchmarks/sampler_bench.py --allow-cpu --small   # smoke test without a GPU
-    python benchmarks/sampler_bench.py --steps-per-call 8    # decode calls of 8 steps (device-bound)
+    python benchmarks/sampler_bench.py --steps-per-call 1    # decode calls of one step only
     python benchmarks/sampler_bench.py --trace 64            # where a decode window's time goes
 
 Decode: a `jaxdet.sampling.Sampler` with one slot per request (`--batches`), each request's prompt
 (`--prompt` tokens) fed in one step, then `--decode-steps` steps of one token per slot at
 temperature 1 timed (median of `--reps` windows, jaxdet's and plain JAX's alternating), host
-bookkeeping included, as a user runs it, in calls of `--steps-per-call` decode steps; tokens/s =
+bookkeeping included, as a user runs it, in calls of each `--steps-per-call` decode steps (default
+1, the Sampler's default, and 8, where the device's time dominates); tokens/s =
 batch x steps / seconds. Plain JAX runs the same Sampler over the model built with
 `modules="flax"` (jax.nn.dot_product_attention over the masked cache, with each `--plain`
 implementation: "xla", and "cudnn" on a GPU).
@@ -69,13 +70,13 @@ def make_model(args, modules, attention="xla"):
     return Llama(cfg, rngs=nnx.Rngs(0))
 
 
-def _decode_window(model, args, batch):
+def _decode_window(model, args, batch, steps_per_call):
     """A Sampler of `batch` slots over `model`, and `window(rep, around=None)`: the seconds of one
     window of `args.decode_steps` decode steps (one request per slot, prompts fed in one step
     before the window); `around`, if given, is a context manager entered around the steps."""
     capacity = args.prompt + args.decode_steps + 1
     sampler = sampling.Sampler(
-        model, num_slots=batch, capacity=capacity, prefill_chunk=args.prompt, steps_per_call=args.steps_per_call
+        model, num_slots=batch, capacity=capacity, prefill_chunk=args.prompt, steps_per_call=steps_per_call
     )
     rng = np.random.default_rng(0)
     key = jaxdet.random.key(0)
@@ -101,11 +102,11 @@ def _decode_window(model, args, batch):
     return window
 
 
-def decode_tokens_per_second(models, args, batch):
+def decode_tokens_per_second(models, args, batch, steps_per_call):
     """Median tokens/s of each model over `args.reps` windows of `args.decode_steps` decode steps
     (after one window each that compiles and warms up). The models' windows alternate, so that
     the host's load (a step is mostly host time at these sizes) falls on every model alike."""
-    windows = {name: guard(_decode_window, model, args, batch) for name, model in models.items()}
+    windows = {name: guard(_decode_window, model, args, batch, steps_per_call) for name, model in models.items()}
     seconds = {name: [] for name in models}
     for rep in range(args.reps + 1):
         for name, window in windows.items():
@@ -123,7 +124,8 @@ def decode_tokens_per_second(models, args, batch):
 
 
 def decode_trace(model, args, batch, log_dir="/tmp/jaxdet-sampler-trace"):
-    """The profile of the second window of decode steps at `batch` (the first compiles), summarised."""
+    """The profile of the second window of decode steps at `batch` (the first compiles), in calls of
+    the first `--steps-per-call` value, summarised."""
 
     @contextlib.contextmanager
     def profiled():
@@ -134,7 +136,7 @@ def decode_trace(model, args, batch, log_dir="/tmp/jaxdet-sampler-trace"):
         finally:
             jax.profiler.stop_trace()
 
-    window = _decode_window(model, args, batch)
+    window = _decode_window(model, args, batch, args.steps_per_call[0])
     window(0)
     seconds = window(1, around=profiled())
     return f"window: {args.decode_steps} steps in {seconds * 1e3:.2f} ms (profiled)\n" + trace_summary.summarize(
@@ -170,7 +172,11 @@ def main():
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument(
-        "--steps-per-call", type=int, default=1, help="the Sampler's steps_per_call (decode steps per device call)"
+        "--steps-per-call",
+        type=int,
+        nargs="+",
+        default=[1, 8],
+        help="the Sampler's steps_per_call values (decode steps per device call)",
     )
     p.add_argument("--train-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
@@ -201,14 +207,15 @@ def main():
 
     # A Failed cell prints its label under any format spec (_timing.Failed).
     print("Decode (tokens/s, higher is better; ratio = jaxdet / the fastest plain)\n")
-    print(f"| batch | jaxdet | {' | '.join(plain_names)} | ratio |")
-    print("|---:|---:|" + "---:|" * len(plain_names) + "---:|")
-    for batch in args.batches:
-        rates = decode_tokens_per_second(models, args, batch)
-        ran = [rates[name] for name in plain_names if not failed(rates[name])]
-        ratio = rates["jaxdet"] / max(ran) if ran else _timing.Failed("-")
-        cells = " | ".join(f"{rates[name]:.0f}" for name in plain_names)
-        print(f"| {batch} | {rates['jaxdet']:.0f} | {cells} | {ratio:.2f} |", flush=True)
+    print(f"| batch | steps per call | jaxdet | {' | '.join(plain_names)} | ratio |")
+    print("|---:|---:|---:|" + "---:|" * len(plain_names) + "---:|")
+    for steps_per_call in args.steps_per_call:
+        for batch in args.batches:
+            rates = decode_tokens_per_second(models, args, batch, steps_per_call)
+            ran = [rates[name] for name in plain_names if not failed(rates[name])]
+            ratio = rates["jaxdet"] / max(ran) if ran else _timing.Failed("-")
+            cells = " | ".join(f"{rates[name]:.0f}" for name in plain_names)
+            print(f"| {batch} | {steps_per_call} | {rates['jaxdet']:.0f} | {cells} | {ratio:.2f} |", flush=True)
 
     print(
         f"\nTrainer log-prob forward, {args.train_batch} x {args.seq} tokens (ms, lower is better; ratio = the "
