@@ -342,8 +342,9 @@ class Llama(nnx.Module):
 
 
 def _linear_names(cfg: LlamaConfig):
-    """(checkpoint names, path of the Linear in the model, where each name's columns begin in its
-    kernel) of every projection: the fused kernels hold several checkpoint entries side by side."""
+    """(checkpoint names, path of the Linear in the model, each name's number of columns in the
+    kernel, or None for a kernel of one name) of every projection: the fused kernels hold several
+    checkpoint entries side by side, in the order of the names."""
     out = []
     hd = cfg.head_dim
     for i in range(cfg.n_layers):
