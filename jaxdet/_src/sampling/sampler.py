@@ -175,9 +175,9 @@ class Sampler:
     active slot is decoding (its prompt fed): the host's work and the round trip for the drawn tokens
     are then paid once per `steps_per_call` steps (a decode step of a small model is mostly host
     time), requests join only between calls, and a request that finishes inside a call leaves its
-    slot's remaining steps of that call unused. The sampler holds the model's own variables, so a model updated in place
-    between steps (an RL loop's optimizer) is sampled with its current weights; a model whose
-    structure changes (variables added or replaced) needs a new Sampler."""
+    slot's remaining steps of that call unused. The sampler holds the model's own variables, so a
+    model updated in place between steps (an RL loop's optimizer) is sampled with its current
+    weights; a model whose structure changes (variables added or replaced) needs a new Sampler."""
 
     def __init__(
         self,
