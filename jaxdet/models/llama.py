@@ -151,9 +151,9 @@ def _attention(cfg: LlamaConfig, q, k, v, *, segment_ids=None, q_positions=None)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=cfg.attention)
 
 
-def _qkv_splits(cfg: LlamaConfig):
-    """Where qkv_proj's columns of k and of v begin."""
-    return [cfg.n_heads * cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim]
+def _qkv_widths(cfg: LlamaConfig):
+    """qkv_proj's columns of q, of k and of v, in that order."""
+    return [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
 
 
 class Attention(nnx.Module):
@@ -172,7 +172,7 @@ class Attention(nnx.Module):
     def qkv(self, cfg: LlamaConfig, h, positions):
         B, T, _ = h.shape
         hd = cfg.head_dim
-        q, k, v = jnp.split(self.qkv_proj(h), _qkv_splits(cfg), axis=-1)
+        q, k, v = jnp.split(self.qkv_proj(h), np.cumsum(_qkv_widths(cfg))[:-1].tolist(), axis=-1)
         q = q.reshape(B, T, cfg.n_heads, hd)
         k = k.reshape(B, T, cfg.n_kv_heads, hd)
         v = v.reshape(B, T, cfg.n_kv_heads, hd)
@@ -346,7 +346,6 @@ def _linear_names(cfg: LlamaConfig):
     kernel, or None for a kernel of one name) of every projection: the fused kernels hold several
     checkpoint entries side by side, in the order of the names."""
     out = []
-    hd = cfg.head_dim
     for i in range(cfg.n_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         out.append(([attn + f"{p}_proj.weight" for p in "qkv"], ("layers", i, "self_attn", "qkv_proj")))
@@ -355,7 +354,7 @@ def _linear_names(cfg: LlamaConfig):
         out.append(([mlp + "down_proj.weight"], ("layers", i, "mlp", "down_proj")))
     if not cfg.tie_embeddings:
         out.append((["lm_head.weight"], ("lm_head",)))
-    widths = {"qkv_proj": [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], "gate_up_proj": [cfg.d_ff] * 2}
+    widths = {"qkv_proj": _qkv_widths(cfg), "gate_up_proj": [cfg.d_ff] * 2}
     return [(names, path, widths.get(path[-1])) for names, path in out]
 
 

@@ -125,12 +125,17 @@ def _bwd_factors(params, shapes):
     return [q, kv, kv, q, ("b", "h", "t", "g"), q, *_row_factors(params["row_form"])], [q, kv, kv]
 
 
+def _symbolic_dims(*dims):
+    """The names of the dimensions among `dims` that are symbolic (``jax.export.symbolic_shape``)."""
+    return [str(d) for d in dims if not isinstance(d, (int, np.integer))]
+
+
 def _static_dims(q, k):
     """q's and k's dims as ints; a clear error for symbolic ones: the CUDA kernels' workspace and
     split plan are sized from the shapes when the program is compiled (the CPU kernels need
     neither, so ``jax.export`` with symbolic sequence lengths works for platforms=["cpu"])."""
     for name, x in (("q", q), ("k", k)):
-        symbolic = [str(d) for d in x.shape if not isinstance(d, (int, np.integer))]
+        symbolic = _symbolic_dims(*x.shape)
         if symbolic:
             raise ValueError(
                 f"jaxdet.attention on CUDA needs static shapes: {name} has symbolic dimension(s) "
@@ -320,6 +325,13 @@ def _tangent_fn(scale, row_form, which):
         return _from_query_rows(do, q.shape).astype(q.dtype)
 
     def fn(q, k, v, o, lse2, row_a, row_b, *lin):
+        symbolic = _symbolic_dims(*q.shape, k.shape[1])
+        if symbolic:
+            raise NotImplementedError(
+                "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd) of jaxdet.attention needs "
+                f"static shapes, got symbolic dimension(s) {', '.join(symbolic)} (jax.export.symbolic_shape); "
+                "reverse mode (jax.grad, jax.vjp) exports with symbolic shapes"
+            )
         t = dict(zip(which, lin))
         B, T, H, G, _ = q.shape
         S = k.shape[1]
@@ -327,13 +339,6 @@ def _tangent_fn(scale, row_form, which):
         seen = _seen_keys(start, limit, S)
         shared = [_key_rows(x, seen) if x is not None else None for x in (k, v, t.get("k"), t.get("v"))]
         tq = t.get("q")
-        symbolic = [str(d) for d in (*q.shape, S) if not isinstance(d, (int, np.integer))]
-        if symbolic:
-            raise NotImplementedError(
-                "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd) of jaxdet.attention needs "
-                f"static shapes, got symbolic dimension(s) {', '.join(symbolic)} (jax.export.symbolic_shape); "
-                "reverse mode (jax.grad, jax.vjp) exports with symbolic shapes"
-            )
         Tb = _tangent_query_block(B, T, H, G, S)
         if Tb >= T:
             return (block(*shared, q, lse2, start, limit, tq),)
