@@ -27,9 +27,10 @@ import jaxdet
 # kernel.
 SHAPES = [(2, 300, 8, 2), (3, 257, 4, 4), (2, 1100, 16, 4)]
 # Split mode, (B, T, S, query heads, KV heads): decode steps past one and several splits, a chunk
-# of 4 queries (16 rows), a batch of decode steps within one split (a grid of more CTAs than SMs),
-# and packed sequences of 600 tokens (38 row tiles x 2 splits: a CTA's rows run in several passes).
-DECODE_SHAPES = [(1, 1, 1100, 8, 2), (3, 1, 2000, 32, 8), (2, 4, 1500, 16, 4), (40, 1, 300, 16, 4)]
+# of 4 queries (16 rows), decode steps within one split (a grid of a few CTAs, each a cluster of
+# one, and one of more CTAs than SMs), and packed sequences of 600 tokens (38 row tiles x 2 splits:
+# a CTA's rows run in several passes).
+DECODE_SHAPES = [(1, 1, 1100, 8, 2), (3, 1, 2000, 32, 8), (2, 4, 1500, 16, 4), (2, 1, 300, 8, 2), (40, 1, 300, 16, 4)]
 PACKED_SPLIT_SHAPE = (1, 600, 600, 1, 1)
 
 

@@ -942,8 +942,8 @@ def test_wgmma_kernels_equal_the_mma_sync_kernels(tmp_path):
         assert run.returncode == 0, run.stdout + run.stderr
         results[core] = np.load(path)
     names = results["mma"].files
-    # dtypes x head dims x (3 prefill shapes x 4 variants + 4 split shapes x 3 + packed x 2) x 4 arrays
-    assert len(names) == 2 * 2 * (3 * 4 + 4 * 3 + 2) * 4
+    # dtypes x head dims x (3 prefill shapes x 4 variants + 5 split shapes x 3 + packed x 2) x 4 arrays
+    assert len(names) == 2 * 2 * (3 * 4 + 5 * 3 + 2) * 4
     for core, _ in configs:
         assert results[core].files == names
         differ = [n for n in names if results[core][n].tobytes() != results["mma"][n].tobytes()]

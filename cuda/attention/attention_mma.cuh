@@ -943,13 +943,14 @@ ffi::Error prepare(Kernel kernel, size_t smem, int smem_optin, const char* op) {
 
 // Whether DecodeSplitKernel<..., true> (`kernel`, its shared-memory opt-in prepared) merges a
 // tile's `splits` splits in a cluster on the current device: at most kMaxClusterSplits (the
-// portable cluster size), and the device runs such a cluster of sm_90 code (max_active_clusters:
-// the sm_80 code has no cluster barrier).
+// portable cluster size; one split is a cluster of one CTA, which finishes its rows itself, with no
+// CombineKernel launch after it), and the device runs such a cluster of sm_90 code
+// (max_active_clusters: the sm_80 code has no cluster barrier).
 // Else CombineKernel merges them: the same bits. JAXDET_TESTING=attention=split_combine forces
 // that. Asked once per (device, splits).
 template <class Kernel>
 bool decode_cluster_merges(Kernel kernel, int splits, int threads, size_t smem) {
-  if (splits < 2 || splits > kMaxClusterSplits || attention_testing_is("split_combine")) return false;
+  if (splits < 1 || splits > kMaxClusterSplits || attention_testing_is("split_combine")) return false;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
