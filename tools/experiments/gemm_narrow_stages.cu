@@ -1,8 +1,10 @@
-// Time of the forward's 16x32 tile (cuda/gemm/gemm_narrow.cuh) by pipeline depth: the same
-// problems with 4, 6, 8, 12 and 16 stages of cp.async, side by side in one process, and the
-// bits of every depth against the launcher's (a depth decides how many K tiles are in flight,
-// never what a K step computes). The tile is bound by the bytes it keeps in flight at M <= 16;
-// this picks the depth (docs/matmul_cuda.md). The GEMM against jnp.dot: benchmarks/matmul_bench.py.
+// Time of the forward's narrow tiles (cuda/gemm/gemm_narrow.cuh) by pipeline depth and width: the
+// 16x32 tile with 4, 6, 8 and 12 stages of cp.async and the 16x16 tile with 8, side by side in one
+// process, and the bits of each against the 16x32 tile at the launcher's depth (a depth decides
+// how many K tiles are in flight and a width which CTA computes a column, never what a K step
+// computes). The tiles are bound by the bytes they keep in flight at M <= 16; this picks the depth
+// and shows where 16 columns beat 32 (docs/matmul_cuda.md). The GEMM against jnp.dot:
+// benchmarks/matmul_bench.py.
 //
 // Build and run on a Hopper GPU (tools/gpu_session.sh narrow-stages):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I <cutlass>/include \
@@ -21,20 +23,21 @@ namespace narrow = jaxdet::gemm::narrow;
 using Element = cutlass::bfloat16_t;
 
 // Launches cycle through copies of B (together larger than L2), so each reads B from memory.
-template <int Stages>
+template <int TileN, int Stages>
 float time_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
-  const auto kernel = narrow::narrow_gemm_kernel<Element, Element, Stages>;
-  constexpr int smem = narrow::kSmemBytes<Stages>;
+  const auto kernel = narrow::narrow_gemm_kernel<Element, Element, TileN, Stages>;
+  constexpr int smem = narrow::kSmemBytes<TileN, Stages>;
+  constexpr int threads = narrow::Tile<TileN>::kThreads;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   std::vector<narrow::Params> ps;
-  for (const auto& g : gs) ps.push_back(narrow::make_params(g));
+  for (const auto& g : gs) ps.push_back(narrow::make_params<TileN>(g));
   const dim3 grid = narrow::grid_of(ps[0]);
-  for (int i = 0; i < 3; ++i) kernel<<<grid, narrow::kThreads, smem>>>(ps[i % ps.size()]);
+  for (int i = 0; i < 3; ++i) kernel<<<grid, threads, smem>>>(ps[i % ps.size()]);
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) kernel<<<grid, narrow::kThreads, smem>>>(ps[i % ps.size()]);
+  for (int i = 0; i < reps; ++i) kernel<<<grid, threads, smem>>>(ps[i % ps.size()]);
   CHECK(cudaEventRecord(b));
   CHECK(cudaEventSynchronize(b));
   float ms = 0;
@@ -50,12 +53,15 @@ std::vector<uint16_t> bits_of(const jaxdet::gemm::GemmArgs& g) {
 }
 
 int main() {
-  const int shapes[][2] = {{14336, 4096}, {4096, 4096}, {2048, 11264}, {5632, 2048}};  // (K, N)
+  // (K, N): the benchmark's products and a d-2048 model's decode products (attention output and
+  // down projections 2048 wide, q|k|v 4096, gate|up 11264), N = 2000 not a multiple of 32.
+  const int shapes[][2] = {{14336, 4096}, {4096, 4096}, {2048, 11264}, {2048, 2048}, {5632, 2048}, {2048, 2000}};
   const int ms[] = {1, 4, 16};
   const int reps = 200;
   std::printf(
-      "| K | N | M | 4 stages us | 6 | 8 | 12 | 16 | HBM GB/s at 12 | bits vs 12 "
-      "|\n|---|---|---|---|---|---|---|---|---|---|\n");
+      "| K | N | M | 16x32, 4 stages us | 6 | 8 | 12 | 16x16, 8 stages us | HBM GB/s, 16x32 at 8 | 16x16 | bits "
+      "vs "
+      "16x32 at 8 |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& s : shapes) {
     const int K = s[0], N = s[1];
     std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N);
@@ -89,22 +95,28 @@ int main() {
       g.ldd = N;
       std::vector<jaxdet::gemm::GemmArgs> gs(copies, g);
       for (int c = 0; c < copies; ++c) gs[c].b = static_cast<char*>(db) + c * hb.size() * 2;
-      const float t12 = time_us<12>(gs, reps);  // the reference depth of the bits column
+      // D is filled with NaNs before each variant, so an element one leaves unwritten shows.
+      const auto cleared = [&] { CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2)); };
+      float t[5];
+      cleared();
+      t[2] = time_us<32, 8>(gs, reps);
       const auto ref = bits_of(g);
       int differ = 0;
-      float t[5];
-      t[3] = t12;
-      t[0] = time_us<4>(gs, reps);
+      cleared();
+      t[0] = time_us<32, 4>(gs, reps);
       differ += bits_of(g) != ref;
-      t[1] = time_us<6>(gs, reps);
+      cleared();
+      t[1] = time_us<32, 6>(gs, reps);
       differ += bits_of(g) != ref;
-      t[2] = time_us<8>(gs, reps);
+      cleared();
+      t[3] = time_us<32, 12>(gs, reps);
       differ += bits_of(g) != ref;
-      t[4] = time_us<16>(gs, reps);
+      cleared();
+      t[4] = time_us<16, 8>(gs, reps);
       differ += bits_of(g) != ref;
       const double bytes = 2.0 * (double(K) * N + double(M) * K + double(M) * N);
-      std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f | %s |\n", K, N, M, t[0], t[1], t[2],
-                  t[3], t[4], bytes / (t12 * 1e3), differ ? "DIFFER" : "equal");
+      std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %s |\n", K, N, M, t[0], t[1],
+                  t[2], t[3], t[4], bytes / (t[2] * 1e3), bytes / (t[4] * 1e3), differ ? "DIFFER" : "equal");
     }
     CHECK(cudaFree(da));
     CHECK(cudaFree(db));
