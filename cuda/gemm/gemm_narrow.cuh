@@ -316,8 +316,7 @@ Status launch(const GemmArgs& g, cudaStream_t stream) {
   };
   if (misaligned(g.a, g.lda) || misaligned(g.b, g.ldb) || g.batch_a % 8 != 0 || g.batch_b % 8 != 0) {
     return "the narrow (16-row mma.sync) kernel cannot run this problem: cp.async needs every operand's "
-           "contiguous dimension "
-           "to be a multiple of 8 elements (bfloat16/float16) and 16-byte aligned pointers";
+           "contiguous dimension to be a multiple of 8 elements (bfloat16/float16) and 16-byte aligned pointers";
   }
   constexpr int64_t kMax = 0x7fffffff;
   if (g.m > kMax || g.n > kMax || g.k > kMax || g.l > kMax) return "a dimension is larger than 2^31 - 1";
