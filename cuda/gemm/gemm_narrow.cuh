@@ -185,32 +185,63 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
         }
       };
 
+      // All kStages stages in flight: iteration kt refills the stage of K tile kt, whose operands
+      // every warp moved to registers in the iteration before (ahead of this iteration's barrier).
 #pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) {
+      for (int s = 0; s < kStages; ++s) {
         if (s < nkt) load(s, kt_begin + s);
         cp_async_commit();
       }
 
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const bool active = warp_m < rows;
+      // One warp's operands of a K tile, per k16 step: B^T rows warp_n..+15 (the mma's A operand,
+      // transposed from B's rows) and A^T, k by rows warp_m..+7 (its B operand).
+      struct Operands {
+        uint32_t bt[kTileK / 16][4];
+        uint32_t at[kTileK / 16][2];
+      };
       const int r8 = lane & 7, mat = lane >> 3;
-      for (int kt = 0; kt < nkt; ++kt) {  // kt: the chunk's K tiles, from its first
+      auto read = [&](Operands& o, int s, int ks) {  // k16 step ks of stage s
+        const unsigned char* stage = smem + s * kStageBytes;
+        ldsm_x4_trans(o.bt[ks],
+                      stage + kATileBytes + T::b_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
+        ldsm_x2(o.at[ks], stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
+      };
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      auto step = [&](const Operands& o, int ks) {
+        mma_m16n8k16<std::is_same_v<Element, cutlass::bfloat16_t>>(acc, o.bt[ks], o.at[ks][0], o.at[ks][1]);
+      };
+      const bool active = warp_m < rows;
+      // The accumulator's chain of k16 steps is the only serial path: the barrier, the next
+      // refill and the next K tile's shared-memory reads are issued between its steps.
+      auto iteration = [&](int kt, const Operands& cur, Operands& next) {
+        if (active) step(cur, 0);
         cp_async_wait<kStages - 2>();
-        __syncthreads();  // K tile kt is in; every warp is done with the stage loaded next
-        if (kt + kStages - 1 < nkt) load((kt + kStages - 1) % kStages, kt_begin + kt + kStages - 1);
+        __syncthreads();  // K tile kt + 1 is in; every warp has read K tile kt's stage
+        if (kt + kStages < nkt) load(kt % kStages, kt_begin + kt + kStages);
         cp_async_commit();
-        if (!active) continue;
-        const unsigned char* stage = smem + (kt % kStages) * kStageBytes;
-        const unsigned char* b_stage = stage + kATileBytes;
-#pragma unroll
-        for (int ks = 0; ks < kTileK / 16; ++ks) {
-          uint32_t bt[4];  // B^T rows warp_n..+15 (the mma's A operand), k 16ks..+15, transposed from B's rows
-          ldsm_x4_trans(bt, b_stage + T::b_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
-          uint32_t at[2];  // A^T: k 16ks..+15 by rows warp_m..+7 (the mma's B operand)
-          ldsm_x2(at, stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
-          mma_m16n8k16<std::is_same_v<Element, cutlass::bfloat16_t>>(acc, bt, at[0], at[1]);
+        if (active) {
+          const bool more = kt + 1 < nkt;
+          const int s = (kt + 1) % kStages;
+          step(cur, 1);
+          if (more) read(next, s, 0), read(next, s, 1);
+          step(cur, 2);
+          if (more) read(next, s, 2), read(next, s, 3);
+          step(cur, 3);
         }
+      };
+      Operands o0, o1;  // K tiles kt and kt + 1 (named, not indexed: registers, not local memory)
+      cp_async_wait<kStages - 1>();
+      __syncthreads();  // K tile 0 is in
+      if (active && nkt > 0) {
+#pragma unroll
+        for (int ks = 0; ks < kTileK / 16; ++ks) read(o0, 0, ks);
       }
+      int kt = 0;  // the chunk's K tiles, from its first
+      for (; kt + 1 < nkt; kt += 2) {
+        iteration(kt, o0, o1);
+        iteration(kt + 1, o1, o0);
+      }
+      if (kt < nkt) iteration(kt, o0, o1);
       cp_async_wait<0>();
 
       // acc[i]: D^T row n = warp_n + lane / 4 (+ 8 for i >= 2), column m = warp_m + 2 (lane % 4) + (i & 1).
