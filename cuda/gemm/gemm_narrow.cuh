@@ -159,37 +159,59 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
       const char* a = p.a + 2 * (l * p.batch_a + m0 * p.lda);
       const char* b = p.b + 2 * (l * p.batch_b);
 
-      // Stage s <- K tile kt; chunks past M, N or K are zeros (the ones TMA fills in).
-      auto load = [&](int s, int kt) {
+      // A thread's copies into a stage: fixed shared-memory offsets, source pointers that advance by
+      // one K tile per refill (the refills come in K order), and zeros for chunks past M, N or K (the
+      // ones TMA fills in). What a K tile costs in instructions is the kernel's time at M <= 16:
+      // one warp per scheduler issues the copies and the MMA chain alike.
+      constexpr int kALoads = kATileBytes / (16 * kThreads), kBLoads = T::kBTileBytes / (16 * kThreads);
+      const char* a_src[kALoads];
+      int a_dst[kALoads], a_k[kALoads];
+      bool a_live[kALoads], a_issued[kALoads];
+#pragma unroll
+      for (int j = 0; j < kALoads; ++j) {
+        const int i = tid + j * kThreads, row = i >> 3, chunk = i & 7;
+        a_src[j] = a + 2 * (row * p.lda + int64_t{kt_begin} * kTileK + 8 * chunk);
+        a_dst[j] = k_major_offset(row, chunk);
+        a_k[j] = 8 * chunk;
+        a_live[j] = row < rows;
+        a_issued[j] = row < 8 || rows > 8;  // rows 8..15 are read only when the block has them
+      }
+      const char* b_src[kBLoads];
+      int b_dst[kBLoads], b_k[kBLoads];
+      bool b_live[kBLoads];
+#pragma unroll
+      for (int j = 0; j < kBLoads; ++j) {
+        const unsigned i = tid + j * kThreads;
+        const int row = static_cast<int>(i / (TileN / 8)), chunk = static_cast<int>(i % (TileN / 8));  // k, 8 n
+        b_src[j] = b + 2 * ((int64_t{kt_begin} * kTileK + row) * p.ldb + n0 + 8 * chunk);
+        b_dst[j] = kATileBytes + T::b_offset(row, chunk);
+        b_k[j] = row;
+        b_live[j] = n0 + 8 * chunk < p.n;
+      }
+      const int64_t b_step = 2 * kTileK * p.ldb;           // bytes per K tile
+      int k_left = static_cast<int>(p.k) - kt_begin * kTileK;  // K past the next refill's first k
+      auto load = [&](int s) {  // stage s <- the next K tile
         unsigned char* stage = smem + s * kStageBytes;
-        const int64_t k0 = int64_t{kt} * kTileK;
 #pragma unroll
-        for (int j = 0; j < kATileBytes / (16 * kThreads); ++j) {
-          const int i = tid + j * kThreads;
-          const int row = i >> 3, chunk = i & 7;
-          const int64_t k = k0 + 8 * chunk;
-          if (row < 8 || rows > 8) {  // rows 8..15 are read only when the block has them
-            const bool valid = row < rows && k < p.k;
-            cp_async16(stage + k_major_offset(row, chunk), valid ? a + 2 * (row * p.lda + k) : p.a, valid);
-          }
+        for (int j = 0; j < kALoads; ++j) {
+          const bool valid = a_live[j] && a_k[j] < k_left;
+          if (a_issued[j]) cp_async16(stage + a_dst[j], valid ? a_src[j] : p.a, valid);
+          a_src[j] += 2 * kTileK;
         }
-        unsigned char* b_stage = stage + kATileBytes;
 #pragma unroll
-        for (int j = 0; j < T::kBTileBytes / (16 * kThreads); ++j) {
-          const int i = tid + j * kThreads;
-          const unsigned u = i;  // row: k; chunk: 8 n
-          const int row = static_cast<int>(u / (TileN / 8)), chunk = static_cast<int>(u % (TileN / 8));
-          const int64_t k = k0 + row, n = n0 + 8 * chunk;
-          const bool valid = k < p.k && n < p.n;
-          cp_async16(b_stage + T::b_offset(row, chunk), valid ? b + 2 * (k * p.ldb + n) : p.b, valid);
+        for (int j = 0; j < kBLoads; ++j) {
+          const bool valid = b_live[j] && b_k[j] < k_left;
+          cp_async16(stage + b_dst[j], valid ? b_src[j] : p.b, valid);
+          b_src[j] += b_step;
         }
+        k_left -= kTileK;
       };
 
       // All kStages stages in flight: iteration kt refills the stage of K tile kt, whose operands
       // every warp moved to registers in the iteration before (ahead of this iteration's barrier).
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
-        if (s < nkt) load(s, kt_begin + s);
+        if (s < nkt) load(s);
         cp_async_commit();
       }
 
@@ -213,15 +235,17 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
       const bool active = warp_m < rows;
       // The accumulator's chain of k16 steps is the only serial path: the barrier, the next
       // refill and the next K tile's shared-memory reads are issued between its steps.
+      int stage = 0;  // K tile kt's
       auto iteration = [&](int kt, const Operands& cur, Operands& next) {
         if (active) step(cur, 0);
         cp_async_wait<kStages - 2>();
         __syncthreads();  // K tile kt + 1 is in; every warp has read K tile kt's stage
-        if (kt + kStages < nkt) load(kt % kStages, kt_begin + kt + kStages);
+        if (kt + kStages < nkt) load(stage);
         cp_async_commit();
+        stage = stage + 1 == kStages ? 0 : stage + 1;
         if (active) {
           const bool more = kt + 1 < nkt;
-          const int s = (kt + 1) % kStages;
+          const int s = stage;
           step(cur, 1);
           if (more) read(next, s, 0), read(next, s, 1);
           step(cur, 2);
