@@ -51,10 +51,13 @@ struct GemmArgs {
   size_t chunk_workspace_bytes = 0;
 };
 
-// The forward sets' mma.sync few-row tile (gemm_narrow.cuh), which the dispatcher recognises.
+// The forward sets' mma.sync few-row tiles (gemm_narrow.cuh), which the dispatcher recognises:
+// 16 rows of D per CTA (two mma n8 blocks) by 32 or 16 columns (two or one mma m16 blocks).
 namespace narrow {
-constexpr int kTileM = 16;  // rows of D per CTA: two mma n8 blocks
-constexpr int kTileN = 32;  // columns of D per CTA: two mma m16 blocks
+constexpr int kTileM = 16;
+constexpr bool is_narrow_tile(int tile_m, int tile_n) {
+  return tile_m == kTileM && (tile_n == 32 || tile_n == 16);
+}
 }  // namespace narrow
 
 // Empty string on success, otherwise a message (the caller prefixes the FFI target's name).

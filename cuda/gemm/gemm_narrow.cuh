@@ -1,8 +1,9 @@
-// The narrow few-row tile of the Hopper forward sets (16 rows by 32 columns of D): a kernel
-// of its own, because the narrowest wgmma tile has 64 columns (the 16x64 tile, D^T = B^T A^T with
+// The narrow few-row tiles of the Hopper forward sets (16 rows by 32 or 16 columns of D): a kernel
+// of their own, because the narrowest wgmma tile has 64 columns (the 16x64 tile, D^T = B^T A^T with
 // B on the wgmma's 64-row side). Without split-K one CTA owns a column slice of D over all of K, so
 // a 4096-wide output at M <= 16 has only 64 such CTAs on an H100's 132 SMs; 32-column slices give
-// it 128.
+// it 128, and 16-column slices give a 2048-wide output (a d-2048 model's attention output and
+// down projections) 128 where 32 give 64.
 //
 // The bits are those of every other tile of the set (docs/matmul_cuda.md, "M buckets"): each
 // element of D is one float32 accumulator fed by k16 steps of a_mk * b_kn, K tiles of 64 in
@@ -44,29 +45,44 @@ namespace gemm {
 namespace narrow {
 
 constexpr int kTileK = 64;  // the Hopper sets' K tile (sm90::kTileK in gemm_sm90.cuh), in four k16 steps
-constexpr int kWarps = 4;   // warp w: columns 16 * (w & 1), rows 8 * (w >> 1) of the tile
-constexpr int kThreads = kWarps * 32;
+
+// A tile of 16 rows by TileN columns (32 or 16): warps of 16 columns by 8 rows each (one mma
+// m16n8k16 on the swapped operands), warp w at columns 16 * (w % (TileN / 16)), rows 8 * (w /
+// (TileN / 16)).
+template <int TileN>
+struct Tile {
+  static_assert(TileN == 32 || TileN == 16, "the narrow tiles are 16x32 and 16x16");
+  static constexpr int kColumnWarps = TileN / 16;
+  static constexpr int kWarps = 2 * kColumnWarps;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kATileBytes = kTileM * kTileK * 2;  // [16 m][64 k], 8 chunks per row
+  static constexpr int kBRowBytes = TileN * 2;             // [64 k][TileN n], TileN / 8 chunks per row
+  static constexpr int kBTileBytes = kTileK * kBRowBytes;
+  static constexpr int kStageBytes = kATileBytes + kBTileBytes;
+  static_assert(kATileBytes % (16 * kThreads) == 0 && kBTileBytes % (16 * kThreads) == 0,
+                "whole loads per thread");
+  // B's shared-memory offset (bytes, within a stage's tile) of the 16-byte chunk `chunk` of row k:
+  // the chunks of a row permuted by the row's 128-byte line, so that the eight rows one ldmatrix
+  // reads (one chunk each) fall in distinct banks.
+  __device__ __forceinline__ static int b_offset(int k, int chunk) {
+    constexpr int kRowsPerLine = 128 / kBRowBytes, kChunksPerRow = kBRowBytes / 16;
+    const unsigned line = static_cast<unsigned>(k) / kRowsPerLine;  // unsigned: shifts and masks
+    return k * kBRowBytes + ((chunk ^ static_cast<int>(line % kChunksPerRow)) << 4);
+  }
+};
 // The pipeline depth: 8 stages of 6 KB, the fastest of 4-16 (tools/experiments/gemm_narrow_stages.cu
 // on an H100: 8-12% less time than 12 stages at M = 1-16; deeper was slower still, and on an H200
 // about 80% slower once the CTAs no longer fit twice per SM). (dA's B, stored [N, K], would be read
 // 128 bytes of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even
 // 32 stages deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
 constexpr int kStages = 8;
-constexpr int kChunk = 16;                       // bytes per cp.async
-constexpr int kATileBytes = kTileM * kTileK * 2;  // [16 m][64 k], 8 chunks per row
-constexpr int kBTileBytes = kTileN * kTileK * 2;  // [64 k][32 n], 4 chunks per row
-constexpr int kStageBytes = kATileBytes + kBTileBytes;
-template <int Stages = kStages>
-constexpr int kSmemBytes = Stages * kStageBytes;
-static_assert(kATileBytes / kChunk == kThreads && kBTileBytes / kChunk == 2 * kThreads, "loads per thread");
+template <int TileN, int Stages = kStages>
+constexpr int kSmemBytes = Stages * Tile<TileN>::kStageBytes;
 
-// Shared-memory offsets (bytes, within a stage's tile) with the 16-byte chunks of each row
-// permuted so that the eight rows one ldmatrix reads fall in distinct banks.
-__device__ __forceinline__ int k_major_offset(int row, int chunk) {  // A: rows of 64 k (128 bytes)
+// A's shared-memory offset (bytes, within a stage's tile) of the 16-byte chunk `chunk` of row `row`
+// (rows of 64 k, 128 bytes), permuted as B's are.
+__device__ __forceinline__ int k_major_offset(int row, int chunk) {
   return row * 128 + ((chunk ^ (row & 7)) << 4);
-}
-__device__ __forceinline__ int n_major_offset(int k, int chunk) {  // B: rows of 32 n (64 bytes)
-  return k * 64 + ((chunk ^ ((k >> 1) & 3)) << 4);
 }
 
 // D's element from the accumulator as CUTLASS's epilogue computes it with its source cleared:
@@ -119,14 +135,17 @@ struct Params {
   int32_t* counters;
 };
 
-template <class Element, class ElementD, int kStages = narrow::kStages>
-__global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
+template <class Element, class ElementD, int TileN = 32, int kStages = narrow::kStages>
+__global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(const Params p) {
+  using T = Tile<TileN>;
+  constexpr int kThreads = T::kThreads, kStageBytes = T::kStageBytes, kATileBytes = T::kATileBytes;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t n0 = int64_t{blockIdx.x} * kTileN;
+  const int64_t n0 = int64_t{blockIdx.x} * TileN;
   const int64_t m_blocks = p.m_blocks;
   const int k_tiles = p.k_tiles;
-  const int warp_n = 16 * (warp & 1), warp_m = 8 * (warp >> 1);
+  const int warp_n = 16 * static_cast<int>(unsigned(warp) % T::kColumnWarps);
+  const int warp_m = 8 * static_cast<int>(unsigned(warp) / T::kColumnWarps);
 
   const int64_t units = p.l * p.chunks;  // (batch, chunk) pairs, chunk fastest
   for (int64_t lc = blockIdx.z; lc < units; lc += gridDim.z) {
@@ -140,55 +159,113 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
       const char* a = p.a + 2 * (l * p.batch_a + m0 * p.lda);
       const char* b = p.b + 2 * (l * p.batch_b);
 
-      // Stage s <- K tile kt; chunks past M, N or K are zeros (the ones TMA fills in).
-      auto load = [&](int s, int kt) {
-        unsigned char* stage = smem + s * kStageBytes;
-        const int64_t k0 = int64_t{kt} * kTileK;
-        {
-          const int row = tid >> 3, chunk = tid & 7;
-          const int64_t k = k0 + 8 * chunk;
-          if (row < 8 || rows > 8) {  // rows 8..15 are read only when the block has them
-            const bool valid = row < rows && k < p.k;
-            cp_async16(stage + k_major_offset(row, chunk), valid ? a + 2 * (row * p.lda + k) : p.a, valid);
-          }
-        }
-        unsigned char* b_stage = stage + kATileBytes;
+      // A thread's copies into a stage: fixed shared-memory offsets, source pointers that advance by
+      // one K tile per refill (the refills come in K order), and zeros for chunks past M, N or K (the
+      // ones TMA fills in). What a K tile costs in instructions is the kernel's time at M <= 16:
+      // one warp per scheduler issues the copies and the MMA chain alike.
+      constexpr int kALoads = kATileBytes / (16 * kThreads), kBLoads = T::kBTileBytes / (16 * kThreads);
+      const char* a_src[kALoads];
+      int a_dst[kALoads], a_k[kALoads];
+      bool a_live[kALoads], a_issued[kALoads];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int i = tid + j * kThreads;
-          const int row = i >> 2, chunk = i & 3;  // row: k; chunk: 8 n
-          const int64_t k = k0 + row, n = n0 + 8 * chunk;
-          const bool valid = k < p.k && n < p.n;
-          cp_async16(b_stage + n_major_offset(row, chunk), valid ? b + 2 * (k * p.ldb + n) : p.b, valid);
+      for (int j = 0; j < kALoads; ++j) {
+        const int i = tid + j * kThreads, row = i >> 3, chunk = i & 7;
+        a_src[j] = a + 2 * (row * p.lda + int64_t{kt_begin} * kTileK + 8 * chunk);
+        a_dst[j] = k_major_offset(row, chunk);
+        a_k[j] = 8 * chunk;
+        a_live[j] = row < rows;
+        a_issued[j] = row < 8 || rows > 8;  // rows 8..15 are read only when the block has them
+      }
+      const char* b_src[kBLoads];
+      int b_dst[kBLoads], b_k[kBLoads];
+      bool b_live[kBLoads];
+#pragma unroll
+      for (int j = 0; j < kBLoads; ++j) {
+        const unsigned i = tid + j * kThreads;
+        const int row = static_cast<int>(i / (TileN / 8)), chunk = static_cast<int>(i % (TileN / 8));  // k, 8 n
+        b_src[j] = b + 2 * ((int64_t{kt_begin} * kTileK + row) * p.ldb + n0 + 8 * chunk);
+        b_dst[j] = kATileBytes + T::b_offset(row, chunk);
+        b_k[j] = row;
+        b_live[j] = n0 + 8 * chunk < p.n;
+      }
+      const int64_t b_step = 2 * kTileK * p.ldb;           // bytes per K tile
+      int k_left = static_cast<int>(p.k) - kt_begin * kTileK;  // K past the next refill's first k
+      auto load = [&](int s) {  // stage s <- the next K tile
+        unsigned char* stage = smem + s * kStageBytes;
+#pragma unroll
+        for (int j = 0; j < kALoads; ++j) {
+          const bool valid = a_live[j] && a_k[j] < k_left;
+          if (a_issued[j]) cp_async16(stage + a_dst[j], valid ? a_src[j] : p.a, valid);
+          a_src[j] += 2 * kTileK;
         }
+#pragma unroll
+        for (int j = 0; j < kBLoads; ++j) {
+          const bool valid = b_live[j] && b_k[j] < k_left;
+          cp_async16(stage + b_dst[j], valid ? b_src[j] : p.b, valid);
+          b_src[j] += b_step;
+        }
+        k_left -= kTileK;
       };
 
+      // All kStages stages in flight: iteration kt refills the stage of K tile kt, whose operands
+      // every warp moved to registers in the iteration before (ahead of this iteration's barrier).
 #pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) {
-        if (s < nkt) load(s, kt_begin + s);
+      for (int s = 0; s < kStages; ++s) {
+        if (s < nkt) load(s);
         cp_async_commit();
       }
 
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const bool active = warp_m < rows;
+      // One warp's operands of a K tile, per k16 step: B^T rows warp_n..+15 (the mma's A operand,
+      // transposed from B's rows) and A^T, k by rows warp_m..+7 (its B operand).
+      struct Operands {
+        uint32_t bt[kTileK / 16][4];
+        uint32_t at[kTileK / 16][2];
+      };
       const int r8 = lane & 7, mat = lane >> 3;
-      for (int kt = 0; kt < nkt; ++kt) {  // kt: the chunk's K tiles, from its first
+      auto read = [&](Operands& o, int s, int ks) {  // k16 step ks of stage s
+        const unsigned char* stage = smem + s * kStageBytes;
+        ldsm_x4_trans(o.bt[ks],
+                      stage + kATileBytes + T::b_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
+        ldsm_x2(o.at[ks], stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
+      };
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      auto step = [&](const Operands& o, int ks) {
+        mma_m16n8k16<std::is_same_v<Element, cutlass::bfloat16_t>>(acc, o.bt[ks], o.at[ks][0], o.at[ks][1]);
+      };
+      const bool active = warp_m < rows;
+      // The accumulator's chain of k16 steps is the only serial path: the barrier, the next
+      // refill and the next K tile's shared-memory reads are issued between its steps.
+      int stage = 0;  // K tile kt's
+      auto iteration = [&](int kt, const Operands& cur, Operands& next) {
+        if (active) step(cur, 0);
         cp_async_wait<kStages - 2>();
-        __syncthreads();  // K tile kt is in; every warp is done with the stage loaded next
-        if (kt + kStages - 1 < nkt) load((kt + kStages - 1) % kStages, kt_begin + kt + kStages - 1);
+        __syncthreads();  // K tile kt + 1 is in; every warp has read K tile kt's stage
+        if (kt + kStages < nkt) load(stage);
         cp_async_commit();
-        if (!active) continue;
-        const unsigned char* stage = smem + (kt % kStages) * kStageBytes;
-        const unsigned char* b_stage = stage + kATileBytes;
-#pragma unroll
-        for (int ks = 0; ks < kTileK / 16; ++ks) {
-          uint32_t bt[4];  // B^T rows warp_n..+15 (the mma's A operand), k 16ks..+15, transposed from B's rows
-          ldsm_x4_trans(bt, b_stage + n_major_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
-          uint32_t at[2];  // A^T: k 16ks..+15 by rows warp_m..+7 (the mma's B operand)
-          ldsm_x2(at, stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
-          mma_m16n8k16<std::is_same_v<Element, cutlass::bfloat16_t>>(acc, bt, at[0], at[1]);
+        stage = stage + 1 == kStages ? 0 : stage + 1;
+        if (active) {
+          const bool more = kt + 1 < nkt;
+          const int s = stage;
+          step(cur, 1);
+          if (more) read(next, s, 0), read(next, s, 1);
+          step(cur, 2);
+          if (more) read(next, s, 2), read(next, s, 3);
+          step(cur, 3);
         }
+      };
+      Operands o0, o1;  // K tiles kt and kt + 1 (named, not indexed: registers, not local memory)
+      cp_async_wait<kStages - 1>();
+      __syncthreads();  // K tile 0 is in
+      if (active && nkt > 0) {
+#pragma unroll
+        for (int ks = 0; ks < kTileK / 16; ++ks) read(o0, 0, ks);
       }
+      int kt = 0;  // the chunk's K tiles, from its first
+      for (; kt + 1 < nkt; kt += 2) {
+        iteration(kt, o0, o1);
+        iteration(kt + 1, o1, o0);
+      }
+      if (kt < nkt) iteration(kt, o0, o1);
       cp_async_wait<0>();
 
       // acc[i]: D^T row n = warp_n + lane / 4 (+ 8 for i >= 2), column m = warp_m + 2 (lane % 4) + (i & 1).
@@ -240,9 +317,10 @@ __global__ void __launch_bounds__(kThreads) narrow_gemm_kernel(const Params p) {
   }
 }
 
-// The kernel's arguments and grid for a problem (one CTA per 32 columns, per 16 rows and per batch,
-// the last two capped at the grid's limit and walked by the CTAs).
-inline Params make_params(const GemmArgs& g) {
+// The kernel's arguments and grid for a problem (one CTA per TileN columns, per 16 rows and per
+// batch, the last two capped at the grid's limit and walked by the CTAs).
+template <int TileN>
+Params make_params(const GemmArgs& g) {
   Params p;
   p.m = g.m;
   p.n = g.n;
@@ -261,7 +339,7 @@ inline Params make_params(const GemmArgs& g) {
   p.batch_d = g.batch_d;
   p.alpha = 1.0f;
   p.beta = 0.0f;
-  p.n_tiles = (g.n + kTileN - 1) / kTileN;
+  p.n_tiles = (g.n + TileN - 1) / TileN;
   const int64_t chunk_k_tiles = g.chunk / kTileK;
   p.chunks = g.chunk > 0 && p.k_tiles > chunk_k_tiles
                  ? static_cast<int>((p.k_tiles + chunk_k_tiles - 1) / chunk_k_tiles)
@@ -277,51 +355,54 @@ inline dim3 grid_of(const Params& p) {
               static_cast<unsigned>(units < 65535 ? units : 65535));
 }
 
-// The launcher of the Hopper forward sets' 16x32 tile (its generated unit calls it as the sm90
+// The launcher of the Hopper forward sets' 16x32 and 16x16 tiles (its generated unit calls it as the sm90
 // ones call sm90::launch): A [M, K] and B [K, N] row-major, no source C.
 template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
 Status launch(const GemmArgs& g, cudaStream_t stream) {
   static_assert(
-      TileM == kTileM && TileN == kTileN && std::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
+      is_narrow_tile(TileM, TileN) && std::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
           std::is_same_v<LayoutB, cutlass::layout::RowMajor> && std::is_void_v<ElementC> &&
           (std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>),
-      "the narrow tile is 16x32 and serves the bfloat16/float16 forward (row-major A and B, no source C)");
+      "the narrow tiles are 16x32 and 16x16 and serve the bfloat16/float16 forward (row-major A and B, no "
+      "source C)");
+  using T = Tile<TileN>;
   const auto misaligned = [](const void* ptr, int64_t stride) {
     return reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || stride % 8 != 0;
   };
   if (misaligned(g.a, g.lda) || misaligned(g.b, g.ldb) || g.batch_a % 8 != 0 || g.batch_b % 8 != 0) {
-    return "the 16x32 kernel cannot run this problem: cp.async needs every operand's contiguous dimension "
-           "to be a multiple of 8 elements (bfloat16/float16) and 16-byte aligned pointers";
+    return "the narrow (16-row mma.sync) kernel cannot run this problem: cp.async needs every operand's "
+           "contiguous dimension to be a multiple of 8 elements (bfloat16/float16) and 16-byte aligned pointers";
   }
   constexpr int64_t kMax = 0x7fffffff;
   if (g.m > kMax || g.n > kMax || g.k > kMax || g.l > kMax) return "a dimension is larger than 2^31 - 1";
-  const auto kernel = narrow_gemm_kernel<Element, ElementD>;
+  const auto kernel = narrow_gemm_kernel<Element, ElementD, TileN>;
   static std::atomic<uint64_t> smem_set{0};  // the dynamic shared-memory limit, once per device
   const uint64_t bit = uint64_t{1} << (g.device & 63);
   if (!(smem_set.load(std::memory_order_acquire) & bit)) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<>);
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<TileN>);
     if (e != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
     smem_set.fetch_or(bit, std::memory_order_acq_rel);
   }
-  Params p = make_params(g);
+  Params p = make_params<TileN>(g);
   if (p.chunks > 1) {
     if (g.chunk % kTileK != 0) return "the chunk must be a multiple of the K tile (64)";
     // Workspace: the partials, then the counters (jaxdet/_src/matmul/matmul.py's gemm_workspace_bytes
     // bounds both: tiles padded to 128 x 256 and a counter per 16 x 16 tile per chunk).
-    const int64_t floats = p.l * p.chunks * p.m_blocks * p.n_tiles * kThreads * 4;
+    const int64_t floats = p.l * p.chunks * p.m_blocks * p.n_tiles * T::kThreads * 4;
     const int64_t counters = p.l * p.m_blocks * p.n_tiles;
     const size_t need =
         static_cast<size_t>(floats) * sizeof(float) + static_cast<size_t>(counters) * sizeof(int32_t);
     if (g.chunk_workspace == nullptr || g.chunk_workspace_bytes < need ||
         reinterpret_cast<uintptr_t>(g.chunk_workspace) % 16 != 0) {
-      return "internal error: the chunk workspace is smaller than the 16x32 kernel needs";
+      return "internal error: the chunk workspace is smaller than the narrow kernel needs";
     }
     p.partials = static_cast<float*>(g.chunk_workspace);
     p.counters = reinterpret_cast<int32_t*>(p.partials + floats);
     const cudaError_t e = cudaMemsetAsync(p.counters, 0, counters * sizeof(int32_t), stream);
     if (e != cudaSuccess) return std::string("cudaMemsetAsync: ") + cudaGetErrorString(e);
   }
-  kernel<<<grid_of(p), kThreads, kSmemBytes<>, stream>>>(p);
+  kernel<<<grid_of(p), T::kThreads, kSmemBytes<TileN>, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorString(e);
   return {};

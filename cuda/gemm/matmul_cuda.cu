@@ -147,7 +147,8 @@ int min_ctas_sixtieths(const DeviceInfo& d, int64_t m) {
 // rows than max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply),
 // and so is one of fewer rows than min(M, 64) (the 16-row tiles: B would be read once per 16
 // rows). 64-row tiles narrower than 64 columns measured slower; the forward's 16x32 tile (a
-// mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64 gives 64.
+// mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64 gives 64, and its
+// 16x16 tile a 2048-wide output 128 where 16x32 gives 64.
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
@@ -171,7 +172,7 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
 
 // The tile of a Hopper call whose K spans `chunks` chunks, among the set's cooperative (128-row)
 // tiles, the ones that run the chunk tree in one launch (gemm_sm90_chunks.cuh), or the forward's
-// 16x32 tile (which does too, gemm_narrow.cuh) where the M-bucket rule picks it; null when the call
+// 16x32 and 16x16 tiles (which do too, gemm_narrow.cuh) where the M-bucket rule picks them; null when the call
 // runs chunk by chunk instead (the same bits). Beyond
 // kBucketMaxRows rows the set's first tile; at fewer, the largest whose units (tiles, times the
 // chunks when the tiles alone leave SMs idle and the chunks are split over CTAs) give at least 4/5
@@ -182,8 +183,8 @@ const TileKernel* choose_chunked_tile(const KernelSet& set, const DeviceInfo& d,
   // it (the one-launch tree on 128-row tiles measured slower for a handful of rows:
   // benchmarks/RESULTS.md).
   const TileKernel& own = choose_tile(set, d, m, n, l);
-  // The forward sets' 16x32 kernel splits K by chunks in its own launch (gemm_narrow.cuh).
-  const bool is_narrow = own.tile_m == gemm::narrow::kTileM && own.tile_n == gemm::narrow::kTileN;
+  // The forward sets' narrow kernel splits K by chunks in its own launch (gemm_narrow.cuh).
+  const bool is_narrow = gemm::narrow::is_narrow_tile(own.tile_m, own.tile_n);
   if (d.force_m != 0 || own.tile_m != 128) return own.tile_m == 128 || is_narrow ? &own : nullptr;
   const TileKernel* best = nullptr;
   for (int i = 0; i < set.count; ++i) {

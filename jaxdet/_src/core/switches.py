@@ -34,7 +34,7 @@ TESTING_ITEMS = {
     "gemm": ("sm80",),
     # the tiles of cuda/gemm/kernels.cmake (Hopper, then sm_80); the native code refuses a tile
     # that the running kernel set does not have
-    "gemm_tile": ("128x256", "64x256", "64x128", "64x64", "16x64", "16x32", "64x32", "128x128"),
+    "gemm_tile": ("128x256", "64x256", "64x128", "64x64", "16x64", "16x32", "16x16", "64x32", "128x128"),
     "cpu_gemm": ("avx512", "avx2", "generic"),
     "softmax": ("passes",),
     "attention": ("mma", "wgmma", "one_warp_splits", "eight_warp_splits", "split_combine"),
