@@ -5,6 +5,12 @@
 // it 128, and 16-column slices give a 2048-wide output (a d-2048 model's attention output and
 // down projections) 128 where 32 give 64.
 //
+// At M <= 16 an SM holds one such CTA: one warp per scheduler, which issues both the copies and
+// the MMA chain, so the kernel's time is the instructions it spends per K tile (Nsight Compute:
+// DRAM below 70% of peak, the warps stalled only on fixed-latency dependencies). Hence each
+// thread's copies use offsets fixed once per work item and source pointers that advance by one K
+// tile, and the next K tile's shared-memory reads go between the accumulator's k16 steps.
+//
 // The bits are those of every other tile of the set (docs/matmul_cuda.md, "M buckets"): each
 // element of D is one float32 accumulator fed by k16 steps of a_mk * b_kn, K tiles of 64 in
 // ascending order (sm90::kTileK), zeros in the steps past K up to the last K tile's end (what TMA
@@ -70,9 +76,9 @@ struct Tile {
     return k * kBRowBytes + ((chunk ^ static_cast<int>(line % kChunksPerRow)) << 4);
   }
 };
-// The pipeline depth: 8 stages of 6 KB, the fastest of 4-16 (tools/experiments/gemm_narrow_stages.cu
-// on an H100: 8-12% less time than 12 stages at M = 1-16; deeper was slower still, and on an H200
-// about 80% slower once the CTAs no longer fit twice per SM). (dA's B, stored [N, K], would be read
+// The pipeline depth: 8 stages (6 KB each at 16x32), by tools/experiments/gemm_narrow_stages.cu on
+// an H100 (M = 1-16): 4 stages 35% slower on a long K, 12 stages 2-3% faster there but 5% slower on
+// a wide output (2048 x 11264) that runs several CTAs per SM. (dA's B, stored [N, K], would be read
 // 128 bytes of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even
 // 32 stages deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
 constexpr int kStages = 8;

@@ -1,9 +1,9 @@
 // Time of the forward's narrow tiles (cuda/gemm/gemm_narrow.cuh) by pipeline depth and width, and
-// of the kernel they replaced (one accumulator chain whose k16 steps each waited on their own
-// shared-memory reads; kept here as `before`), side by side in one process, with the bits of
-// each against `before` (a depth decides how many K tiles are in flight and a width which CTA
-// computes a column, never what a K step computes). The GEMM against jnp.dot:
-// benchmarks/matmul_bench.py.
+// of the kernel they replaced (64-bit address arithmetic for every copy of every K tile, and each
+// k16 step waiting on its own shared-memory reads; kept here as `before`), side by side in one
+// process, with the bits of each against `before` (a depth decides how many K tiles are in flight
+// and a width which CTA computes a column, never what a K step computes). The GEMM against
+// jnp.dot: benchmarks/matmul_bench.py.
 //
 // Build and run on a Hopper GPU (tools/gpu_session.sh narrow-stages):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I <cutlass>/include \
