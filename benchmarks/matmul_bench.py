@@ -416,11 +416,12 @@ def sanitize():
         print("bucket tiles covered:", " ".join(sorted(covered)), flush=True)
     # K beyond one chunk (chunks of 128, the last short): on Hopper the cooperative tiles' chunk
     # scheduler, split over CTAs (few tiles) and walked by each CTA (1536 x 3072: more tiles than
-    # SMs), and the forward's 16x32 kernel split over CTAs (5 x 4104); elsewhere chunk by chunk and
-    # the tree kernel.
+    # SMs), and the forward's narrow kernel walked by each CTA (5 x 4104: 129 tiles of 16x32) and
+    # split over CTAs (5 x 1000: 63 tiles of 16x16, at most half of an H100's SMs); elsewhere chunk
+    # by chunk and the tree kernel.
     for dt in (jnp.bfloat16, jnp.float32):
         for tb in (False, True):
-            for M, K, N in ((5, 600, 4104), (24, 600, 264), (300, 600, 1000), (1536, 392, 3072)):
+            for M, K, N in ((5, 600, 4104), (5, 600, 1000), (24, 600, 264), (300, 600, 1000), (1536, 392, 3072)):
                 key, k1, k2 = jax.random.split(key, 3)
                 a = jax.random.normal(k1, (1, M, K)).astype(dt)
                 b = jax.random.normal(k2, (1, N, K) if tb else (1, K, N)).astype(dt)

@@ -22,13 +22,15 @@
 // special values and K residues). wgmma's first step replaces the accumulator where these start
 // from zero; the sums differ at most in the sign of a zero, which the epilogue's +0 erases.
 //
-// The chunk rule (docs/matmul.md) in one launch: with K beyond one chunk, every (column slice, row
-// block, chunk) is a CTA of its own (split-K, so a decode-size product gets chunks times as many
-// CTAs). Each computes its chunk's K tiles exactly as a launch on that chunk's K range would, and
-// stores the float32 partial that launch's float32 D would hold; the last CTA of a tile to arrive
-// (an integer counter per tile: arrival order decides only who combines, never what) reads the
-// tile's partials and combines them by the canonical tree (detmath::tree_fold), cast once like the
-// per-chunk path's tree kernel. No CTA waits for another, so any residency works.
+// The chunk rule (docs/matmul.md) in one launch: with K beyond one chunk, each chunk's K tiles are
+// computed exactly as a launch on that chunk's K range would, giving the float32 partial that
+// launch's float32 D would hold, and the partials meet by the canonical tree (detmath::tree_fold),
+// cast once like the per-chunk path's tree kernel. Where the column slices alone leave most SMs
+// idle, every (column slice, row block, chunk) is a CTA of its own (split-K): each stores its
+// partial, and the last CTA of a tile to arrive (an integer counter per tile: arrival order decides
+// only who combines, never what) reads the tile's partials and combines them; no CTA waits for
+// another, so any residency works. Otherwise one CTA folds its tile's chunks one after another and
+// combines them in registers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -91,24 +93,10 @@ __device__ __forceinline__ int k_major_offset(int row, int chunk) {
   return row * 128 + ((chunk ^ (row & 7)) << 4);
 }
 
-// D's element from the accumulator as CUTLASS's epilogue computes it with its source cleared:
-// beta * 0 + alpha * acc (run-time scalars, so that nothing folds), rounded to nearest even by the
-// same cvt instructions.
-template <class ElementD>
-__device__ __forceinline__ void store_d(ElementD* p, float alpha, float beta, float acc) {
-  const float v = fmaf(beta, 0.0f, alpha * acc);
-  if constexpr (std::is_same_v<ElementD, float>) {
-    *p = v;
-  } else if constexpr (std::is_same_v<ElementD, cutlass::bfloat16_t>) {
-    *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(v);
-  } else {
-    static_assert(std::is_same_v<ElementD, cutlass::half_t>, "D is float32, bfloat16 or float16");
-    *reinterpret_cast<__half*>(p) = __float2half_rn(v);
-  }
-}
-
-// D's element from the chunk tree's root: round to nearest even, as the per-chunk path's tree
-// kernel (ChunkTreeKernel in matmul_cuda.cu) converts.
+// D's element from the chunk tree's root (with one chunk, the partial beta * 0 + alpha * acc that
+// CUTLASS's epilogue computes with its source cleared, run-time scalars so that nothing folds):
+// rounded to nearest even by the cvt instructions of that epilogue and of the per-chunk path's tree
+// kernel (ChunkTreeKernel in matmul_cuda.cu).
 template <class ElementD>
 __device__ __forceinline__ void store_root(ElementD* p, float root) {
   if constexpr (std::is_same_v<ElementD, float>) {
@@ -116,6 +104,7 @@ __device__ __forceinline__ void store_root(ElementD* p, float root) {
   } else if constexpr (std::is_same_v<ElementD, cutlass::bfloat16_t>) {
     *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(root);
   } else {
+    static_assert(std::is_same_v<ElementD, cutlass::half_t>, "D is float32, bfloat16 or float16");
     *reinterpret_cast<__half*>(p) = __float2half_rn(root);
   }
 }
@@ -131,11 +120,14 @@ struct Params {
   void* d;  // row-major [M, N]
   int64_t ldd, batch_d;
   float alpha, beta;  // 1 and 0
-  // The chunk rule: K tiles per chunk and chunks (1: no chunking); with more than one, each CTA's
-  // float32 partial [kThreads][4] at partials + (((l * chunks + c) * m_blocks + mb) * n_tiles +
-  // tile) * kThreads * 4, and one arrival counter per (l, mb, tile), zero before the launch.
+  // The chunk rule: K tiles per chunk and chunks (1: no chunking). With more than one, either each
+  // CTA folds all of its tile's chunks and combines them itself, or (split) the chunks are CTAs of
+  // their own: each stores its float32 partial [kThreads][4] at partials + (((l * chunks + c) *
+  // m_blocks + mb) * n_tiles + tile) * kThreads * 4 and counts its arrival in one counter per
+  // (l, mb, tile), zero before the launch.
   int chunk_k_tiles;
   int chunks;
+  bool split;
   int64_t n_tiles;
   float* partials;
   int32_t* counters;
@@ -153,147 +145,165 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
   const int warp_n = 16 * static_cast<int>(unsigned(warp) % T::kColumnWarps);
   const int warp_m = 8 * static_cast<int>(unsigned(warp) / T::kColumnWarps);
 
-  const int64_t units = p.l * p.chunks;  // (batch, chunk) pairs, chunk fastest
+  // Work items: (batch, chunk) pairs, chunk fastest, when the chunks are split over CTAs; batches
+  // when each CTA folds all of its tile's chunks.
+  const int64_t units = p.split ? p.l * p.chunks : p.l;
   for (int64_t lc = blockIdx.z; lc < units; lc += gridDim.z) {
-    const int64_t l = lc / p.chunks;
-    const int c = static_cast<int>(lc - l * p.chunks);
-    const int kt_begin = c * p.chunk_k_tiles;  // this chunk's K tiles: [kt_begin, kt_begin + nkt)
-    const int nkt = (k_tiles - kt_begin < p.chunk_k_tiles ? k_tiles - kt_begin : p.chunk_k_tiles);
+    const int64_t l = p.split ? lc / p.chunks : lc;
+    const int split_chunk = p.split ? static_cast<int>(lc - l * p.chunks) : 0;
     for (int64_t mb = blockIdx.y; mb < m_blocks; mb += gridDim.y) {
       const int64_t m0 = mb * kTileM;
       const int rows = static_cast<int>(p.m - m0 < kTileM ? p.m - m0 : kTileM);
       const char* a = p.a + 2 * (l * p.batch_a + m0 * p.lda);
       const char* b = p.b + 2 * (l * p.batch_b);
+      const bool active = warp_m < rows;
 
-      // A thread's copies into a stage: fixed shared-memory offsets, source pointers that advance by
-      // one K tile per refill (the refills come in K order), and zeros for chunks past M, N or K (the
-      // ones TMA fills in). What a K tile costs in instructions is the kernel's time at M <= 16:
-      // one warp per scheduler issues the copies and the MMA chain alike.
-      constexpr int kALoads = kATileBytes / (16 * kThreads), kBLoads = T::kBTileBytes / (16 * kThreads);
-      const char* a_src[kALoads];
-      int a_dst[kALoads], a_k[kALoads];
-      bool a_live[kALoads], a_issued[kALoads];
-#pragma unroll
-      for (int j = 0; j < kALoads; ++j) {
-        const int i = tid + j * kThreads, row = i >> 3, chunk = i & 7;
-        a_src[j] = a + 2 * (row * p.lda + int64_t{kt_begin} * kTileK + 8 * chunk);
-        a_dst[j] = k_major_offset(row, chunk);
-        a_k[j] = 8 * chunk;
-        a_live[j] = row < rows;
-        a_issued[j] = row < 8 || rows > 8;  // rows 8..15 are read only when the block has them
-      }
-      const char* b_src[kBLoads];
-      int b_dst[kBLoads], b_k[kBLoads];
-      bool b_live[kBLoads];
-#pragma unroll
-      for (int j = 0; j < kBLoads; ++j) {
-        const unsigned i = tid + j * kThreads;
-        const int row = static_cast<int>(i / (TileN / 8)), chunk = static_cast<int>(i % (TileN / 8));  // k, 8 n
-        b_src[j] = b + 2 * ((int64_t{kt_begin} * kTileK + row) * p.ldb + n0 + 8 * chunk);
-        b_dst[j] = kATileBytes + T::b_offset(row, chunk);
-        b_k[j] = row;
-        b_live[j] = n0 + 8 * chunk < p.n;
-      }
-      const int64_t b_step = 2 * kTileK * p.ldb;           // bytes per K tile
-      int k_left = static_cast<int>(p.k) - kt_begin * kTileK;  // K past the next refill's first k
-      auto load = [&](int s) {  // stage s <- the next K tile
-        unsigned char* stage = smem + s * kStageBytes;
+      // Chunk c's float32 partial as a float32 D of a launch on that chunk alone holds it
+      // (beta * 0 + alpha * acc: an accumulator of -0 is +0). Every warp's last shared-memory read
+      // comes before the chunk's last barrier, so the next chunk's prologue may refill at once.
+      auto fold = [&](int c) -> float4 {
+        const int kt_begin = c * p.chunk_k_tiles;  // this chunk's K tiles: [kt_begin, kt_begin + nkt)
+        const int nkt = (k_tiles - kt_begin < p.chunk_k_tiles ? k_tiles - kt_begin : p.chunk_k_tiles);
+
+        // A thread's copies into a stage: fixed shared-memory offsets, source pointers that advance by
+        // one K tile per refill (the refills come in K order), and zeros for chunks past M, N or K (the
+        // ones TMA fills in). What a K tile costs in instructions is the kernel's time at M <= 16:
+        // one warp per scheduler issues the copies and the MMA chain alike.
+        constexpr int kALoads = kATileBytes / (16 * kThreads), kBLoads = T::kBTileBytes / (16 * kThreads);
+        const char* a_src[kALoads];
+        int a_dst[kALoads], a_k[kALoads];
+        bool a_live[kALoads], a_issued[kALoads];
 #pragma unroll
         for (int j = 0; j < kALoads; ++j) {
-          const bool valid = a_live[j] && a_k[j] < k_left;
-          if (a_issued[j]) cp_async16(stage + a_dst[j], valid ? a_src[j] : p.a, valid);
-          a_src[j] += 2 * kTileK;
+          const int i = tid + j * kThreads, row = i >> 3, chunk = i & 7;
+          a_src[j] = a + 2 * (row * p.lda + int64_t{kt_begin} * kTileK + 8 * chunk);
+          a_dst[j] = k_major_offset(row, chunk);
+          a_k[j] = 8 * chunk;
+          a_live[j] = row < rows;
+          a_issued[j] = row < 8 || rows > 8;  // rows 8..15 are read only when the block has them
         }
+        const char* b_src[kBLoads];
+        int b_dst[kBLoads], b_k[kBLoads];
+        bool b_live[kBLoads];
 #pragma unroll
         for (int j = 0; j < kBLoads; ++j) {
-          const bool valid = b_live[j] && b_k[j] < k_left;
-          cp_async16(stage + b_dst[j], valid ? b_src[j] : p.b, valid);
-          b_src[j] += b_step;
+          const unsigned i = tid + j * kThreads;
+          const int row = static_cast<int>(i / (TileN / 8)), chunk = static_cast<int>(i % (TileN / 8));  // k, 8 n
+          b_src[j] = b + 2 * ((int64_t{kt_begin} * kTileK + row) * p.ldb + n0 + 8 * chunk);
+          b_dst[j] = kATileBytes + T::b_offset(row, chunk);
+          b_k[j] = row;
+          b_live[j] = n0 + 8 * chunk < p.n;
         }
-        k_left -= kTileK;
-      };
-
-      // All kStages stages in flight: iteration kt refills the stage of K tile kt, whose operands
-      // every warp moved to registers in the iteration before (ahead of this iteration's barrier).
+        const int64_t b_step = 2 * kTileK * p.ldb;  // bytes per K tile
+        int k_left = static_cast<int>(p.k) - kt_begin * kTileK;  // K past the next refill's first k
+        auto load = [&](int s) {  // stage s <- the next K tile
+          unsigned char* stage = smem + s * kStageBytes;
 #pragma unroll
-      for (int s = 0; s < kStages; ++s) {
-        if (s < nkt) load(s);
-        cp_async_commit();
-      }
-
-      // One warp's operands of a K tile, per k16 step: B^T rows warp_n..+15 (the mma's A operand,
-      // transposed from B's rows) and A^T, k by rows warp_m..+7 (its B operand).
-      struct Operands {
-        uint32_t bt[kTileK / 16][4];
-        uint32_t at[kTileK / 16][2];
-      };
-      const int r8 = lane & 7, mat = lane >> 3;
-      auto read = [&](Operands& o, int s, int ks) {  // k16 step ks of stage s
-        const unsigned char* stage = smem + s * kStageBytes;
-        ldsm_x4_trans(o.bt[ks],
-                      stage + kATileBytes + T::b_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
-        ldsm_x2(o.at[ks], stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
-      };
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      auto step = [&](const Operands& o, int ks) {
-        mma_m16n8k16<std::is_same_v<Element, cutlass::bfloat16_t>>(acc, o.bt[ks], o.at[ks][0], o.at[ks][1]);
-      };
-      const bool active = warp_m < rows;
-      // The accumulator's chain of k16 steps is the only serial path: the barrier, the next
-      // refill and the next K tile's shared-memory reads are issued between its steps.
-      int stage = 0;  // K tile kt's
-      auto iteration = [&](int kt, const Operands& cur, Operands& next) {
-        if (active) step(cur, 0);
-        cp_async_wait<kStages - 2>();
-        __syncthreads();  // K tile kt + 1 is in; every warp has read K tile kt's stage
-        if (kt + kStages < nkt) load(stage);
-        cp_async_commit();
-        stage = stage + 1 == kStages ? 0 : stage + 1;
-        if (active) {
-          const bool more = kt + 1 < nkt;
-          const int s = stage;
-          step(cur, 1);
-          if (more) read(next, s, 0), read(next, s, 1);
-          step(cur, 2);
-          if (more) read(next, s, 2), read(next, s, 3);
-          step(cur, 3);
-        }
-      };
-      Operands o0, o1;  // K tiles kt and kt + 1 (named, not indexed: registers, not local memory)
-      cp_async_wait<kStages - 1>();
-      __syncthreads();  // K tile 0 is in
-      if (active && nkt > 0) {
-#pragma unroll
-        for (int ks = 0; ks < kTileK / 16; ++ks) read(o0, 0, ks);
-      }
-      int kt = 0;  // the chunk's K tiles, from its first
-      for (; kt + 1 < nkt; kt += 2) {
-        iteration(kt, o0, o1);
-        iteration(kt + 1, o1, o0);
-      }
-      if (kt < nkt) iteration(kt, o0, o1);
-      cp_async_wait<0>();
-
-      // acc[i]: D^T row n = warp_n + lane / 4 (+ 8 for i >= 2), column m = warp_m + 2 (lane % 4) + (i & 1).
-      ElementD* d = static_cast<ElementD*>(p.d) + l * p.batch_d;
-      if (p.chunks == 1) {
-        if (active) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int64_t n = n0 + warp_n + (lane >> 2) + 8 * (i >> 1);
-            const int mi = warp_m + 2 * (lane & 3) + (i & 1);
-            if (mi < rows && n < p.n) store_d(d + (m0 + mi) * p.ldd + n, p.alpha, p.beta, acc[i]);
+          for (int j = 0; j < kALoads; ++j) {
+            const bool valid = a_live[j] && a_k[j] < k_left;
+            if (a_issued[j]) cp_async16(stage + a_dst[j], valid ? a_src[j] : p.a, valid);
+            a_src[j] += 2 * kTileK;
           }
+#pragma unroll
+          for (int j = 0; j < kBLoads; ++j) {
+            const bool valid = b_live[j] && b_k[j] < k_left;
+            cp_async16(stage + b_dst[j], valid ? b_src[j] : p.b, valid);
+            b_src[j] += b_step;
+          }
+          k_left -= kTileK;
+        };
+
+        // All kStages stages in flight: iteration kt refills the stage of K tile kt, whose operands
+        // every warp moved to registers in the iteration before (ahead of this iteration's barrier).
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+          if (s < nkt) load(s);
+          cp_async_commit();
         }
+
+        // One warp's operands of a K tile, per k16 step: B^T rows warp_n..+15 (the mma's A operand,
+        // transposed from B's rows) and A^T, k by rows warp_m..+7 (its B operand).
+        struct Operands {
+          uint32_t bt[kTileK / 16][4];
+          uint32_t at[kTileK / 16][2];
+        };
+        const int r8 = lane & 7, mat = lane >> 3;
+        auto read = [&](Operands& o, int s, int ks) {  // k16 step ks of stage s
+          const unsigned char* stage = smem + s * kStageBytes;
+          ldsm_x4_trans(o.bt[ks],
+                        stage + kATileBytes + T::b_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
+          ldsm_x2(o.at[ks], stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
+        };
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        auto step = [&](const Operands& o, int ks) {
+          mma_m16n8k16<std::is_same_v<Element, cutlass::bfloat16_t>>(acc, o.bt[ks], o.at[ks][0], o.at[ks][1]);
+        };
+        // The accumulator's chain of k16 steps is the only serial path: the barrier, the next
+        // refill and the next K tile's shared-memory reads are issued between its steps.
+        int stage = 0;  // K tile kt's
+        auto iteration = [&](int kt, const Operands& cur, Operands& next) {
+          if (active) step(cur, 0);
+          cp_async_wait<kStages - 2>();
+          __syncthreads();  // K tile kt + 1 is in; every warp has read K tile kt's stage
+          if (kt + kStages < nkt) load(stage);
+          cp_async_commit();
+          stage = stage + 1 == kStages ? 0 : stage + 1;
+          if (active) {
+            const bool more = kt + 1 < nkt;
+            const int s = stage;
+            step(cur, 1);
+            if (more) read(next, s, 0), read(next, s, 1);
+            step(cur, 2);
+            if (more) read(next, s, 2), read(next, s, 3);
+            step(cur, 3);
+          }
+        };
+        Operands o0, o1;  // K tiles kt and kt + 1 (named, not indexed: registers, not local memory)
+        cp_async_wait<kStages - 1>();
+        __syncthreads();  // K tile 0 is in
+        if (active && nkt > 0) {
+#pragma unroll
+          for (int ks = 0; ks < kTileK / 16; ++ks) read(o0, 0, ks);
+        }
+        int kt = 0;  // the chunk's K tiles, from its first
+        for (; kt + 1 < nkt; kt += 2) {
+          iteration(kt, o0, o1);
+          iteration(kt + 1, o1, o0);
+        }
+        if (kt < nkt) iteration(kt, o0, o1);
+        cp_async_wait<0>();
+        return make_float4(fmaf(p.beta, 0.0f, p.alpha * acc[0]), fmaf(p.beta, 0.0f, p.alpha * acc[1]),
+                           fmaf(p.beta, 0.0f, p.alpha * acc[2]), fmaf(p.beta, 0.0f, p.alpha * acc[3]));
+      };
+      const auto add = [](float4 x, float4 y) {
+        return make_float4(detmath::add(x.x, y.x), detmath::add(x.y, y.y), detmath::add(x.z, y.z),
+                           detmath::add(x.w, y.w));
+      };
+      // The tree's root rounded to D's type: lane's element i is D^T row n = warp_n + lane / 4 (+ 8
+      // for i >= 2), column m = warp_m + 2 (lane % 4) + (i & 1).
+      ElementD* d = static_cast<ElementD*>(p.d) + l * p.batch_d;
+      auto store = [&](float4 r) {
+        const float root[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int64_t n = n0 + warp_n + (lane >> 2) + 8 * (i >> 1);
+          const int mi = warp_m + 2 * (lane & 3) + (i & 1);
+          if (mi < rows && n < p.n) store_root(d + (m0 + mi) * p.ldd + n, root[i]);
+        }
+      };
+      // This CTA's chunks (one call site of the fold, one copy of its code): all of them, combined
+      // here (the tree of one partial is that partial), or its split chunk alone.
+      const int first = p.split ? split_chunk : 0;
+      const float4 r = detmath::tree_fold<float4>(
+          p.split ? 1 : p.chunks, [&](int64_t i) { return fold(first + static_cast<int>(i)); }, add);
+      if (!p.split) {
+        if (active) store(r);
       } else {
-        // The partial as a float32 D holds it (beta * 0 + alpha * acc: an accumulator of -0 is +0).
         const int64_t tile = (l * m_blocks + mb) * p.n_tiles + blockIdx.x;
         const int64_t chunk_stride = m_blocks * p.n_tiles * kThreads;  // float4s from chunk c to c + 1
         float4* part = reinterpret_cast<float4*>(p.partials) +
                        ((l * p.chunks * m_blocks + mb) * p.n_tiles + blockIdx.x) * kThreads + tid;
-        __stcg(part + c * chunk_stride,
-               make_float4(fmaf(p.beta, 0.0f, p.alpha * acc[0]), fmaf(p.beta, 0.0f, p.alpha * acc[1]),
-                           fmaf(p.beta, 0.0f, p.alpha * acc[2]), fmaf(p.beta, 0.0f, p.alpha * acc[3])));
+        __stcg(part + split_chunk * chunk_stride, r);
         __threadfence();  // the partial is visible before this CTA's arrival is counted
         __syncthreads();
         __shared__ int combine;
@@ -301,21 +311,9 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
         __syncthreads();
         if (combine) {
           __threadfence();  // every other chunk's partial, counted before ours, is visible
-          if (active) {
-            const float4 r = detmath::tree_fold<float4>(
-                p.chunks, [&](int64_t cc) { return __ldcg(part + cc * chunk_stride); },
-                [](float4 x, float4 y) {
-                  return make_float4(detmath::add(x.x, y.x), detmath::add(x.y, y.y), detmath::add(x.z, y.z),
-                                     detmath::add(x.w, y.w));
-                });
-            const float root[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int64_t n = n0 + warp_n + (lane >> 2) + 8 * (i >> 1);
-              const int mi = warp_m + 2 * (lane & 3) + (i & 1);
-              if (mi < rows && n < p.n) store_root(d + (m0 + mi) * p.ldd + n, root[i]);
-            }
-          }
+          if (active)
+            store(detmath::tree_fold<float4>(
+                p.chunks, [&](int64_t c) { return __ldcg(part + c * chunk_stride); }, add));
         }
       }
       __syncthreads();  // the next work item's prologue overwrites the stages
@@ -323,8 +321,8 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
   }
 }
 
-// The kernel's arguments and grid for a problem (one CTA per TileN columns, per 16 rows and per
-// batch, the last two capped at the grid's limit and walked by the CTAs).
+// The kernel's arguments and grid for a problem (one CTA per TileN columns, per 16 rows, per batch and,
+// when split, per chunk; the last two factors capped at the grid's limit and walked by the CTAs).
 template <int TileN>
 Params make_params(const GemmArgs& g) {
   Params p;
@@ -351,12 +349,18 @@ Params make_params(const GemmArgs& g) {
                  ? static_cast<int>((p.k_tiles + chunk_k_tiles - 1) / chunk_k_tiles)
                  : 1;
   p.chunk_k_tiles = p.chunks > 1 ? static_cast<int>(chunk_k_tiles) : p.k_tiles;
+  // Split the chunks over CTAs only when the tiles alone would leave at least half of the SMs idle:
+  // past that, a split puts two CTAs of one tile's chunks on an SM that one CTA folding both
+  // keeps as busy, and adds the partials' round trip, the counters and their memset (one decode
+  // product, (14336, 4096) at M = 1 on an H100: 59 us split, 44 us in one pass over K). Either
+  // way the same tree of the same partials, so the choice changes no bit.
+  p.split = p.chunks > 1 && 2 * p.l * p.m_blocks * p.n_tiles <= g.sm_count;
   p.partials = nullptr;
   p.counters = nullptr;
   return p;
 }
 inline dim3 grid_of(const Params& p) {
-  const int64_t units = p.l * p.chunks;
+  const int64_t units = p.split ? p.l * p.chunks : p.l;
   return dim3(static_cast<unsigned>(p.n_tiles), static_cast<unsigned>(p.m_blocks < 65535 ? p.m_blocks : 65535),
               static_cast<unsigned>(units < 65535 ? units : 65535));
 }
@@ -391,8 +395,8 @@ Status launch(const GemmArgs& g, cudaStream_t stream) {
     smem_set.fetch_or(bit, std::memory_order_acq_rel);
   }
   Params p = make_params<TileN>(g);
-  if (p.chunks > 1) {
-    if (g.chunk % kTileK != 0) return "the chunk must be a multiple of the K tile (64)";
+  if (p.chunks > 1 && g.chunk % kTileK != 0) return "the chunk must be a multiple of the K tile (64)";
+  if (p.split) {
     // Workspace: the partials, then the counters (jaxdet/_src/matmul/matmul.py's gemm_workspace_bytes
     // bounds both: tiles padded to 128 x 256 and a counter per 16 x 16 tile per chunk).
     const int64_t floats = p.l * p.chunks * p.m_blocks * p.n_tiles * T::kThreads * 4;

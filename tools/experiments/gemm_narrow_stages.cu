@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -29,6 +30,10 @@ constexpr int kThreads = 128;
 constexpr int kTileN = 32;
 constexpr int kATileBytes = kTileM * kTileK * 2;
 constexpr int kStageBytes = kATileBytes + 32 * kTileK * 2;
+template <class ElementD>
+__device__ __forceinline__ void store_d(ElementD* p, float alpha, float beta, float acc) {
+  store_root(p, fmaf(beta, 0.0f, alpha * acc));
+}
 __device__ __forceinline__ int n_major_offset(int k, int chunk) {
   return k * 64 + ((chunk ^ ((k >> 1) & 3)) << 4);
 }
@@ -188,6 +193,89 @@ std::vector<uint16_t> bits_of(const jaxdet::gemm::GemmArgs& g) {
   return h;
 }
 
+// The package's launcher (the chunk workspace and its counters' memset included) on gs in turn.
+template <int TileN>
+float time_launch_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
+  const auto run = [](const jaxdet::gemm::GemmArgs& g) {
+    const auto status = narrow::launch<Element, cutlass::layout::RowMajor, cutlass::layout::RowMajor, void,
+                                       Element, narrow::kTileM, TileN>(g, nullptr);
+    if (!status.empty()) {
+      std::printf("launch: %s\n", status.c_str());
+      std::exit(1);
+    }
+  };
+  for (int i = 0; i < 3; ++i) run(gs[i % gs.size()]);
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  CHECK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) run(gs[i % gs.size()]);
+  CHECK(cudaEventRecord(b));
+  CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, a, b));
+  CHECK(cudaGetLastError());
+  return 1000.0f * ms / reps;
+}
+
+// K beyond one chunk (8192): each CTA folding its tile's chunks ("walked") against a CTA per chunk
+// and tile ("split"), both through the launcher (its rule forced by the SM count it is told), and
+// one pass over K without chunks (other bits: not the chunk tree).
+template <int TileN>
+void chunk_schedules(int K, int N, void* workspace, size_t workspace_bytes) {
+  std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N);
+  uint32_t x = 54321;
+  auto next = [&x] {
+    x = x * 1664525u + 1013904223u;
+    return static_cast<uint16_t>(0x3c00 + ((x >> 16) & 0x3ff) + ((x >> 31) << 15));
+  };
+  for (auto& v : ha) v = next();
+  for (auto& v : hb) v = next();
+  const int copies = static_cast<int>(1 + (int64_t{256} << 20) / (hb.size() * 2));
+  void *da, *db, *dd;
+  CHECK(cudaMalloc(&da, ha.size() * 2));
+  CHECK(cudaMalloc(&db, copies * hb.size() * 2));
+  CHECK(cudaMalloc(&dd, 16 * int64_t{N} * 2));
+  CHECK(cudaMemcpy(da, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
+  for (int c = 0; c < copies; ++c) {
+    CHECK(
+        cudaMemcpy(static_cast<char*>(db) + c * hb.size() * 2, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
+  }
+  for (int M : {1, 4, 16}) {
+    jaxdet::gemm::GemmArgs g;
+    g.m = M;
+    g.n = N;
+    g.k = K;
+    g.a = da;
+    g.lda = K;
+    g.ldb = N;
+    g.d = dd;
+    g.ldd = N;
+    g.chunk_workspace = workspace;
+    g.chunk_workspace_bytes = workspace_bytes;
+    std::vector<jaxdet::gemm::GemmArgs> gs(copies, g);
+    for (int c = 0; c < copies; ++c) gs[c].b = static_cast<char*>(db) + c * hb.size() * 2;
+    const auto with = [&](int64_t chunk, int sm_count) {
+      auto v = gs;
+      for (auto& e : v) e.chunk = chunk, e.sm_count = sm_count;
+      return v;
+    };
+    const auto cleared = [&] { CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2)); };
+    cleared();
+    const float one_pass = time_launch_us<TileN>(with(0, 0), 200);
+    cleared();
+    const float walked = time_launch_us<TileN>(with(8192, 0), 200);
+    const auto walked_bits = bits_of(gs[0]);
+    cleared();
+    const float split = time_launch_us<TileN>(with(8192, 1 << 30), 200);
+    std::printf("| %d | %d | %d | 16x%d | %.1f | %.1f | %.1f | %s |\n", K, N, M, TileN, one_pass, walked, split,
+                bits_of(gs[0]) == walked_bits ? "equal" : "DIFFER");
+  }
+  CHECK(cudaFree(da));
+  CHECK(cudaFree(db));
+  CHECK(cudaFree(dd));
+}
+
 int main() {
   // (K, N): the benchmark's products and a d-2048 model's decode products (attention output and
   // down projections 2048 wide, q|k|v 4096, gate|up 11264), N = 2000 not a multiple of 32.
@@ -268,5 +356,16 @@ int main() {
     CHECK(cudaFree(db));
     CHECK(cudaFree(dd));
   }
+
+  std::printf(
+      "\n| K | N | M | tile | one pass, no chunks us | chunks walked | chunks split | bits walked vs split "
+      "|\n|---|---|---|---|---|---|---|---|\n");
+  const size_t workspace_bytes = size_t{64} << 20;
+  void* workspace;
+  CHECK(cudaMalloc(&workspace, workspace_bytes));
+  chunk_schedules<32>(14336, 4096, workspace, workspace_bytes);
+  chunk_schedules<16>(14336, 2048, workspace, workspace_bytes);
+  chunk_schedules<16>(28672, 1024, workspace, workspace_bytes);
+  CHECK(cudaFree(workspace));
   return 0;
 }
