@@ -7,7 +7,7 @@
 //
 // At M <= 16 an SM holds one such CTA: one warp per scheduler, which issues both the copies and
 // the MMA chain, so the kernel's time is the instructions it spends per K tile (Nsight Compute:
-// DRAM below 70% of peak, the warps stalled only on fixed-latency dependencies). Hence each
+// DRAM below 70% of peak, the warps' stalls mostly fixed-latency waits, none on memory). Hence each
 // thread's copies use offsets fixed once per work item and source pointers that advance by one K
 // tile, and the next K tile's shared-memory reads go between the accumulator's k16 steps.
 //
