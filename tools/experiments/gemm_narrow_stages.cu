@@ -278,8 +278,10 @@ void chunk_schedules(int K, int N, void* workspace, size_t workspace_bytes) {
 
 int main() {
   // (K, N): the benchmark's products and a d-2048 model's decode products (attention output and
-  // down projections 2048 wide, q|k|v 4096, gate|up 11264), N = 2000 not a multiple of 32.
-  const int shapes[][2] = {{14336, 4096}, {4096, 4096}, {2048, 11264}, {2048, 2048}, {5632, 2048}, {2048, 2000}};
+  // down projections 2048 wide, q|k|v 4096, gate|up 11264, the head 32000), N = 2000 not a
+  // multiple of 32.
+  const int shapes[][2] = {{14336, 4096}, {4096, 4096}, {2048, 4096}, {2048, 11264},
+                           {2048, 32000}, {2048, 2048}, {5632, 2048}, {2048, 2000}};
   const int ms[] = {1, 4, 16};
   const int reps = 200;
   std::printf(
