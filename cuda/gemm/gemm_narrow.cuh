@@ -1,4 +1,4 @@
-// The narrow few-row tiles of the Hopper forward sets (16 rows by 32 or 16 columns of D): a kernel
+// The narrow few-row tiles of the Hopper forward and dA sets (16 rows by 32 or 16 columns of D): a kernel
 // of their own, because the narrowest wgmma tile has 64 columns (the 16x64 tile, D^T = B^T A^T with
 // B on the wgmma's 64-row side). Without split-K one CTA owns a column slice of D over all of K, so
 // a 4096-wide output at M <= 16 has only 64 such CTAs on an H100's 132 SMs; 32-column slices give
@@ -80,9 +80,7 @@ struct Tile {
 };
 // The pipeline depth: 8 stages (6 KB each at 16x32), by tools/experiments/gemm_narrow_stages.cu on
 // an H100 (M = 1-16): 4 stages 35% slower on a long K, 12 stages 2-3% faster there but 5% slower on
-// a wide output (2048 x 11264) that runs several CTAs per SM. (dA's B, stored [N, K], would be read
-// 128 bytes of each of 32 far-apart rows per stage; that ran slower than the 16x64 wgmma tile even
-// 32 stages deep, so the dA sets do not have this tile: docs/matmul_cuda.md.)
+// a wide output (2048 x 11264) that runs several CTAs per SM.
 constexpr int kStages = 8;
 template <int TileN, int Stages = kStages>
 constexpr int kSmemBytes = Stages * Tile<TileN>::kStageBytes;
@@ -133,7 +131,9 @@ struct Params {
   int32_t* counters;
 };
 
-template <class Element, class ElementD, int TileN = 32, int kStages = narrow::kStages>
+// kBColumns: B is stored [N, K] (dA's B, the weight read transposed in place), so its K tile is
+// staged as A's is, TileN rows of 64 k, and read by ldmatrix without the transpose; otherwise [K, N].
+template <class Element, class ElementD, int TileN = 32, int kStages = narrow::kStages, bool kBColumns = false>
 __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(const Params p) {
   using T = Tile<TileN>;
   constexpr int kThreads = T::kThreads, kStageBytes = T::kStageBytes, kATileBytes = T::kATileBytes;
@@ -188,13 +188,21 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
 #pragma unroll
         for (int j = 0; j < kBLoads; ++j) {
           const unsigned i = tid + j * kThreads;
-          const int row = static_cast<int>(i / (TileN / 8)), chunk = static_cast<int>(i % (TileN / 8));  // k, 8 n
-          b_src[j] = b + 2 * ((int64_t{kt_begin} * kTileK + row) * p.ldb + n0 + 8 * chunk);
-          b_dst[j] = kATileBytes + T::b_offset(row, chunk);
-          b_k[j] = row;
-          b_live[j] = n0 + 8 * chunk < p.n;
+          if constexpr (kBColumns) {  // row: n; chunk: 8 k
+            const int row = static_cast<int>(i >> 3), chunk = static_cast<int>(i & 7);
+            b_src[j] = b + 2 * ((n0 + row) * p.ldb + int64_t{kt_begin} * kTileK + 8 * chunk);
+            b_dst[j] = kATileBytes + k_major_offset(row, chunk);
+            b_k[j] = 8 * chunk;
+            b_live[j] = n0 + row < p.n;
+          } else {  // row: k; chunk: 8 n
+            const int row = static_cast<int>(i / (TileN / 8)), chunk = static_cast<int>(i % (TileN / 8));
+            b_src[j] = b + 2 * ((int64_t{kt_begin} * kTileK + row) * p.ldb + n0 + 8 * chunk);
+            b_dst[j] = kATileBytes + T::b_offset(row, chunk);
+            b_k[j] = row;
+            b_live[j] = n0 + 8 * chunk < p.n;
+          }
         }
-        const int64_t b_step = 2 * kTileK * p.ldb;  // bytes per K tile
+        const int64_t b_step = kBColumns ? 2 * kTileK : 2 * kTileK * p.ldb;  // bytes per K tile
         int k_left = static_cast<int>(p.k) - kt_begin * kTileK;  // K past the next refill's first k
         auto load = [&](int s) {  // stage s <- the next K tile
           unsigned char* stage = smem + s * kStageBytes;
@@ -221,8 +229,8 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
           cp_async_commit();
         }
 
-        // One warp's operands of a K tile, per k16 step: B^T rows warp_n..+15 (the mma's A operand,
-        // transposed from B's rows) and A^T, k by rows warp_m..+7 (its B operand).
+        // One warp's operands of a K tile, per k16 step: B^T rows warp_n..+15 (the mma's A operand:
+        // B's rows transposed, or B's columns as staged) and A^T, k by rows warp_m..+7 (its B operand).
         struct Operands {
           uint32_t bt[kTileK / 16][4];
           uint32_t at[kTileK / 16][2];
@@ -230,8 +238,13 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
         const int r8 = lane & 7, mat = lane >> 3;
         auto read = [&](Operands& o, int s, int ks) {  // k16 step ks of stage s
           const unsigned char* stage = smem + s * kStageBytes;
-          ldsm_x4_trans(o.bt[ks],
-                        stage + kATileBytes + T::b_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
+          if constexpr (kBColumns) {
+            ldsm_x4(o.bt[ks],
+                    stage + kATileBytes + k_major_offset(warp_n + 8 * (mat & 1) + r8, 2 * ks + (mat >> 1)));
+          } else {
+            ldsm_x4_trans(o.bt[ks], stage + kATileBytes +
+                                        T::b_offset(16 * ks + 8 * (mat >> 1) + r8, warp_n / 8 + (mat & 1)));
+          }
           ldsm_x2(o.at[ks], stage + k_major_offset(warp_m + r8, 2 * ks + (mat & 1)));
         };
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -369,12 +382,13 @@ inline dim3 grid_of(const Params& p) {
 // ones call sm90::launch): A [M, K] and B [K, N] row-major, no source C.
 template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
 Status launch(const GemmArgs& g, cudaStream_t stream) {
-  static_assert(
-      is_narrow_tile(TileM, TileN) && std::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
-          std::is_same_v<LayoutB, cutlass::layout::RowMajor> && std::is_void_v<ElementC> &&
-          (std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>),
-      "the narrow tiles are 16x32 and 16x16 and serve the bfloat16/float16 forward (row-major A and B, no "
-      "source C)");
+  constexpr bool kBColumns = std::is_same_v<LayoutB, cutlass::layout::ColumnMajor>;
+  static_assert(is_narrow_tile(TileM, TileN) && std::is_same_v<LayoutA, cutlass::layout::RowMajor> &&
+                    (kBColumns || std::is_same_v<LayoutB, cutlass::layout::RowMajor>) &&
+                    std::is_void_v<ElementC> &&
+                    (std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>),
+                "the narrow tiles are 16x32 and 16x16 and serve bfloat16/float16 products of a row-major A and a "
+                "B stored [K, N] or [N, K], no source C");
   using T = Tile<TileN>;
   const auto misaligned = [](const void* ptr, int64_t stride) {
     return reinterpret_cast<uintptr_t>(ptr) % 16 != 0 || stride % 8 != 0;
@@ -385,7 +399,7 @@ Status launch(const GemmArgs& g, cudaStream_t stream) {
   }
   constexpr int64_t kMax = 0x7fffffff;
   if (g.m > kMax || g.n > kMax || g.k > kMax || g.l > kMax) return "a dimension is larger than 2^31 - 1";
-  const auto kernel = narrow_gemm_kernel<Element, ElementD, TileN>;
+  const auto kernel = narrow_gemm_kernel<Element, ElementD, TileN, kStages, kBColumns>;
   static std::atomic<uint64_t> smem_set{0};  // the dynamic shared-memory limit, once per device
   const uint64_t bit = uint64_t{1} << (g.device & 63);
   if (!(smem_set.load(std::memory_order_acquire) & bit)) {

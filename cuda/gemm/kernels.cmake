@@ -26,25 +26,21 @@
 #           sm90: 128xN runs the cooperative schedule (two consumer warpgroups of 64 rows), 64xN
 #           the ping-pong schedule, 16x64 the ping-pong schedule on swapped operands (D^T = B^T A^T,
 #           gemm_sm90.cuh), 16x32:narrow and 16x16:narrow a mma.sync kernel on swapped operands
-#           with the same K steps (gemm_narrow.cuh; the forward only); sm80: the threadblock tile.
-# The forward (nn) sets add 16x32 and 16x16 tiles (a 2048-wide output at M <= 16: 128 CTAs rather
-# than 64); dA's B rows (nt) streamed in 32-column slices ran slower than the 16x64 tile's 64
-# (docs/matmul_cuda.md), so the dA sets stop at 16x64. The sets of a half
-# output (the common case) add 128x128, which serves 129-256 rows of a narrow output; the float32
-# output sets go without it, to keep the build's size.
-set(JAXDET_GEMM_SM90_TILES "128x256 64x256 64x128 64x64 16x64")
-set(JAXDET_GEMM_SM90_HALF_TILES "128x256 128x128 64x256 64x128 64x64 16x64")
-set(JAXDET_GEMM_SM90_FWD_TILES "${JAXDET_GEMM_SM90_TILES} 16x32:narrow 16x16:narrow")
-set(JAXDET_GEMM_SM90_FWD_HALF_TILES "${JAXDET_GEMM_SM90_HALF_TILES} 16x32:narrow 16x16:narrow")
+#           with the same K steps (gemm_narrow.cuh); sm80: the threadblock tile.
+# The forward (nn) and dA (nt) sets end with 16x32 and 16x16 tiles (a 2048-wide output at M <= 16:
+# 128 CTAs rather than 64). The sets of a half output (the common case) add 128x128, which serves
+# 129-256 rows of a narrow output; the float32 output sets go without it, to keep the build's size.
+set(JAXDET_GEMM_SM90_TILES "128x256 64x256 64x128 64x64 16x64 16x32:narrow 16x16:narrow")
+set(JAXDET_GEMM_SM90_HALF_TILES "128x256 128x128 64x256 64x128 64x64 16x64 16x32:narrow 16x16:narrow")
 set(JAXDET_GEMM_SM80_TILES "128x128 64x64 64x32")
 set(JAXDET_GEMM_KERNELS
   # Hopper forward (nn) and dA (nt), half or float32 output: M-bucketed.
-  "sm90_bf16_nn_bf16         sm90 bf16 nn void bf16 ${JAXDET_GEMM_SM90_FWD_HALF_TILES}"
-  "sm90_bf16_nn_f32          sm90 bf16 nn void f32  ${JAXDET_GEMM_SM90_FWD_TILES}"
+  "sm90_bf16_nn_bf16         sm90 bf16 nn void bf16 ${JAXDET_GEMM_SM90_HALF_TILES}"
+  "sm90_bf16_nn_f32          sm90 bf16 nn void f32  ${JAXDET_GEMM_SM90_TILES}"
   "sm90_bf16_nt_bf16         sm90 bf16 nt void bf16 ${JAXDET_GEMM_SM90_HALF_TILES}"
   "sm90_bf16_nt_f32          sm90 bf16 nt void f32  ${JAXDET_GEMM_SM90_TILES}"
-  "sm90_f16_nn_f16           sm90 f16  nn void f16  ${JAXDET_GEMM_SM90_FWD_HALF_TILES}"
-  "sm90_f16_nn_f32           sm90 f16  nn void f32  ${JAXDET_GEMM_SM90_FWD_TILES}"
+  "sm90_f16_nn_f16           sm90 f16  nn void f16  ${JAXDET_GEMM_SM90_HALF_TILES}"
+  "sm90_f16_nn_f32           sm90 f16  nn void f32  ${JAXDET_GEMM_SM90_TILES}"
   "sm90_f16_nt_f16           sm90 f16  nt void f16  ${JAXDET_GEMM_SM90_HALF_TILES}"
   "sm90_f16_nt_f32           sm90 f16  nt void f32  ${JAXDET_GEMM_SM90_TILES}"
   # Hopper weight gradient (tn): one mainloop, three epilogues: D = C + A^T B in float32 (every

@@ -146,7 +146,7 @@ int min_ctas_sixtieths(const DeviceInfo& d, int64_t m) {
 // min_ctas_sixtieths, else the smallest of them (the most CTAs); above, the first. A tile of more
 // rows than max(M, 64) is passed over (its extra rows would be zeros the tensor cores multiply),
 // and so is one of fewer rows than min(M, 64) (the 16-row tiles: B would be read once per 16
-// rows). 64-row tiles narrower than 64 columns measured slower; the forward's 16x32 tile (a
+// rows). 64-row tiles narrower than 64 columns measured slower; the 16x32 tile (a
 // mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64 gives 64, and its
 // 16x16 tile a 2048-wide output 128 where 16x32 gives 64.
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
@@ -171,8 +171,8 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
 }
 
 // The tile of a Hopper call whose K spans `chunks` chunks, among the set's cooperative (128-row)
-// tiles, the ones that run the chunk tree in one launch (gemm_sm90_chunks.cuh), or the forward's
-// 16x32 and 16x16 tiles (which do too, gemm_narrow.cuh) where the M-bucket rule picks them; null when the call
+// tiles, the ones that run the chunk tree in one launch (gemm_sm90_chunks.cuh), or the 16x32 and
+// 16x16 tiles (which do too, gemm_narrow.cuh) where the M-bucket rule picks them; null when the call
 // runs chunk by chunk instead (the same bits). Beyond
 // kBucketMaxRows rows the set's first tile; at fewer, the largest whose units (tiles, times the
 // chunks when the tiles alone leave SMs idle and the chunks are split over CTAs) give at least 4/5
@@ -183,7 +183,7 @@ const TileKernel* choose_chunked_tile(const KernelSet& set, const DeviceInfo& d,
   // it (the one-launch tree on 128-row tiles measured slower for a handful of rows:
   // benchmarks/RESULTS.md).
   const TileKernel& own = choose_tile(set, d, m, n, l);
-  // The forward sets' narrow kernel runs the chunk tree in its own launch, split over CTAs or
+  // The narrow kernel runs the chunk tree in its own launch, split over CTAs or
   // walked (gemm_narrow.cuh).
   const bool is_narrow = gemm::narrow::is_narrow_tile(own.tile_m, own.tile_n);
   if (d.force_m != 0 || own.tile_m != 128) return own.tile_m == 128 || is_narrow ? &own : nullptr;

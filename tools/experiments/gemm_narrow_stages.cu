@@ -193,12 +193,14 @@ std::vector<uint16_t> bits_of(const jaxdet::gemm::GemmArgs& g) {
   return h;
 }
 
-// The package's launcher (the chunk workspace and its counters' memset included) on gs in turn.
-template <int TileN>
+// The package's launcher (the chunk workspace and its counters' memset included) on gs in turn;
+// LayoutB ColumnMajor: B stored [N, K].
+template <int TileN, class LayoutB = cutlass::layout::RowMajor>
 float time_launch_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
   const auto run = [](const jaxdet::gemm::GemmArgs& g) {
-    const auto status = narrow::launch<Element, cutlass::layout::RowMajor, cutlass::layout::RowMajor, void,
-                                       Element, narrow::kTileM, TileN>(g, nullptr);
+    const auto status =
+        narrow::launch<Element, cutlass::layout::RowMajor, LayoutB, void, Element, narrow::kTileM, TileN>(g,
+                                                                                                          nullptr);
     if (!status.empty()) {
       std::printf("launch: %s\n", status.c_str());
       std::exit(1);
@@ -273,6 +275,65 @@ void chunk_schedules(int K, int N, void* workspace, size_t workspace_bytes) {
   }
   CHECK(cudaFree(da));
   CHECK(cudaFree(db));
+  CHECK(cudaFree(dd));
+}
+
+// B stored [N, K] (dA's layout, the weight read transposed) against B stored [K, N] with the same
+// values: the same products, so the same bits, through the launcher (K within one chunk).
+template <int TileN>
+void b_layouts(int K, int N) {
+  std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N), hbt(hb.size());
+  uint32_t x = 777;
+  auto next = [&x] {
+    x = x * 1664525u + 1013904223u;
+    return static_cast<uint16_t>(0x3c00 + ((x >> 16) & 0x3ff) + ((x >> 31) << 15));
+  };
+  for (auto& v : ha) v = next();
+  for (auto& v : hb) v = next();
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t n = 0; n < N; ++n) hbt[n * K + k] = hb[k * N + n];
+  }
+  const int copies = static_cast<int>(1 + (int64_t{256} << 20) / (hb.size() * 2));
+  void *da, *db, *dbt, *dd;
+  CHECK(cudaMalloc(&da, ha.size() * 2));
+  CHECK(cudaMalloc(&db, copies * hb.size() * 2));
+  CHECK(cudaMalloc(&dbt, copies * hb.size() * 2));
+  CHECK(cudaMalloc(&dd, 16 * int64_t{N} * 2));
+  CHECK(cudaMemcpy(da, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
+  for (int c = 0; c < copies; ++c) {
+    CHECK(
+        cudaMemcpy(static_cast<char*>(db) + c * hb.size() * 2, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(static_cast<char*>(dbt) + c * hb.size() * 2, hbt.data(), hb.size() * 2,
+                     cudaMemcpyHostToDevice));
+  }
+  for (int M : {1, 4, 16}) {
+    jaxdet::gemm::GemmArgs g;
+    g.m = M;
+    g.n = N;
+    g.k = K;
+    g.a = da;
+    g.lda = K;
+    g.d = dd;
+    g.ldd = N;
+    std::vector<jaxdet::gemm::GemmArgs> rows(copies, g), cols(copies, g);
+    for (int c = 0; c < copies; ++c) {
+      rows[c].b = static_cast<char*>(db) + c * hb.size() * 2;
+      rows[c].ldb = N;
+      cols[c].b = static_cast<char*>(dbt) + c * hb.size() * 2;
+      cols[c].ldb = K;
+    }
+    CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2));
+    const float t_rows = time_launch_us<TileN>(rows, 200);
+    const auto ref = bits_of(g);
+    CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2));
+    const float t_cols = time_launch_us<TileN, cutlass::layout::ColumnMajor>(cols, 200);
+    const double bytes = 2.0 * (double(K) * N + double(M) * K + double(M) * N);
+    std::printf("| %d | %d | %d | 16x%d | %.1f | %.1f | %.0f | %s |\n", K, N, M, TileN, t_rows, t_cols,
+                bytes / (t_cols * 1e3), bits_of(g) == ref ? "equal" : "DIFFER");
+  }
+  CHECK(cudaFree(da));
+  CHECK(cudaFree(db));
+  CHECK(cudaFree(dbt));
   CHECK(cudaFree(dd));
 }
 
@@ -369,5 +430,15 @@ int main() {
   chunk_schedules<16>(14336, 2048, workspace, workspace_bytes);
   chunk_schedules<16>(28672, 1024, workspace, workspace_bytes);
   CHECK(cudaFree(workspace));
+
+  // dA's products at M <= 16 (the transposed weight of a 4096 x 4096, 14336 x 4096 -> its 4096
+  // wide side, and d-2048 decode layers), B stored [N, K] against [K, N].
+  std::printf(
+      "\n| K | N | M | tile | B [K, N] us | B [N, K] us | HBM GB/s, [N, K] | bits [N, K] vs [K, N] "
+      "|\n|---|---|---|---|---|---|---|---|\n");
+  b_layouts<32>(4096, 4096);
+  b_layouts<32>(8192, 4096);
+  b_layouts<16>(2048, 2048);
+  b_layouts<16>(5632, 2048);
   return 0;
 }
