@@ -54,12 +54,13 @@ namespace narrow {
 
 constexpr int kTileK = 64;  // the Hopper sets' K tile (sm90::kTileK in gemm_sm90.cuh), in four k16 steps
 
-// A tile of 16 rows by TileN columns (32 or 16): warps of 16 columns by 8 rows each (one mma
+// A tile of 16 rows by TileN columns (the sets' 32 and 16; 64 for the probe's comparison on wide
+// outputs, tools/experiments/gemm_narrow_stages.cu): warps of 16 columns by 8 rows each (one mma
 // m16n8k16 on the swapped operands), warp w at columns 16 * (w % (TileN / 16)), rows 8 * (w /
 // (TileN / 16)).
 template <int TileN>
 struct Tile {
-  static_assert(TileN == 32 || TileN == 16, "the narrow tiles are 16x32 and 16x16");
+  static_assert(TileN == 64 || TileN == 32 || TileN == 16, "the narrow tiles are 16x64, 16x32 and 16x16");
   static constexpr int kColumnWarps = TileN / 16;
   static constexpr int kWarps = 2 * kColumnWarps;
   static constexpr int kThreads = kWarps * 32;
@@ -67,8 +68,11 @@ struct Tile {
   static constexpr int kBRowBytes = TileN * 2;             // [64 k][TileN n], TileN / 8 chunks per row
   static constexpr int kBTileBytes = kTileK * kBRowBytes;
   static constexpr int kStageBytes = kATileBytes + kBTileBytes;
-  static_assert(kATileBytes % (16 * kThreads) == 0 && kBTileBytes % (16 * kThreads) == 0,
-                "whole loads per thread");
+  static_assert(kBTileBytes % (16 * kThreads) == 0, "whole loads of B per thread");
+  // A's 128 chunks per stage: whole loads per thread, or one for the first 128 threads of 16x64.
+  static constexpr int kALoads = (kATileBytes / 16 + kThreads - 1) / kThreads;
+  static_assert(kATileBytes / 16 <= kALoads * kThreads && (kATileBytes / 16) % kThreads == 0 || kALoads == 1,
+                "A's chunks fit the threads' loads");
   // B's shared-memory offset (bytes, within a stage's tile) of the 16-byte chunk `chunk` of row k:
   // the chunks of a row permuted by the row's 128-byte line, so that the eight rows one ldmatrix
   // reads (one chunk each) fall in distinct banks.
@@ -169,7 +173,7 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
         // one K tile per refill (the refills come in K order), and zeros for chunks past M, N or K (the
         // ones TMA fills in). What a K tile costs in instructions is the kernel's time at M <= 16:
         // one warp per scheduler issues the copies and the MMA chain alike.
-        constexpr int kALoads = kATileBytes / (16 * kThreads), kBLoads = T::kBTileBytes / (16 * kThreads);
+        constexpr int kALoads = T::kALoads, kBLoads = T::kBTileBytes / (16 * kThreads);
         const char* a_src[kALoads];
         int a_dst[kALoads], a_k[kALoads];
         bool a_live[kALoads], a_issued[kALoads];
@@ -180,7 +184,8 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
           a_dst[j] = k_major_offset(row, chunk);
           a_k[j] = 8 * chunk;
           a_live[j] = row < rows;
-          a_issued[j] = row < 8 || rows > 8;  // rows 8..15 are read only when the block has them
+          // rows 8..15 are read only when the block has them; threads past A's chunks load none
+          a_issued[j] = (row < 8 || rows > 8) && i < kATileBytes / 16;
         }
         const char* b_src[kBLoads];
         int b_dst[kBLoads], b_k[kBLoads];

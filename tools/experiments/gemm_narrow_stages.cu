@@ -1,7 +1,8 @@
-// Time of the forward's narrow tiles (cuda/gemm/gemm_narrow.cuh) by pipeline depth and width, side
-// by side in one process, with the bits of each against 16x32 at the launcher's depth (a depth
-// decides how many K tiles are in flight and a width which CTA computes a column, never what a K
-// step computes). The GEMM against jnp.dot: benchmarks/matmul_bench.py.
+// Time of the forward's narrow tiles (cuda/gemm/gemm_narrow.cuh; 16x64 as a candidate for wide
+// outputs) by pipeline depth and width, side by side in one process, with the bits of each against
+// 16x32 at the launcher's depth (a depth decides how many K tiles are in flight and a width which
+// CTA computes a column, never what a K step computes); then the chunk schedules (walked, split)
+// and dA's B layout. The GEMM against jnp.dot: benchmarks/matmul_bench.py.
 //
 // Build and run on a Hopper GPU (tools/gpu_session.sh narrow-stages):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I <cutlass>/include \
@@ -203,8 +204,8 @@ int main() {
   const int ms[] = {1, 4, 16};
   const int reps = 200;
   std::printf(
-      "| K | N | M | 16x32, 4 stages us | 6 | 8 | 12 | 16x16, 8 | 12 | 16 | HBM GB/s: 16x32 at 8 | best | bits vs "
-      "16x32 at 8 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| K | N | M | 16x32, 4 stages us | 6 | 8 | 12 | 16x16, 8 | 12 | 16 | 16x64, 6 | 8 | HBM GB/s: 16x32 at 8 | "
+      "best | bits vs 16x32 at 8 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& s : shapes) {
     const int K = s[0], N = s[1];
     std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N);
@@ -240,7 +241,7 @@ int main() {
       for (int c = 0; c < copies; ++c) gs[c].b = static_cast<char*>(db) + c * hb.size() * 2;
       // D is filled with NaNs before each variant, so an element one leaves unwritten shows.
       const auto cleared = [&] { CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2)); };
-      float t[7];
+      float t[9];
       cleared();
       t[2] = time_us<32, 8>(gs, reps);
       const auto ref = bits_of(g);
@@ -262,12 +263,17 @@ int main() {
       check();
       t[6] = time_us<16, 16>(gs, reps);
       check();
+      t[7] = time_us<64, 6>(gs, reps);
+      check();
+      t[8] = time_us<64, 8>(gs, reps);
+      check();
       float best = t[0];
-      for (int i = 1; i < 7; ++i) best = t[i] < best ? t[i] : best;
+      for (int i = 1; i < 9; ++i) best = t[i] < best ? t[i] : best;
       const double bytes = 2.0 * (double(K) * N + double(M) * K + double(M) * N);
-      std::printf("| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %s |\n", K, N,
-                  M, t[0], t[1], t[2], t[3], t[4], t[5], t[6], bytes / (t[2] * 1e3), bytes / (best * 1e3),
-                  differ ? "DIFFER" : "equal");
+      std::printf(
+          "| %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f | %s |\n",
+          K, N, M, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], bytes / (t[2] * 1e3),
+          bytes / (best * 1e3), differ ? "DIFFER" : "equal");
     }
     CHECK(cudaFree(da));
     CHECK(cudaFree(db));
