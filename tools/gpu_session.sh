@@ -27,7 +27,8 @@
 #   mma-latency (clocks per dependent k16 step of wgmma and mma.sync: mma_chain_latency.cu),
 #   mma-zero-step (a k16 step of zero products on every kind of float32 accumulator:
 #   mma_zero_step.cu), narrow-stages (the forward's 16x32 GEMM tile by pipeline depth:
-#   gemm_narrow_stages.cu), decode-read (a batch-1 decode step's KV cache read in the split
+#   gemm_narrow_stages.cu), narrow-ws (a warp-specialized narrow tile against the package's:
+#   gemm_narrow_ws.cu), decode-read (a batch-1 decode step's KV cache read in the split
 #   kernels' pattern and in contiguous pieces: decode_read_pattern.cu), cluster-sweep (Hopper GEMM
 #   tiles and thread block clusters side by side, bits compared: gemm_cluster_sweep.cu;
 #   SWEEP_ROUNDS, SWEEP_ONLY=dA, dB or rows).
@@ -66,7 +67,7 @@ stamp=$(source_stamp)
 # The CUDA probes of tools/experiments/ compile their own file and need no package build.
 standalone_only() {
   for w in "${what[@]}"; do
-    case "$w" in narrow-stages | cluster-sweep | mma-zero-step | decode-read | mma-latency) ;; *) return 1 ;; esac
+    case "$w" in narrow-stages | narrow-ws | cluster-sweep | mma-zero-step | decode-read | mma-latency) ;; *) return 1 ;; esac
   done
 }
 if standalone_only; then
@@ -274,6 +275,10 @@ fi
 if asked narrow-stages; then
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I /tmp/site/cutlass_library/source/include \
     tools/experiments/gemm_narrow_stages.cu -o /tmp/gemm_narrow_stages && /tmp/gemm_narrow_stages | tee "$LOGS/narrow_stages.md"
+fi
+if asked narrow-ws; then
+  nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I cuda -I /tmp/site/cutlass_library/source/include \
+    tools/experiments/gemm_narrow_ws.cu -o /tmp/gemm_narrow_ws && /tmp/gemm_narrow_ws | tee "$LOGS/narrow_ws.md"
 fi
 if asked cluster-sweep; then  # GEMM tiles and thread block clusters side by side (SWEEP_ROUNDS rounds)
   for p in 0 1 2 3 4 main; do
