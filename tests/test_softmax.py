@@ -83,6 +83,12 @@ def test_label_log_probs_relations():
     expect(contracts.check_label_log_probs(n=300))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_losses_of_half_logits_equal_their_float32_widening(dtype):
+    expect(contracts.check_losses_widen_exactly(dtype))
+    expect(contracts.check_losses_widen_exactly(dtype, rows=3, n=4099))
+
+
 def test_subnormals_are_kept_ieee():
     # Probabilities below 2^-126 are subnormal; with flush-to-zero they would become 0.
     x = jnp.asarray(np.array([[0.0, -88.0, -95.0, -100.0, -103.0, -103.9] * 50], np.float32))
@@ -310,6 +316,13 @@ CLUSTER_SHAPES = ((4, 8193), (2100, 8200), (5, 57345), (3, 128256), (2, 131072))
 def test_gpu_math_functions_equal_cpu(on_gpu):
     expect(contracts.check_math_functions())
     expect(contracts.check_cpu_equals_device_math())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_gpu_losses_of_half_logits_equal_their_float32_widening(dtype, on_gpu):
+    expect(contracts.check_losses_widen_exactly(dtype))
+    expect(contracts.check_losses_widen_exactly(dtype, rows=5, n=128256))
 
 
 @pytest.mark.gpu

@@ -45,9 +45,18 @@ def trainer_log_probs(model, tokens, *, segment_ids=None, temperature=None, inva
     if invariant:
         forward = jaxdet.invariant(forward)
     logits = forward(model, tokens, segment_ids)
-    # The logits at position t - 1 score token t; scaled as the sampler scales its row.
-    scaled = sampling_math.scaled_logits(logits[:, :-1], jnp.asarray(inv[:, 1:, None]))
-    log_probs = sampling_math.token_log_probs(scaled, tokens[:, 1:])
+    # The logits at position p score token p + 1, scaled as the sampler scales its row; the last
+    # position scores no token (label 0, its column dropped), so the logits are never sliced.
+    # Where every inverse temperature is 1 the scaled row float32(x) * 1 is x widened exactly, and
+    # label_log_probs widens its input exactly before any arithmetic (docs/softmax.md), so the
+    # logits go in as they are: the same bits without a [B, T, V] float32 copy.
+    labels = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    if np.all(inv == 1) and logits.dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        scaled = logits
+    else:
+        inv_of_position = np.concatenate([inv[:, 1:], np.ones((b, 1), np.float32)], axis=1)
+        scaled = sampling_math.scaled_logits(logits, jnp.asarray(inv_of_position[:, :, None]))
+    log_probs = sampling_math.token_log_probs(scaled, labels)[:, :-1]
     if segment_ids is not None:
         log_probs = jnp.where(segment_ids[:, 1:] == segment_ids[:, :-1], log_probs, 0.0)
     return jnp.concatenate([jnp.zeros((b, 1), jnp.float32), log_probs], axis=1)

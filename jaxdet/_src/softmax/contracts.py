@@ -241,6 +241,29 @@ def check_label_log_probs(dtype=jnp.float32, rows=12, n=20000):
     )
 
 
+def check_losses_widen_exactly(dtype=jnp.bfloat16, rows=12, n=20000):
+    """label_log_probs and cross-entropy of bfloat16/float16 logits have the bits of the same call
+    on their float32 widening (the kernels widen before any arithmetic), value and the logits'
+    gradient (the float32 call's gradient rounded once to the logits' dtype). The trainer relies on
+    it to score logits as the model returns them (docs/sampling.md)."""
+    x, labels, _, gl = make_inputs(rows, n, dtype, seed=23)
+    wide = x.astype(jnp.float32)
+    bad = []
+    for name, f in (
+        ("label_log_probs", label_log_probs),
+        ("softmax_cross_entropy_with_integer_labels", softmax_cross_entropy_with_integer_labels),
+    ):
+        out, vjp = jax.vjp(lambda v, f=f: f(v, labels), x)
+        out_wide, vjp_wide = jax.vjp(lambda v, f=f: f(v, labels), wide)
+        if not same_bits(out, out_wide):
+            bad.append(f"{name} value")
+        if not same_bits(vjp(gl)[0], vjp_wide(gl)[0].astype(dtype)):
+            bad.append(f"{name} gradient")
+    return not bad, f"{np.dtype(dtype).name} logits [{rows}, {n}] vs their float32 widening: " + (
+        "bitwise equal" if not bad else "DIFFER: " + ", ".join(bad)
+    )
+
+
 def check_cpu_equals_device(mode="cross_entropy", dtype=jnp.bfloat16, shapes=((3, 1027), (64, 4096), (5, 128256))):
     return contract_checks.cpu_equals_device(
         lambda *args: value_and_grad(mode, *args),
