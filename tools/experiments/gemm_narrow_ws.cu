@@ -315,11 +315,14 @@ int main() {
   std::printf(
       "| K | N | M | tile | package, 8 stages us | warp-specialized, 4 | 8 | 12 | HBM GB/s: package | best | bits "
       "|\n|---|---|---|---|---|---|---|---|---|---|---|\n");
-  // A d-2048 model's decode products (q|k|v, o, down, gate|up) and the benchmark's (14336, 4096).
+  // A d-2048 model's decode products (q|k|v, o, down, gate|up, head; the wide ones also with the
+  // 16x64 narrow tile) and the benchmark's (4096, 4096), (14336, 4096).
   compare<32>(2048, 4096);
   compare<16>(2048, 2048);
   compare<16>(5632, 2048);
   compare<32>(2048, 11264);
+  compare<64>(2048, 11264);
+  compare<64>(2048, 32000);
   compare<32>(4096, 4096);
   compare<32>(14336, 4096);
   return 0;
