@@ -200,6 +200,7 @@ __global__ void __launch_bounds__(Ws<TileN, kStages>::kThreads) ws_kernel(const 
       }
     }
   }
+  if (producer) jaxdet::cp_async_wait<0>();  // no thread leaves with copies in flight
 }
 
 template <int TileN, int Stages>
