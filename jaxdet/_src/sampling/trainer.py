@@ -50,11 +50,11 @@ def trainer_log_probs(model, tokens, *, segment_ids=None, temperature=None, inva
     # Where every inverse temperature is 1 the scaled row float32(x) * 1 is x widened exactly, and
     # label_log_probs widens its input exactly before any arithmetic (docs/softmax.md), so the
     # logits go in as they are: the same bits without a [B, T, V] float32 copy.
-    labels = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    labels = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     if np.all(inv == 1) and logits.dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         scaled = logits
     else:
-        inv_of_position = np.concatenate([inv[:, 1:], np.ones((b, 1), np.float32)], axis=1)
+        inv_of_position = np.pad(inv[:, 1:], ((0, 0), (0, 1)), constant_values=1)
         scaled = sampling_math.scaled_logits(logits, jnp.asarray(inv_of_position[:, :, None]))
     log_probs = sampling_math.token_log_probs(scaled, labels)[:, :-1]
     if segment_ids is not None:

@@ -245,7 +245,7 @@ def check_losses_widen_exactly(dtype=jnp.bfloat16, rows=12, n=20000):
     """label_log_probs and cross-entropy of bfloat16/float16 logits have the bits of the same call
     on their float32 widening (the kernels widen before any arithmetic), value and the logits'
     gradient (the float32 call's gradient rounded once to the logits' dtype). The trainer relies on
-    it to score logits as the model returns them (docs/sampling.md)."""
+    it to score logits as the model returns them (jaxdet/_src/sampling/trainer.py)."""
     x, labels, _, gl = make_inputs(rows, n, dtype, seed=23)
     wide = x.astype(jnp.float32)
     bad = []
