@@ -416,9 +416,8 @@ def sanitize():
         print("bucket tiles covered:", " ".join(sorted(covered)), flush=True)
     # K beyond one chunk (chunks of 128, the last short): on Hopper the cooperative tiles' chunk
     # scheduler, split over CTAs (few tiles) and walked by each CTA (1536 x 3072: more tiles than
-    # SMs), and the forward's narrow kernel walked by each CTA (5 x 4104: 129 tiles of 16x32) and
-    # split over CTAs (5 x 1000: 63 tiles of 16x16, at most half of an H100's SMs); elsewhere chunk
-    # by chunk and the tree kernel.
+    # SMs), and the narrow kernel's CTA per chunk (5 x 4104: 129 tiles of 16x32, 5 x 1000: 63 tiles
+    # of 16x16); elsewhere chunk by chunk and the tree kernel.
     for dt in (jnp.bfloat16, jnp.float32):
         for tb in (False, True):
             for M, K, N in ((5, 600, 4104), (5, 600, 1000), (24, 600, 264), (300, 600, 1000), (1536, 392, 3072)):

@@ -141,10 +141,9 @@ def test_workspace_bytes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_gpu_gemm_is_the_tree_of_its_chunks(dtype, on_gpu):
-    """The forward's narrow tiles split the chunks over CTAs for narrow outputs (n = 24, 64) and
-    walk them on one CTA where the tiles fill at least half of the SMs (n = 2048 at M = 3 in two
-    batches: 128 tiles of 16x32, against 132 SMs on an H100); the transposed b runs the dA sets'
-    tiles, M = 200 the cooperative tiles."""
+    """The narrow tiles (M <= 16) run a CTA per chunk, on narrow outputs (n = 24, 64) and on
+    outputs whose tiles alone fill the SMs (n = 2048 at M = 3 in two batches); the transposed b
+    runs the dA sets' tiles, M = 200 the cooperative tiles."""
     contracts.check_gemm_chunk_rule(dtype)
     contracts.check_gemm_chunk_rule(dtype, m=3, n=2048, counts=(2, 3, 5))
     contracts.check_gemm_chunk_rule(dtype, chunk=GEMM_CHUNK, m=3, n=64, counts=(2, 3, 5))

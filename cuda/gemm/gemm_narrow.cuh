@@ -25,12 +25,13 @@
 // The chunk rule (docs/matmul.md) in one launch: with K beyond one chunk, each chunk's K tiles are
 // computed exactly as a launch on that chunk's K range would, giving the float32 partial that
 // launch's float32 D would hold, and the partials meet by the canonical tree (detmath::tree_fold),
-// cast once like the per-chunk path's tree kernel. Where the column slices alone leave most SMs
-// idle, every (column slice, row block, chunk) is a CTA of its own (split-K): each stores its
-// partial, and the last CTA of a tile to arrive (an integer counter per tile: arrival order decides
-// only who combines, never what) reads the tile's partials and combines them; no CTA waits for
-// another, so any residency works. Otherwise one CTA folds its tile's chunks one after another and
-// combines them in registers.
+// cast once like the per-chunk path's tree kernel. Every (column slice, row block, chunk) is a CTA
+// of its own (split-K): each stores its partial, and the last CTA of a tile to arrive (an integer
+// counter per tile: arrival order decides only who combines, never what) reads the tile's partials
+// and combines them; no CTA waits for another, so any residency works. (One CTA folding all of its
+// tile's chunks measured slower wherever a decode product has more than one chunk, even with the
+// tiles alone filling the SMs: H200, (14336, 4096) at M = 1 with 16x32 tiles, 38.0 us against
+// 34.9 split, the counters' memset included; tools/experiments/gemm_narrow_stages.cu.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -122,14 +123,12 @@ struct Params {
   void* d;  // row-major [M, N]
   int64_t ldd, batch_d;
   float alpha, beta;  // 1 and 0
-  // The chunk rule: K tiles per chunk and chunks (1: no chunking). With more than one, either each
-  // CTA folds all of its tile's chunks and combines them itself, or (split) the chunks are CTAs of
-  // their own: each stores its float32 partial [kThreads][4] at partials + (((l * chunks + c) *
-  // m_blocks + mb) * n_tiles + tile) * kThreads * 4 and counts its arrival in one counter per
+  // The chunk rule: K tiles per chunk and chunks (1: no chunking). With more than one, each chunk
+  // is a CTA of its own: it stores its float32 partial [kThreads][4] at partials + (((l * chunks +
+  // c) * m_blocks + mb) * n_tiles + tile) * kThreads * 4 and counts its arrival in one counter per
   // (l, mb, tile), zero before the launch.
   int chunk_k_tiles;
   int chunks;
-  bool split;
   int64_t n_tiles;
   float* partials;
   int32_t* counters;
@@ -149,12 +148,10 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
   const int warp_n = 16 * static_cast<int>(unsigned(warp) % T::kColumnWarps);
   const int warp_m = 8 * static_cast<int>(unsigned(warp) / T::kColumnWarps);
 
-  // Work items: (batch, chunk) pairs, chunk fastest, when the chunks are split over CTAs; batches
-  // when each CTA folds all of its tile's chunks.
-  const int64_t units = p.split ? p.l * p.chunks : p.l;
+  const int64_t units = p.l * p.chunks;  // (batch, chunk) pairs, chunk fastest
   for (int64_t lc = blockIdx.z; lc < units; lc += gridDim.z) {
-    const int64_t l = p.split ? lc / p.chunks : lc;
-    const int split_chunk = p.split ? static_cast<int>(lc - l * p.chunks) : 0;
+    const int64_t l = lc / p.chunks;
+    const int c = static_cast<int>(lc - l * p.chunks);
     for (int64_t mb = blockIdx.y; mb < m_blocks; mb += gridDim.y) {
       const int64_t m0 = mb * kTileM;
       const int rows = static_cast<int>(p.m - m0 < kTileM ? p.m - m0 : kTileM);
@@ -163,9 +160,8 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
       const bool active = warp_m < rows;
 
       // Chunk c's float32 partial as a float32 D of a launch on that chunk alone holds it
-      // (beta * 0 + alpha * acc: an accumulator of -0 is +0). Every warp's last shared-memory read
-      // comes before the chunk's last barrier, so the next chunk's prologue may refill at once.
-      auto fold = [&](int c) -> float4 {
+      // (beta * 0 + alpha * acc: an accumulator of -0 is +0).
+      auto fold = [&]() -> float4 {
         const int kt_begin = c * p.chunk_k_tiles;  // this chunk's K tiles: [kt_begin, kt_begin + nkt)
         const int nkt = (k_tiles - kt_begin < p.chunk_k_tiles ? k_tiles - kt_begin : p.chunk_k_tiles);
 
@@ -309,19 +305,15 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
           if (mi < rows && n < p.n) store_root(d + (m0 + mi) * p.ldd + n, root[i]);
         }
       };
-      // This CTA's chunks (one call site of the fold, one copy of its code): all of them, combined
-      // here (the tree of one partial is that partial), or its split chunk alone.
-      const int first = p.split ? split_chunk : 0;
-      const float4 r = detmath::tree_fold<float4>(
-          p.split ? 1 : p.chunks, [&](int64_t i) { return fold(first + static_cast<int>(i)); }, add);
-      if (!p.split) {
+      const float4 r = fold();
+      if (p.chunks == 1) {
         if (active) store(r);
       } else {
         const int64_t tile = (l * m_blocks + mb) * p.n_tiles + blockIdx.x;
         const int64_t chunk_stride = m_blocks * p.n_tiles * kThreads;  // float4s from chunk c to c + 1
         float4* part = reinterpret_cast<float4*>(p.partials) +
                        ((l * p.chunks * m_blocks + mb) * p.n_tiles + blockIdx.x) * kThreads + tid;
-        __stcg(part + split_chunk * chunk_stride, r);
+        __stcg(part + c * chunk_stride, r);
         __threadfence();  // the partial is visible before this CTA's arrival is counted
         __syncthreads();
         __shared__ int combine;
@@ -331,7 +323,7 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
           __threadfence();  // every other chunk's partial, counted before ours, is visible
           if (active)
             store(detmath::tree_fold<float4>(
-                p.chunks, [&](int64_t c) { return __ldcg(part + c * chunk_stride); }, add));
+                p.chunks, [&](int64_t i) { return __ldcg(part + i * chunk_stride); }, add));
         }
       }
       __syncthreads();  // the next work item's prologue overwrites the stages
@@ -339,8 +331,8 @@ __global__ void __launch_bounds__(Tile<TileN>::kThreads) narrow_gemm_kernel(cons
   }
 }
 
-// The kernel's arguments and grid for a problem (one CTA per TileN columns, per 16 rows, per batch and,
-// when split, per chunk; the last two factors capped at the grid's limit and walked by the CTAs).
+// The kernel's arguments and grid for a problem (one CTA per TileN columns, per 16 rows, per batch and
+// per chunk; the last two factors capped at the grid's limit and walked by the CTAs).
 template <int TileN>
 Params make_params(const GemmArgs& g) {
   Params p;
@@ -367,18 +359,12 @@ Params make_params(const GemmArgs& g) {
                  ? static_cast<int>((p.k_tiles + chunk_k_tiles - 1) / chunk_k_tiles)
                  : 1;
   p.chunk_k_tiles = p.chunks > 1 ? static_cast<int>(chunk_k_tiles) : p.k_tiles;
-  // Split the chunks over CTAs only when the tiles alone would leave at least half of the SMs idle:
-  // past that, a split puts two CTAs of one tile's chunks on an SM that one CTA folding both
-  // keeps as busy, and adds the partials' round trip, the counters and their memset (one decode
-  // product, (14336, 4096) at M = 1 on an H100: 59 us split, 44 us in one pass over K). Either
-  // way the same tree of the same partials, so the choice changes no bit.
-  p.split = p.chunks > 1 && 2 * p.l * p.m_blocks * p.n_tiles <= g.sm_count;
   p.partials = nullptr;
   p.counters = nullptr;
   return p;
 }
 inline dim3 grid_of(const Params& p) {
-  const int64_t units = p.split ? p.l * p.chunks : p.l;
+  const int64_t units = p.l * p.chunks;
   return dim3(static_cast<unsigned>(p.n_tiles), static_cast<unsigned>(p.m_blocks < 65535 ? p.m_blocks : 65535),
               static_cast<unsigned>(units < 65535 ? units : 65535));
 }
@@ -415,7 +401,7 @@ Status launch(const GemmArgs& g, cudaStream_t stream) {
   }
   Params p = make_params<TileN>(g);
   if (p.chunks > 1 && g.chunk % kTileK != 0) return "the chunk must be a multiple of the K tile (64)";
-  if (p.split) {
+  if (p.chunks > 1) {
     // Workspace: the partials, then the counters (jaxdet/_src/matmul/matmul.py's gemm_workspace_bytes
     // bounds both: tiles padded to 128 x 256 and a counter per 16 x 16 tile per chunk).
     const int64_t floats = p.l * p.chunks * p.m_blocks * p.n_tiles * T::kThreads * 4;

@@ -183,8 +183,7 @@ const TileKernel* choose_chunked_tile(const KernelSet& set, const DeviceInfo& d,
   // it (the one-launch tree on 128-row tiles measured slower for a handful of rows:
   // benchmarks/RESULTS.md).
   const TileKernel& own = choose_tile(set, d, m, n, l);
-  // The narrow kernel runs the chunk tree in its own launch, split over CTAs or
-  // walked (gemm_narrow.cuh).
+  // The narrow kernel runs the chunk tree in its own launch, a CTA per chunk (gemm_narrow.cuh).
   const bool is_narrow = gemm::narrow::is_narrow_tile(own.tile_m, own.tile_n);
   if (d.force_m != 0 || own.tile_m != 128) return own.tile_m == 128 || is_narrow ? &own : nullptr;
   const TileKernel* best = nullptr;
