@@ -148,7 +148,11 @@ int min_ctas_sixtieths(const DeviceInfo& d, int64_t m) {
 // and so is one of fewer rows than min(M, 64) (the 16-row tiles: B would be read once per 16
 // rows). 64-row tiles narrower than 64 columns measured slower; the 16x32 tile (a
 // mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64 gives 64, and its
-// 16x16 tile a 2048-wide output 128 where 16x32 gives 64.
+// 16x16 tile a 2048-wide output 128 where 16x32 gives 64. At M <= 16, in a set with those tiles,
+// a wider tile serves only while its CTAs fit in one wave (at most one per SM): past that its
+// second, partial wave of CTAs, each streaming its slice of B over all of K, costs more than the
+// narrow tiles' extra CTAs (H200, (2048, 11264) at M = 16: 64x64 on 176 CTAs 19.8 us, 16x32
+// 16.8 us; (2048, 32000): 64x256 on 125 CTAs 35 us, 16x32 40.5 us).
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
@@ -159,11 +163,14 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
   }
   if (m > kBucketMaxRows) return set.tiles[0];
   const int64_t min_ctas_x60 = min_ctas_sixtieths(d, m) * int64_t{d.sms};
+  const TileKernel& last = set.tiles[set.count - 1];  // the narrowest (sets come largest first)
+  const bool narrow_rows = m <= gemm::narrow::kTileM && gemm::narrow::is_narrow_tile(last.tile_m, last.tile_n);
   const TileKernel* smallest = &set.tiles[0];
   for (int i = 0; i < set.count; ++i) {
     const TileKernel& t = set.tiles[i];
     if (t.tile_m > std::max<int64_t>(m, 64) || t.tile_m < std::min<int64_t>(m, 64)) continue;
     const int64_t ctas = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
+    if (narrow_rows && !gemm::narrow::is_narrow_tile(t.tile_m, t.tile_n) && ctas > d.sms) continue;
     if (60 * ctas >= min_ctas_x60) return t;
     smallest = &t;
   }
