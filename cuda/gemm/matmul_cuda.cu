@@ -149,10 +149,12 @@ int min_ctas_sixtieths(const DeviceInfo& d, int64_t m) {
 // rows). 64-row tiles narrower than 64 columns measured slower; the 16x32 tile (a
 // mma.sync kernel, gemm_narrow.cuh) gives a 4096-wide output 128 CTAs where 16x64 gives 64, and its
 // 16x16 tile a 2048-wide output 128 where 16x32 gives 64. At M <= 16, in a set with those tiles,
-// a wider tile serves only while its CTAs fit in one wave (at most one per SM): past that its
-// second, partial wave of CTAs, each streaming its slice of B over all of K, costs more than the
-// narrow tiles' extra CTAs (H200, (2048, 11264) at M = 16: 64x64 on 176 CTAs 19.8 us, 16x32
-// 16.8 us; (2048, 32000): 64x256 on 125 CTAs 35 us, 16x32 40.5 us).
+// a wider tile is passed over when its CTAs spill past a full wave (one per SM) into a last wave
+// less than half full: those few CTAs, each streaming its slice of B over all of K, then take as
+// long as a full wave (H200, 2026-11-28, matmul_bench.py: (2048, 11264) at M = 16, 64x64 on 176
+// CTAs 0.71x of jnp.dot, 16x32 0.99x). One wave, or a fuller last one, keeps the wider tile: at
+// M = 16 (2048, 32000) took 35 us with 64x256 on 125 CTAs against 40.5 with 16x32, and
+// (4096, 128256) 0.31 ms on 501 CTAs against 0.37 (--tile-sweep).
 // The choice cannot change a bit (every tile of a set has the same K sequence), only the speed.
 // tests/test_gemm_buckets.py checks rows across every boundary this rule draws.
 const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t m, int64_t n, int64_t l) {
@@ -170,7 +172,10 @@ const TileKernel& choose_tile(const KernelSet& set, const DeviceInfo& d, int64_t
     const TileKernel& t = set.tiles[i];
     if (t.tile_m > std::max<int64_t>(m, 64) || t.tile_m < std::min<int64_t>(m, 64)) continue;
     const int64_t ctas = l * ((m + t.tile_m - 1) / t.tile_m) * ((n + t.tile_n - 1) / t.tile_n);
-    if (narrow_rows && !gemm::narrow::is_narrow_tile(t.tile_m, t.tile_n) && ctas > d.sms) continue;
+    const int64_t last_wave = ctas % d.sms;
+    if (narrow_rows && !gemm::narrow::is_narrow_tile(t.tile_m, t.tile_n) && ctas > d.sms && last_wave != 0 &&
+        2 * last_wave < d.sms)
+      continue;
     if (60 * ctas >= min_ctas_x60) return t;
     smallest = &t;
   }
