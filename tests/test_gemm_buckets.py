@@ -150,7 +150,7 @@ def tile_cases():
 
 def dump_tile_outputs(path, tile):
     """The output bits of every case whose kernel set has `tile` (which JAXDET_TESTING forces), into
-    `path`. (The forward sets on Hopper have a tile that the dA sets lack.)"""
+    `path`. (The Hopper sets have tiles that the sm_80 sets lack.)"""
     sets = kernel_tiles()
     outs = {}
     for name, a, b, tb, odt, chunk in tile_cases():

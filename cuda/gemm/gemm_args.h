@@ -51,7 +51,7 @@ struct GemmArgs {
   size_t chunk_workspace_bytes = 0;
 };
 
-// The forward sets' mma.sync few-row tiles (gemm_narrow.cuh), which the dispatcher recognises:
+// The forward and dA sets' mma.sync few-row tiles (gemm_narrow.cuh), which the dispatcher recognises:
 // 16 rows of D per CTA (two mma n8 blocks) by 32 or 16 columns (two or one mma m16 blocks).
 namespace narrow {
 constexpr int kTileM = 16;

@@ -369,8 +369,9 @@ inline dim3 grid_of(const Params& p) {
               static_cast<unsigned>(units < 65535 ? units : 65535));
 }
 
-// The launcher of the Hopper forward sets' 16x32 and 16x16 tiles (its generated unit calls it as the sm90
-// ones call sm90::launch): A [M, K] and B [K, N] row-major, no source C.
+// The launcher of the Hopper forward and dA sets' 16x32 and 16x16 tiles (its generated unit calls it as
+// the sm90 ones call sm90::launch): A [M, K] row-major, B stored [K, N] (forward) or [N, K] (dA), no
+// source C.
 template <class Element, class LayoutA, class LayoutB, class ElementC, class ElementD, int TileM, int TileN>
 Status launch(const GemmArgs& g, cudaStream_t stream) {
   constexpr bool kBColumns = std::is_same_v<LayoutB, cutlass::layout::ColumnMajor>;
