@@ -17,103 +17,39 @@
 
 #include "cuda_check.h"
 #include "gemm/gemm_narrow.cuh"
+#include "narrow_probe.h"
 
 namespace narrow = jaxdet::gemm::narrow;
 using Element = cutlass::bfloat16_t;
-
-// Launches cycle through copies of B (together larger than L2), so each reads B from memory.
-template <int TileN, int Stages>
-float time_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
-  const auto kernel = narrow::narrow_gemm_kernel<Element, Element, TileN, Stages>;
-  constexpr int smem = narrow::kSmemBytes<TileN, Stages>;
-  constexpr int threads = narrow::Tile<TileN>::kThreads;
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  std::vector<narrow::Params> ps;
-  for (const auto& g : gs) ps.push_back(narrow::make_params<TileN>(g));
-  const dim3 grid = narrow::grid_of(ps[0]);
-  for (int i = 0; i < 3; ++i) kernel<<<grid, threads, smem>>>(ps[i % ps.size()]);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) kernel<<<grid, threads, smem>>>(ps[i % ps.size()]);
-  CHECK(cudaEventRecord(b));
-  CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, a, b));
-  CHECK(cudaGetLastError());
-  return 1000.0f * ms / reps;
-}
-
-std::vector<uint16_t> bits_of(const jaxdet::gemm::GemmArgs& g) {
-  std::vector<uint16_t> h(g.m * g.n);
-  CHECK(cudaMemcpy(h.data(), g.d, h.size() * 2, cudaMemcpyDeviceToHost));
-  return h;
-}
+using jaxdet::gemm::GemmArgs;
+using narrow_probe::bits_of;
 
 // The package's launcher (the chunk workspace and its counters' memset included) on gs in turn;
 // LayoutB ColumnMajor: B stored [N, K].
 template <int TileN, class LayoutB = cutlass::layout::RowMajor>
-float time_launch_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
-  const auto run = [](const jaxdet::gemm::GemmArgs& g) {
-    const auto status =
-        narrow::launch<Element, cutlass::layout::RowMajor, LayoutB, void, Element, narrow::kTileM, TileN>(g,
-                                                                                                          nullptr);
-    if (!status.empty()) {
-      std::printf("launch: %s\n", status.c_str());
-      std::exit(1);
-    }
-  };
-  for (int i = 0; i < 3; ++i) run(gs[i % gs.size()]);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) run(gs[i % gs.size()]);
-  CHECK(cudaEventRecord(b));
-  CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, a, b));
-  CHECK(cudaGetLastError());
-  return 1000.0f * ms / reps;
+float time_launch_us(const std::vector<GemmArgs>& gs, int reps) {
+  return narrow_probe::time_us(
+      [&](int i) {
+        const auto status =
+            narrow::launch<Element, cutlass::layout::RowMajor, LayoutB, void, Element, narrow::kTileM, TileN>(
+                gs[i % gs.size()], nullptr);
+        if (!status.empty()) {
+          std::printf("launch: %s\n", status.c_str());
+          std::exit(1);
+        }
+      },
+      reps);
 }
 
 // K beyond one chunk (8192), a CTA per chunk and tile through the launcher (the counters' memset
 // included), against one pass over K without chunks (other bits: not the chunk tree).
 template <int TileN>
 void chunk_schedules(int K, int N, void* workspace, size_t workspace_bytes) {
-  std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N);
-  uint32_t x = 54321;
-  auto next = [&x] {
-    x = x * 1664525u + 1013904223u;
-    return static_cast<uint16_t>(0x3c00 + ((x >> 16) & 0x3ff) + ((x >> 31) << 15));
-  };
-  for (auto& v : ha) v = next();
-  for (auto& v : hb) v = next();
-  const int copies = static_cast<int>(1 + (int64_t{256} << 20) / (hb.size() * 2));
-  void *da, *db, *dd;
-  CHECK(cudaMalloc(&da, ha.size() * 2));
-  CHECK(cudaMalloc(&db, copies * hb.size() * 2));
-  CHECK(cudaMalloc(&dd, 16 * int64_t{N} * 2));
-  CHECK(cudaMemcpy(da, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
-  for (int c = 0; c < copies; ++c) {
-    CHECK(
-        cudaMemcpy(static_cast<char*>(db) + c * hb.size() * 2, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
-  }
+  const narrow_probe::Operands ops(N, narrow_probe::random_bf16(16 * int64_t{K}, 54321),
+                                  narrow_probe::random_bf16(int64_t{K} * N, 12345));
   for (int M : {1, 4, 16}) {
-    jaxdet::gemm::GemmArgs g;
-    g.m = M;
-    g.n = N;
-    g.k = K;
-    g.a = da;
-    g.lda = K;
-    g.ldb = N;
-    g.d = dd;
-    g.ldd = N;
-    g.chunk_workspace = workspace;
-    g.chunk_workspace_bytes = workspace_bytes;
-    std::vector<jaxdet::gemm::GemmArgs> gs(copies, g);
-    for (int c = 0; c < copies; ++c) gs[c].b = static_cast<char*>(db) + c * hb.size() * 2;
+    auto gs = ops.args(M, K, N);
+    for (auto& g : gs) g.chunk_workspace = workspace, g.chunk_workspace_bytes = workspace_bytes;
     const auto with = [&](int64_t chunk) {
       auto v = gs;
       for (auto& e : v) e.chunk = chunk;
@@ -123,68 +59,29 @@ void chunk_schedules(int K, int N, void* workspace, size_t workspace_bytes) {
     const float chunked = time_launch_us<TileN>(with(8192), 200);
     std::printf("| %d | %d | %d | 16x%d | %.1f | %.1f |\n", K, N, M, TileN, one_pass, chunked);
   }
-  CHECK(cudaFree(da));
-  CHECK(cudaFree(db));
-  CHECK(cudaFree(dd));
 }
 
 // B stored [N, K] (dA's layout, the weight read transposed) against B stored [K, N] with the same
 // values: the same products, so the same bits, through the launcher (K within one chunk).
 template <int TileN>
 void b_layouts(int K, int N) {
-  std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N), hbt(hb.size());
-  uint32_t x = 777;
-  auto next = [&x] {
-    x = x * 1664525u + 1013904223u;
-    return static_cast<uint16_t>(0x3c00 + ((x >> 16) & 0x3ff) + ((x >> 31) << 15));
-  };
-  for (auto& v : ha) v = next();
-  for (auto& v : hb) v = next();
+  const auto ha = narrow_probe::random_bf16(16 * int64_t{K}, 777), hb = narrow_probe::random_bf16(int64_t{K} * N, 778);
+  std::vector<uint16_t> hbt(hb.size());
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t n = 0; n < N; ++n) hbt[n * K + k] = hb[k * N + n];
   }
-  const int copies = static_cast<int>(1 + (int64_t{256} << 20) / (hb.size() * 2));
-  void *da, *db, *dbt, *dd;
-  CHECK(cudaMalloc(&da, ha.size() * 2));
-  CHECK(cudaMalloc(&db, copies * hb.size() * 2));
-  CHECK(cudaMalloc(&dbt, copies * hb.size() * 2));
-  CHECK(cudaMalloc(&dd, 16 * int64_t{N} * 2));
-  CHECK(cudaMemcpy(da, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
-  for (int c = 0; c < copies; ++c) {
-    CHECK(
-        cudaMemcpy(static_cast<char*>(db) + c * hb.size() * 2, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(static_cast<char*>(dbt) + c * hb.size() * 2, hbt.data(), hb.size() * 2,
-                     cudaMemcpyHostToDevice));
-  }
+  const narrow_probe::Operands rows_major(N, ha, hb), columns_major(N, ha, hbt);
   for (int M : {1, 4, 16}) {
-    jaxdet::gemm::GemmArgs g;
-    g.m = M;
-    g.n = N;
-    g.k = K;
-    g.a = da;
-    g.lda = K;
-    g.d = dd;
-    g.ldd = N;
-    std::vector<jaxdet::gemm::GemmArgs> rows(copies, g), cols(copies, g);
-    for (int c = 0; c < copies; ++c) {
-      rows[c].b = static_cast<char*>(db) + c * hb.size() * 2;
-      rows[c].ldb = N;
-      cols[c].b = static_cast<char*>(dbt) + c * hb.size() * 2;
-      cols[c].ldb = K;
-    }
-    CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2));
+    const auto rows = rows_major.args(M, K, N), cols = columns_major.args(M, K, K);
+    rows_major.clear_d();
     const float t_rows = time_launch_us<TileN>(rows, 200);
-    const auto ref = bits_of(g);
-    CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2));
+    const auto ref = bits_of(rows[0]);
+    columns_major.clear_d();
     const float t_cols = time_launch_us<TileN, cutlass::layout::ColumnMajor>(cols, 200);
     const double bytes = 2.0 * (double(K) * N + double(M) * K + double(M) * N);
     std::printf("| %d | %d | %d | 16x%d | %.1f | %.1f | %.0f | %s |\n", K, N, M, TileN, t_rows, t_cols,
-                bytes / (t_cols * 1e3), bits_of(g) == ref ? "equal" : "DIFFER");
+                bytes / (t_cols * 1e3), bits_of(cols[0]) == ref ? "equal" : "DIFFER");
   }
-  CHECK(cudaFree(da));
-  CHECK(cudaFree(db));
-  CHECK(cudaFree(dbt));
-  CHECK(cudaFree(dd));
 }
 
 int main() {
@@ -193,71 +90,41 @@ int main() {
   // multiple of 32.
   const int shapes[][2] = {{14336, 4096}, {4096, 4096}, {2048, 4096}, {2048, 11264},
                            {2048, 32000}, {2048, 2048}, {5632, 2048}, {2048, 2000}};
-  const int ms[] = {1, 4, 16};
   const int reps = 200;
   std::printf(
       "| K | N | M | 16x32, 4 stages us | 6 | 8 | 12 | 16x16, 8 | 12 | 16 | 16x64, 6 | 8 | HBM GB/s: 16x32 at 8 | "
       "best | bits vs 16x32 at 8 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& s : shapes) {
     const int K = s[0], N = s[1];
-    std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N);
-    uint32_t x = 12345;
-    auto next = [&x] {
-      x = x * 1664525u + 1013904223u;  // bf16 values in [-2, 2)
-      return static_cast<uint16_t>(0x3c00 + ((x >> 16) & 0x3ff) + ((x >> 31) << 15));
-    };
-    for (auto& v : ha) v = next();
-    for (auto& v : hb) v = next();
-    const int copies = static_cast<int>(1 + (int64_t{256} << 20) / (hb.size() * 2));
-    void *da, *db, *dd;
-    CHECK(cudaMalloc(&da, ha.size() * 2));
-    CHECK(cudaMalloc(&db, copies * hb.size() * 2));
-    CHECK(cudaMalloc(&dd, 16 * int64_t{N} * 2));
-    CHECK(cudaMemcpy(da, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
-    for (int c = 0; c < copies; ++c) {
-      CHECK(cudaMemcpy(static_cast<char*>(db) + c * hb.size() * 2, hb.data(), hb.size() * 2,
-                       cudaMemcpyHostToDevice));
-    }
-    for (int M : ms) {
-      jaxdet::gemm::GemmArgs g;
-      g.m = M;
-      g.n = N;
-      g.k = K;
-      g.a = da;
-      g.lda = K;
-      g.b = db;
-      g.ldb = N;
-      g.d = dd;
-      g.ldd = N;
-      std::vector<jaxdet::gemm::GemmArgs> gs(copies, g);
-      for (int c = 0; c < copies; ++c) gs[c].b = static_cast<char*>(db) + c * hb.size() * 2;
-      // D is filled with NaNs before each variant, so an element one leaves unwritten shows.
-      const auto cleared = [&] { CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2)); };
+    const narrow_probe::Operands ops(N, narrow_probe::random_bf16(16 * int64_t{K}, 12345),
+                                    narrow_probe::random_bf16(int64_t{K} * N, 67890));
+    for (int M : {1, 4, 16}) {
+      const auto gs = ops.args(M, K, N);
       float t[9];
-      cleared();
-      t[2] = time_us<32, 8>(gs, reps);
-      const auto ref = bits_of(g);
+      ops.clear_d();
+      t[2] = narrow_probe::time_kernel_us<32, 8>(gs, reps);
+      const auto ref = bits_of(gs[0]);
       int differ = 0;
       const auto check = [&] {
-        differ += bits_of(g) != ref;
-        cleared();
+        differ += bits_of(gs[0]) != ref;
+        ops.clear_d();
       };
-      cleared();
-      t[0] = time_us<32, 4>(gs, reps);
+      ops.clear_d();
+      t[0] = narrow_probe::time_kernel_us<32, 4>(gs, reps);
       check();
-      t[1] = time_us<32, 6>(gs, reps);
+      t[1] = narrow_probe::time_kernel_us<32, 6>(gs, reps);
       check();
-      t[3] = time_us<32, 12>(gs, reps);
+      t[3] = narrow_probe::time_kernel_us<32, 12>(gs, reps);
       check();
-      t[4] = time_us<16, 8>(gs, reps);
+      t[4] = narrow_probe::time_kernel_us<16, 8>(gs, reps);
       check();
-      t[5] = time_us<16, 12>(gs, reps);
+      t[5] = narrow_probe::time_kernel_us<16, 12>(gs, reps);
       check();
-      t[6] = time_us<16, 16>(gs, reps);
+      t[6] = narrow_probe::time_kernel_us<16, 16>(gs, reps);
       check();
-      t[7] = time_us<64, 6>(gs, reps);
+      t[7] = narrow_probe::time_kernel_us<64, 6>(gs, reps);
       check();
-      t[8] = time_us<64, 8>(gs, reps);
+      t[8] = narrow_probe::time_kernel_us<64, 8>(gs, reps);
       check();
       float best = t[0];
       for (int i = 1; i < 9; ++i) best = t[i] < best ? t[i] : best;
@@ -267,9 +134,6 @@ int main() {
           K, N, M, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], bytes / (t[2] * 1e3),
           bytes / (best * 1e3), differ ? "DIFFER" : "equal");
     }
-    CHECK(cudaFree(da));
-    CHECK(cudaFree(db));
-    CHECK(cudaFree(dd));
   }
 
   std::printf(

@@ -17,6 +17,7 @@
 
 #include "cuda_check.h"
 #include "gemm/gemm_narrow.cuh"
+#include "narrow_probe.h"
 
 namespace narrow = jaxdet::gemm::narrow;
 using Element = cutlass::bfloat16_t;
@@ -203,6 +204,7 @@ __global__ void __launch_bounds__(Ws<TileN, kStages>::kThreads) ws_kernel(const 
   if (producer) jaxdet::cp_async_wait<0>();  // no thread leaves with copies in flight
 }
 
+// The warp-specialized kernel on gs in turn.
 template <int TileN, int Stages>
 float time_ws_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
   using W = Ws<TileN, Stages>;
@@ -211,93 +213,29 @@ float time_ws_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
   std::vector<narrow::Params> ps;
   for (const auto& g : gs) ps.push_back(narrow::make_params<TileN>(g));
   const dim3 grid = narrow::grid_of(ps[0]);
-  for (int i = 0; i < 3; ++i) kernel<<<grid, W::kThreads, W::kSmemBytes>>>(ps[i % ps.size()]);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) kernel<<<grid, W::kThreads, W::kSmemBytes>>>(ps[i % ps.size()]);
-  CHECK(cudaEventRecord(b));
-  CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, a, b));
-  CHECK(cudaGetLastError());
-  return 1000.0f * ms / reps;
-}
-
-template <int TileN, int Stages>
-float time_package_us(const std::vector<jaxdet::gemm::GemmArgs>& gs, int reps) {
-  const auto kernel = narrow::narrow_gemm_kernel<Element, Element, TileN, Stages>;
-  constexpr int smem = narrow::kSmemBytes<TileN, Stages>;
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  std::vector<narrow::Params> ps;
-  for (const auto& g : gs) ps.push_back(narrow::make_params<TileN>(g));
-  const dim3 grid = narrow::grid_of(ps[0]);
-  for (int i = 0; i < 3; ++i) kernel<<<grid, narrow::Tile<TileN>::kThreads, smem>>>(ps[i % ps.size()]);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) kernel<<<grid, narrow::Tile<TileN>::kThreads, smem>>>(ps[i % ps.size()]);
-  CHECK(cudaEventRecord(b));
-  CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, a, b));
-  CHECK(cudaGetLastError());
-  return 1000.0f * ms / reps;
-}
-
-std::vector<uint16_t> bits_of(const jaxdet::gemm::GemmArgs& g) {
-  std::vector<uint16_t> h(g.m * g.n);
-  CHECK(cudaMemcpy(h.data(), g.d, h.size() * 2, cudaMemcpyDeviceToHost));
-  return h;
+  return narrow_probe::time_us([&](int i) { kernel<<<grid, W::kThreads, W::kSmemBytes>>>(ps[i % ps.size()]); },
+                               reps);
 }
 
 template <int TileN>
 void compare(int K, int N) {
-  std::vector<uint16_t> ha(16 * int64_t{K}), hb(int64_t{K} * N);
-  uint32_t x = 2468;
-  auto next = [&x] {
-    x = x * 1664525u + 1013904223u;  // bf16 values in [-2, 2)
-    return static_cast<uint16_t>(0x3c00 + ((x >> 16) & 0x3ff) + ((x >> 31) << 15));
-  };
-  for (auto& v : ha) v = next();
-  for (auto& v : hb) v = next();
-  const int copies = static_cast<int>(1 + (int64_t{256} << 20) / (hb.size() * 2));
-  void *da, *db, *dd;
-  CHECK(cudaMalloc(&da, ha.size() * 2));
-  CHECK(cudaMalloc(&db, copies * hb.size() * 2));
-  CHECK(cudaMalloc(&dd, 16 * int64_t{N} * 2));
-  CHECK(cudaMemcpy(da, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
-  for (int c = 0; c < copies; ++c) {
-    CHECK(
-        cudaMemcpy(static_cast<char*>(db) + c * hb.size() * 2, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
-  }
+  using narrow_probe::bits_of;
+  const narrow_probe::Operands ops(N, narrow_probe::random_bf16(16 * int64_t{K}, 2468),
+                                  narrow_probe::random_bf16(int64_t{K} * N, 1357));
   for (int M : {1, 4, 9, 16}) {
-    jaxdet::gemm::GemmArgs g;
-    g.m = M;
-    g.n = N;
-    g.k = K;
-    g.a = da;
-    g.lda = K;
-    g.ldb = N;
-    g.d = dd;
-    g.ldd = N;
-    std::vector<jaxdet::gemm::GemmArgs> gs(copies, g);
-    for (int c = 0; c < copies; ++c) gs[c].b = static_cast<char*>(db) + c * hb.size() * 2;
-    const auto cleared = [&] { CHECK(cudaMemset(dd, 0xff, 16 * int64_t{N} * 2)); };
-    cleared();
-    const float package = time_package_us<TileN, 8>(gs, 200);
+    const auto gs = ops.args(M, K, N);
+    ops.clear_d();
+    const float package = narrow_probe::time_kernel_us<TileN, 8>(gs, 200);
     const auto ref = bits_of(gs[0]);
     int differ = 0;
     float t[3];
-    cleared();
+    ops.clear_d();
     t[0] = time_ws_us<TileN, 4>(gs, 200);
     differ += bits_of(gs[0]) != ref;
-    cleared();
+    ops.clear_d();
     t[1] = time_ws_us<TileN, 8>(gs, 200);
     differ += bits_of(gs[0]) != ref;
-    cleared();
+    ops.clear_d();
     t[2] = time_ws_us<TileN, 12>(gs, 200);
     differ += bits_of(gs[0]) != ref;
     const double bytes = 2.0 * (double(K) * N + double(M) * K + double(M) * N);
@@ -307,9 +245,6 @@ void compare(int K, int N) {
                 package, t[0], t[1], t[2], bytes / (package * 1e3), bytes / (best * 1e3),
                 differ ? "DIFFER" : "equal");
   }
-  CHECK(cudaFree(da));
-  CHECK(cudaFree(db));
-  CHECK(cudaFree(dd));
 }
 
 int main() {
