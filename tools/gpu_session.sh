@@ -117,6 +117,9 @@ if has tests; then
   # files (default: one process, TEST_FILES or every file). Each stops after TEST_TIMEOUT seconds
   # so that the logs (one line per test) still come back.
   shards=(${TEST_SHARDS:-${TEST_FILES:-.}}); [ -n "${TEST_SHARDS:-}" ] || shards=("$(echo ${TEST_FILES:-.} | tr ' ' ,)")
+  # Side by side, no process (nor the subprocesses some tests start) may take XLA's default 75% of
+  # the GPU's memory up front: the others would fail to create their streams.
+  [ ${#shards[@]} -gt 1 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
   i=0
   for shard in "${shards[@]}"; do
     files=(); for f in ${shard//,/ }; do files+=("/tmp/jaxdet-tests/$f"); done
